@@ -1,0 +1,34 @@
+# Two commands set up and use a fresh machine: `make run` and `make test` (see README.md).
+SHELL := /bin/bash
+PY := .venv/bin/python
+TORCH_PIN ?= torch==2.13.0
+STAMP := .venv/.installed
+
+.PHONY: run test lint unit venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: this machine's local CPU wheel; the package's own range then accepts it.
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	.venv/bin/rollwise run --config examples/guess_number.toml $(ARGS)
+
+lint: $(STAMP)
+	.venv/bin/ruff check pipeline envs learner tests benchmarks
+	.venv/bin/ruff format --check pipeline envs learner tests benchmarks
+	.venv/bin/mypy
+
+unit: $(STAMP)
+	.venv/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test: lint
+	.venv/bin/pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv runs .mypy_cache .ruff_cache .pytest_cache

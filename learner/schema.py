@@ -1,0 +1,190 @@
+"""The trajectory contract between actors and the learner: one Arrow row per episode segment.
+
+Every side imports this module and nothing else defines the layout. Rows are validated when written
+and again when read; a row that breaks an invariant is rejected with a reason, never repaired.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1"
+SCHEMA_VERSION_KEY = b"rollwise.schema_version"
+
+FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
+# Episodes that failed for reasons outside the policy's control carry no learning signal.
+TRAINABLE_FINISH_REASONS = frozenset({"stop", "length", "truncated"})
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        pa.field("episode_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("task_id", pa.string(), nullable=False),
+        pa.field("env", pa.string(), nullable=False),
+        pa.field("segment", pa.int16(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("prompt_len", pa.int32(), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("turn_index", pa.list_(pa.int16()), nullable=False),
+        pa.field("versions", pa.list_(pa.int32()), nullable=False),
+        pa.field("turn_rewards", pa.list_(pa.float32()), nullable=False),
+        pa.field("outcome", pa.float32(), nullable=True),
+        pa.field("num_turns", pa.int16(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+    ],
+    metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
+)
+
+_INT16_MAX = 2**15 - 1
+
+
+@dataclass
+class Episode:
+    """One episode segment, field for field the Arrow row (see docs/architecture.md, Contract 1)."""
+
+    episode_id: str
+    group_id: str
+    task_id: str
+    env: str
+    token_ids: list[int]
+    prompt_len: int
+    loss_mask: list[int]
+    logprobs: list[float]
+    turn_index: list[int]
+    versions: list[int]
+    turn_rewards: list[float]
+    outcome: float | None
+    num_turns: int
+    finish_reason: str
+    segment: int = 0
+
+    @property
+    def trainable(self) -> bool:
+        return self.finish_reason in TRAINABLE_FINISH_REASONS
+
+    @property
+    def success(self) -> bool:
+        return self.outcome is not None and self.outcome >= 1.0
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def min_version(self) -> int | None:
+        """Oldest policy version among generated tokens (None if the row generated nothing)."""
+        stamped = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return min(stamped) if stamped else None
+
+
+@dataclass(frozen=True)
+class RejectedRow:
+    index: int
+    episode_id: str
+    reason: str
+
+
+class InvalidEpisodeError(ValueError):
+    """An episode that breaks the schema's invariants; the message names the episode and the rule."""
+
+
+def validate_episode(ep: Episode) -> str | None:
+    """Return why `ep` breaks an invariant, or None when it is valid."""
+    n = len(ep.token_ids)
+    for name in ("loss_mask", "logprobs", "turn_index", "versions"):
+        if len(getattr(ep, name)) != n:
+            return f"len({name})={len(getattr(ep, name))} != len(token_ids)={n}"
+    if n == 0:
+        return "token_ids is empty"
+    if ep.finish_reason not in FINISH_REASONS:
+        return f"finish_reason {ep.finish_reason!r} not in {FINISH_REASONS}"
+    if not 0 <= ep.prompt_len <= n:
+        return f"prompt_len={ep.prompt_len} outside [0, {n}]"
+    if ep.num_turns < 0 or ep.num_turns > _INT16_MAX:
+        return f"num_turns={ep.num_turns} out of range"
+    if len(ep.turn_rewards) != ep.num_turns:
+        return f"len(turn_rewards)={len(ep.turn_rewards)} != num_turns={ep.num_turns}"
+    if ep.segment < 0:
+        return f"segment={ep.segment} is negative"
+    for k, r in enumerate(ep.turn_rewards):
+        if not math.isfinite(r):
+            return f"turn_rewards[{k}]={r} is not finite"
+    if ep.outcome is not None and not math.isfinite(ep.outcome):
+        return f"outcome={ep.outcome} is not finite"
+    for t in range(n):
+        m = ep.loss_mask[t]
+        if m not in (0, 1):
+            return f"loss_mask[{t}]={m} is not 0 or 1"
+        turn = ep.turn_index[t]
+        if turn < -1 or turn >= max(ep.num_turns, 1):
+            return f"turn_index[{t}]={turn} outside [-1, num_turns)"
+        if m:
+            if t < ep.prompt_len:
+                return f"loss_mask[{t}]=1 inside the prompt (prompt_len={ep.prompt_len})"
+            if turn < 0:
+                return f"loss_mask[{t}]=1 on a token with turn_index -1 (not generated)"
+            if not math.isfinite(ep.logprobs[t]) or ep.logprobs[t] > 0.0:
+                return f"logprobs[{t}]={ep.logprobs[t]} is not a finite log-probability on a generated token"
+            if ep.versions[t] < 0:
+                return f"versions[{t}]={ep.versions[t]}: generated token without a policy version"
+        else:
+            if ep.versions[t] != -1:
+                return f"versions[{t}]={ep.versions[t]} on a non-generated token (must be -1)"
+            if ep.logprobs[t] != 0.0:
+                return f"logprobs[{t}]={ep.logprobs[t]} on a non-generated token (must be 0)"
+        if t < ep.prompt_len and turn != -1:
+            return f"turn_index[{t}]={turn} inside the prompt (must be -1)"
+    return None
+
+
+def episodes_to_batch(episodes: Sequence[Episode]) -> pa.RecordBatch:
+    """Encode episodes as one RecordBatch; raises InvalidEpisodeError naming the first bad episode."""
+    for ep in episodes:
+        reason = validate_episode(ep)
+        if reason is not None:
+            raise InvalidEpisodeError(f"episode {ep.episode_id!r} (segment {ep.segment}): {reason}")
+    columns = {f.name: [getattr(ep, f.name) for ep in episodes] for f in TRAJECTORY_SCHEMA}
+    arrays = [pa.array(columns[f.name], type=f.type) for f in TRAJECTORY_SCHEMA]
+    return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+
+
+def check_schema(schema: pa.Schema) -> str | None:
+    """Why a batch's schema cannot be read as trajectories, or None."""
+    version = (schema.metadata or {}).get(SCHEMA_VERSION_KEY)
+    if version is None:
+        return "schema metadata lacks rollwise.schema_version"
+    if version.decode() != SCHEMA_VERSION:
+        return f"schema version {version.decode()!r}, this build reads {SCHEMA_VERSION!r}"
+    for f in TRAJECTORY_SCHEMA:
+        idx = schema.get_field_index(f.name)
+        if idx < 0:
+            return f"missing column {f.name!r}"
+        if schema.field(idx).type != f.type:
+            return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
+    return None
+
+
+def batch_to_episodes(batch: pa.RecordBatch) -> tuple[list[Episode], list[RejectedRow]]:
+    """Decode a RecordBatch; rows that break an invariant come back in the rejected list with a reason.
+
+    A batch whose schema is not a trajectory schema raises InvalidEpisodeError (nothing in it is usable).
+    """
+    problem = check_schema(batch.schema)
+    if problem is not None:
+        raise InvalidEpisodeError(problem)
+    data = batch.to_pydict()
+    episodes: list[Episode] = []
+    rejected: list[RejectedRow] = []
+    for i in range(batch.num_rows):
+        row = {f.name: data[f.name][i] for f in TRAJECTORY_SCHEMA}
+        ep = Episode(**row)
+        reason = validate_episode(ep)
+        if reason is None:
+            episodes.append(ep)
+        else:
+            rejected.append(RejectedRow(index=i, episode_id=str(row["episode_id"]), reason=reason))
+    return episodes, rejected

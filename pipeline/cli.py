@@ -1,0 +1,117 @@
+"""`rollwise` console script.
+
+Every subcommand imports its implementation lazily, so `rollwise config show` never imports torch.
+Tools with their own flags (engine serve, env check, bench ...) own their argument parsing: this
+module only routes `rollwise <command> ...` to `<module>.main(argv)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# command words -> (module, function, one-line help). The function takes the remaining argv.
+_DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
+    ("model", "init"): ("learner.model_init", "main", "write a Qwen3-architecture model + tokenizer preset"),
+    ("engine", "serve"): (
+        "pipeline.engine.embedded.server",
+        "main",
+        "serve the embedded SGLang-compatible engine",
+    ),
+    ("envs",): ("envs.discovery", "main_list", "list installed environments"),
+    ("env", "check"): ("envs.checker", "main", "run the environment checker on NAME"),
+    ("bench", "logprobs"): ("pipeline.bench.logprobs", "main", "chunked vs naive sampled-token log-probs"),
+    ("bench", "engine"): ("pipeline.bench.engine", "main", "embedded engine tokens/s vs sequential"),
+    ("bench", "actors"): ("pipeline.bench.actors", "main", "episode runner turns/s vs a bare aiohttp loop"),
+    ("bench", "async"): ("pipeline.bench.async_", "main", "learner steps/hour, eta=2 vs eta=0"),
+    ("bench", "sync"): ("pipeline.bench.weight_sync", "main", "weight publish -> version served latency"),
+    ("report",): ("pipeline.report", "main", "render key metrics of a run to PNG (no Grafana needed)"),
+}
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. learner.lr=3e-3",
+    )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollwise",
+        description="Asynchronous online RL for agentic multi-turn LLM tasks.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="other commands (each has its own --help):\n"
+        + "\n".join(f"  {' '.join(words):<16} {h}" for words, (_, _, h) in _DELEGATES.items()),
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the daemon (actors, engine, learner) until stopped")
+    _add_config_args(run)
+    run.add_argument("--run-dir", help="run directory; an existing one is resumed")
+    run.add_argument("--max-steps", type=int, help="stop after this many learner steps")
+    run.add_argument("--log-format", choices=["auto", "rich", "json"], help="progress output")
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    show = config_sub.add_parser("show", help="print the effective config with every default")
+    _add_config_args(show)
+
+    for words, (_, _, help_text) in _DELEGATES.items():
+        if len(words) == 1:
+            sub.add_parser(words[0], help=help_text, add_help=False)
+    for group in sorted({w[0] for w in _DELEGATES if len(w) == 2}):
+        sub.add_parser(group, help=f"{group} tools: " + ", ".join(w[1] for w in _DELEGATES if w[0] == group))
+    return parser
+
+
+def _find_delegate(argv: Sequence[str]) -> tuple[Callable[[list[str]], int], list[str]] | None:
+    for words, (module, func, _) in _DELEGATES.items():
+        if tuple(argv[: len(words)]) == words:
+            fn = getattr(importlib.import_module(module), func)
+            return fn, list(argv[len(words) :])
+    return None
+
+
+def _config_show(ns: argparse.Namespace) -> int:
+    from pipeline.config import ConfigError, config_to_toml, load_config
+
+    try:
+        cfg = load_config(ns.config, ns.set)
+    except ConfigError as e:
+        print(f"rollwise: {e}", file=sys.stderr)
+        return 2
+    print(config_to_toml(cfg), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    delegate = _find_delegate(args)
+    if delegate is not None:
+        fn, rest = delegate
+        return int(fn(rest) or 0)
+
+    parser = _build_parser()
+    ns = parser.parse_args(args)
+    if ns.command == "run":
+        from pipeline.supervisor import main_run
+
+        return int(main_run(ns))
+    if ns.command == "config" and ns.config_command == "show":
+        return _config_show(ns)
+    if ns.command in {w[0] for w in _DELEGATES}:
+        choices = ", ".join(" ".join(w) for w in _DELEGATES if w[0] == ns.command)
+        parser.error(f"'{ns.command}' needs a subcommand: {choices}")
+    parser.print_help()
+    return 0 if ns.command is None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

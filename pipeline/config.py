@@ -1,0 +1,261 @@
+"""Configuration: one pydantic model per component, loaded from one TOML file plus `--set a.b=c` overrides.
+
+Imports nothing heavy (no torch) so `rollwise config show` is instant. Validation happens before
+anything starts; an unknown key or a bad value raises ConfigError naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class RunConfig(_Section):
+    run_dir: str = Field(
+        "runs/default", description="Directory holding the spool, checkpoints, weights, logs."
+    )
+    seed: int = Field(0, description="Seed for task sampling and the learner.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many learner steps (None: run forever)."
+    )
+    log_format: Literal["auto", "rich", "json"] = Field(
+        "auto", description="auto = rich live view on a terminal, JSON lines otherwise."
+    )
+    shutdown_grace_s: float = Field(
+        20.0, gt=0, description="Time in-flight episodes get to finish on SIGTERM."
+    )
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="HF model directory; None = create the preset in run_dir/model."
+    )
+    preset: Literal["tiny", "small"] = Field("tiny", description="Preset used when path is None.")
+
+
+class EngineConfig(_Section):
+    kind: Literal["embedded", "sglang", "external"] = Field(
+        "embedded", description="embedded = rollwise's torch engine; sglang = launch SGLang; external = urls."
+    )
+    urls: list[str] = Field(default_factory=list, description="Server URLs when kind = external.")
+    host: str = Field("127.0.0.1", description="Bind address of engines rollwise starts.")
+    port: int = Field(
+        30000, ge=0, le=65535, description="First port of engines rollwise starts (0 = pick free)."
+    )
+    num_engines: int = Field(1, ge=1, le=64, description="Engines to start (embedded or sglang).")
+    mem_fraction_static: float = Field(0.8, gt=0, le=1, description="SGLang --mem-fraction-static.")
+    tp: int = Field(1, ge=1, description="SGLang tensor parallel size.")
+    dp: int = Field(1, ge=1, description="SGLang data parallel size.")
+    api_key: str | None = Field(None, description="Bearer token for the engines' HTTP API.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra launch_server flags (sglang).")
+    request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one /generate call.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
+    max_batch: int = Field(64, ge=1, description="Embedded engine: most requests decoded together.")
+    batch_wait_ms: float = Field(3.0, ge=0, description="Embedded engine: how long to collect a batch.")
+    threads: int = Field(1, ge=1, description="Embedded engine: torch intra-op threads.")
+
+
+class SamplingConfig(_Section):
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; the learner uses the same value."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus; != 1 makes engine log-probs biased (reported)."
+    )
+    top_k: int = Field(-1, description="-1 = whole vocabulary.")
+    min_p: float = Field(0.0, ge=0, lt=1, description="Min-p filter.")
+    max_new_tokens: int = Field(16, ge=1, description="Tokens one turn may generate.")
+
+
+class EnvConfig(_Section):
+    name: str = Field("guess-number", description="Entry-point name in rollwise.envs, or module:attr.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the env factory."
+    )
+    group_size: int = Field(8, ge=1, le=1024, description="G: episodes per task.")
+    max_context_tokens: int = Field(
+        512, ge=16, description="Token budget of one episode; over it = truncated."
+    )
+    tool_parser: str = Field("hermes", description="Tool-call parser name (pipeline.toolcalls).")
+    system_prompt: str | None = Field(None, description="Optional system message before the env's messages.")
+
+
+class RolloutConfig(_Section):
+    max_concurrent_groups: int = Field(16, ge=1, description="Upper bound on groups running at once.")
+
+
+class AsyncConfig(_Section):
+    max_staleness: int = Field(
+        2, ge=0, description="eta: admitted work stays within eta versions of the policy."
+    )
+    weight_sync_mode: Literal["in_place", "retract", "abort"] = Field(
+        "in_place", description="How in-flight requests live through a weight update."
+    )
+    sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
+
+
+class LearnerConfig(_Section):
+    batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step (the rollout batch).")
+    mini_batches: int = Field(4, ge=1, description="Mini-batches per rollout batch (paper: 4).")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    grad_accum: int = Field(1, ge=1, description="Mini-batches accumulated per optimizer update.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    clip_low: float = Field(3e-4, ge=0, description="GSPO epsilon below 1.")
+    clip_high: float = Field(4e-4, ge=0, description="GSPO epsilon above 1.")
+    loss_level: Literal["sequence_token", "sequence", "token"] = Field(
+        "sequence_token", description="GSPO-token, GSPO, or the token-level GRPO/PPO baseline."
+    )
+    estimator: Literal["turn", "outcome"] = Field(
+        "turn", description="Per-turn advantages or GRPO broadcast."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the turn-reward return-to-go.")
+    lam: float = Field(1.0, ge=0, description="Weight of the shaping (turn reward) channel.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Learner device.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype (bf16: CUDA only).")
+    checkpoint_every: int = Field(5, ge=1, description="Checkpoint every n steps (and on shutdown).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    threads: int = Field(1, ge=1, description="torch intra-op threads of the learner process.")
+
+
+class MetricsConfig(_Section):
+    host: str = Field("127.0.0.1", description="Bind address of /metrics, /healthz, /readyz.")
+    port: int = Field(9400, ge=0, le=65535, description="Port of the supervisor's HTTP endpoint (0 = pick).")
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Config:
+        if self.engine.kind == "external" and not self.engine.urls:
+            raise ValueError("engine.urls must list at least one server when engine.kind = 'external'")
+        if self.engine.kind != "external" and self.engine.urls:
+            raise ValueError("engine.urls is only used with engine.kind = 'external'")
+        if self.learner.mini_batches > self.learner.batch_groups * self.env.group_size:
+            raise ValueError("learner.mini_batches exceeds the episodes in one rollout batch")
+        if self.env.group_size < 2 and self.learner.estimator == "turn":
+            raise ValueError("env.group_size must be >= 2: leave-one-out advantages need peers")
+        if self.learner.dtype == "bfloat16" and self.learner.device == "cpu":
+            raise ValueError("learner.dtype = 'bfloat16' needs learner.device = 'cuda' (or 'auto' on a GPU)")
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted key."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {k!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = _parse_value(raw)
+
+
+def _parse_value(raw: str) -> Any:
+    """TOML/JSON literal if it parses as one (numbers, booleans, lists), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = key.replace("async_", "async")
+        lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if "input" in e and e["loc"] else ""))
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load TOML (optional), apply `a.b=c` overrides, validate. Raises ConfigError naming the key."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            tree = tomllib.loads(p.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {p} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw.strip())
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The effective config as TOML (every default spelled out); `None` values become comments."""
+    data = cfg.model_dump(by_alias=True, mode="json")
+    out: list[str] = []
+    for section, values in data.items():
+        out.append(f"[{section}]")
+        fields = type(getattr(cfg, "async_" if section == "async" else section)).model_fields
+        for key, value in values.items():
+            doc = fields[key].description
+            if doc:
+                out.append(f"# {doc}")
+            if value is None:
+                out.append(f"# {key} = (unset)")
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def write_resolved(cfg: Config, run_dir: Path) -> Path:
+    """Write the resolved config into the run directory (what actually ran)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.toml"
+    tmp = out.with_suffix(".toml.tmp")
+    tmp.write_text(config_to_toml(cfg))
+    tmp.replace(out)
+    return out

@@ -4,7 +4,7 @@ PY := .venv/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := .venv/.installed
 
-.PHONY: run test lint unit venv clean
+.PHONY: run test lint unit venv clean prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -20,14 +20,24 @@ run: $(STAMP)
 	.venv/bin/rollwise run --config examples/guess_number.toml $(ARGS)
 
 lint: $(STAMP)
-	.venv/bin/ruff check pipeline envs learner tests benchmarks
-	.venv/bin/ruff format --check pipeline envs learner tests benchmarks
+	.venv/bin/ruff check pipeline envs learner tests grafana
+	.venv/bin/ruff format --check pipeline envs learner tests grafana
 	.venv/bin/mypy
+	.venv/bin/python grafana/generate.py --check
+	.venv/bin/python -m pipeline.metrics_catalogue --check
 
 unit: $(STAMP)
 	.venv/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test: lint
+# The dashboard test evaluates every panel's PromQL on a real Prometheus (Debian package).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
+	  echo "warning: could not install prometheus; the Prometheus dashboard test will be skipped"; }
+
+test: lint prometheus
 	.venv/bin/pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -225,3 +225,48 @@ EVENT_LOOP_LAG = Histogram(
 SUPERVISOR_UP = Gauge(
     "rollwise_supervisor_start_time_seconds", "Unix time the supervisor started.", registry=REGISTRY
 )
+
+# Known label values, initialised to zero at start-up so every dashboard query has a series before the
+# first event (a counter that appears only on its first increment also loses that increment in rate()).
+FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
+ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "timeout")
+ENV_ERROR_KINDS = ("error", "timeout", "invalid")
+DROP_REASONS = ("stale", "too_few_members", "invalid_rows", "quarantined")
+SKIP_REASONS = ("zero_advantage_group", "nonfinite")
+SYNC_PHASES = ("pause", "load", "continue")
+COMPONENTS = ("engine", "learner")
+
+
+def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, ...] | list[str]) -> None:
+    for env in envs:
+        for reason in FINISH_REASONS:
+            EPISODES.labels(env=env, reason=reason)
+        for kind in ENV_ERROR_KINDS:
+            ENV_ERRORS.labels(env=env, kind=kind)
+        for metric in (EPISODE_SUCCESSES, TURNS, GENERATED_TOKENS):
+            metric.labels(env=env)
+        for hist in (
+            EPISODE_REWARD,
+            TURN_REWARD,
+            EPISODE_TURNS,
+            TURN_TOKENS,
+            EPISODE_DURATION,
+            ENV_STEP_LATENCY,
+        ):
+            hist.labels(env=env)
+    for engine in engines:
+        ENGINE_REQUEST_LATENCY.labels(engine=engine)
+        POLICY_VERSION_SERVED.labels(engine=engine)
+        for kind in ENGINE_ERROR_KINDS:
+            ENGINE_ERRORS.labels(engine=engine, kind=kind)
+    for reason in DROP_REASONS:
+        GROUPS_DROPPED.labels(reason=reason)
+        SPOOL_QUARANTINED.labels(reason=reason)
+    for reason in SKIP_REASONS:
+        LEARNER_SKIPPED.labels(reason=reason)
+    for phase in SYNC_PHASES:
+        WEIGHT_SYNC_PHASE.labels(phase=phase)
+    for status in ("ok", "failed"):
+        WEIGHT_SYNCS.labels(status=status)
+    for component in COMPONENTS:
+        PROCESS_RESTARTS.labels(component=component)

@@ -1,0 +1,618 @@
+"""Dashboards as code: builds grafana/dashboards/*.json with Grafana's own Python SDK.
+
+    .venv/bin/python grafana/generate.py          # rewrite the committed JSON
+    .venv/bin/python grafana/generate.py --check  # exit 1 if the committed JSON is stale
+
+Every panel: the `${datasource}` variable, a unit, a description naming the metric it reads, and
+PromQL that exports counts and lets Prometheus compute ratios over `$__rate_interval`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as dm
+
+OUT_DIR = Path(__file__).parent / "dashboards"
+GRAFANA_SCHEMA_VERSION = 39  # Grafana 11.x
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+RI = "$__rate_interval"
+SEL = 'instance=~"$instance"'
+SEL_ENV = 'instance=~"$instance", env=~"$env"'
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    description: str
+    unit: str
+    queries: tuple[Query, ...]
+    kind: str = "timeseries"  # or "stat"
+    width: int = 12
+
+
+@dataclass
+class DashboardSpec:
+    uid: str
+    title: str
+    description: str
+    rows: list[tuple[str, list[PanelSpec]]] = field(default_factory=list)
+    env_variable: bool = True
+    instance_metric: str = "rollwise_supervisor_start_time_seconds"
+
+
+def q(expr: str, legend: str = "") -> Query:
+    return Query(expr, legend)
+
+
+def quantiles(
+    metric: str, sel: str, by: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)
+) -> tuple[Query, ...]:
+    group = f"le{', ' + by if by else ''}"
+    legend_by = f"{{{{{by}}}}} " if by else ""
+    return tuple(
+        q(
+            f"histogram_quantile({x}, sum by ({group}) (rate({metric}_bucket{{{sel}}}[{RI}])))",
+            f"{legend_by}p{int(x * 100)}",
+        )
+        for x in qs
+    )
+
+
+def hist_mean(metric: str, sel: str, by: str = "env") -> Query:
+    return q(
+        f"sum by ({by}) (rate({metric}_sum{{{sel}}}[{RI}])) / "
+        f"sum by ({by}) (rate({metric}_count{{{sel}}}[{RI}]))",
+        f"{{{{{by}}}}}",
+    )
+
+
+def overview() -> DashboardSpec:
+    d = DashboardSpec(
+        "rollwise-overview", "rollwise / pipeline overview", "Throughput, reward, success, staleness."
+    )
+    d.rows.append(
+        (
+            "Progress",
+            [
+                PanelSpec(
+                    "Policy version",
+                    "rollwise_policy_version (published by the learner) and rollwise_engine_policy_version "
+                    "(served by each engine after the last weight sync).",
+                    "none",
+                    (
+                        q(f"max(rollwise_policy_version{{{SEL}}})", "published"),
+                        q(f"max by (engine) (rollwise_engine_policy_version{{{SEL}}})", "served {{engine}}"),
+                    ),
+                ),
+                PanelSpec(
+                    "Success rate",
+                    "rate(rollwise_episode_successes_total) / rate(rollwise_episodes_total): episodes whose "
+                    "outcome reached 1.0.",
+                    "percentunit",
+                    (
+                        q(
+                            f"sum by (env) (rate(rollwise_episode_successes_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_episodes_total{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Episode reward (mean)",
+                    "rollwise_episode_reward histogram: rate(sum) / rate(count).",
+                    "none",
+                    (hist_mean("rollwise_episode_reward", SEL_ENV),),
+                ),
+                PanelSpec(
+                    "Episodes per second",
+                    "rate(rollwise_episodes_total) by env and finish reason.",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (env, reason) (rate(rollwise_episodes_total{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}} {{reason}}",
+                        ),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Throughput",
+            [
+                PanelSpec(
+                    "Turns and generated tokens per second",
+                    "rate(rollwise_turns_total) and rate(rollwise_generated_tokens_total).",
+                    "ops",
+                    (
+                        q(f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))", "turns {{env}}"),
+                        q(
+                            f"sum by (env) (rate(rollwise_generated_tokens_total{{{SEL_ENV}}}[{RI}]))",
+                            "tokens {{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Turns per episode, tokens per turn (mean)",
+                    "rollwise_episode_turns and rollwise_turn_generated_tokens histograms.",
+                    "short",
+                    (
+                        hist_mean("rollwise_episode_turns", SEL_ENV),
+                        hist_mean("rollwise_turn_generated_tokens", SEL_ENV),
+                    ),
+                ),
+                PanelSpec(
+                    "In-flight episodes and queued groups",
+                    "rollwise_episodes_in_flight and rollwise_groups_queued gauges.",
+                    "short",
+                    (
+                        q(f"sum(rollwise_episodes_in_flight{{{SEL}}})", "episodes in flight"),
+                        q(f"sum(rollwise_groups_queued{{{SEL}}})", "groups queued"),
+                    ),
+                ),
+                PanelSpec(
+                    "Groups admitted, written, accepted",
+                    "rate of rollwise_groups_admitted_total, rollwise_groups_written_total, "
+                    "rollwise_groups_accepted_total.",
+                    "ops",
+                    (
+                        q(f"sum(rate(rollwise_groups_admitted_total{{{SEL}}}[{RI}]))", "admitted"),
+                        q(f"sum(rate(rollwise_groups_written_total{{{SEL}}}[{RI}]))", "written"),
+                        q(f"sum(rate(rollwise_groups_accepted_total{{{SEL}}}[{RI}]))", "accepted"),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Staleness",
+            [
+                PanelSpec(
+                    "Staleness of trained tokens",
+                    "rollwise_trained_token_staleness_versions histogram: policy version at training minus "
+                    "the version that generated the token.",
+                    "short",
+                    quantiles("rollwise_trained_token_staleness_versions", SEL, qs=(0.5, 0.9, 1.0)),
+                ),
+                PanelSpec(
+                    "Idle fractions",
+                    "Learner: rate(rollwise_learner_idle_seconds_total) over idle + busy. Actors: "
+                    "rate(rollwise_actor_idle_seconds_total) (seconds held back per second).",
+                    "percentunit",
+                    (
+                        q(
+                            f"sum(rate(rollwise_learner_idle_seconds_total{{{SEL}}}[{RI}])) / "
+                            f"(sum(rate(rollwise_learner_idle_seconds_total{{{SEL}}}[{RI}])) + "
+                            f"sum(rate(rollwise_learner_busy_seconds_total{{{SEL}}}[{RI}])))",
+                            "learner idle",
+                        ),
+                        q(f"sum(rate(rollwise_actor_idle_seconds_total{{{SEL}}}[{RI}]))", "actors held back"),
+                    ),
+                ),
+            ],
+        )
+    )
+    return d
+
+
+def learner() -> DashboardSpec:
+    d = DashboardSpec("rollwise-learner", "rollwise / learner", "GSPO-token internals.", env_variable=False)
+    d.rows.append(
+        (
+            "Objective",
+            [
+                PanelSpec(
+                    "Loss",
+                    "rollwise_learner_loss (last step).",
+                    "none",
+                    (q(f"rollwise_learner_loss{{{SEL}}}", "loss"),),
+                ),
+                PanelSpec(
+                    "Clip fraction",
+                    "rollwise_learner_clip_fraction_ratio: share of sequences outside the GSPO band.",
+                    "percentunit",
+                    (q(f"rollwise_learner_clip_fraction_ratio{{{SEL}}}", "clipped"),),
+                ),
+                PanelSpec(
+                    "Importance ratio",
+                    "rollwise_learner_importance_ratio histogram (sequence ratios per step).",
+                    "none",
+                    quantiles("rollwise_learner_importance_ratio", SEL, qs=(0.01, 0.5, 0.99)),
+                ),
+                PanelSpec(
+                    "Train vs engine log-prob mismatch",
+                    "rollwise_learner_logprob_mismatch_abs (mean |dlogp|) and "
+                    "rollwise_learner_logprob_mismatch_k3_kl, before the first update of each step.",
+                    "none",
+                    (
+                        q(f"rollwise_learner_logprob_mismatch_abs{{{SEL}}}", "mean |dlogp|"),
+                        q(f"rollwise_learner_logprob_mismatch_k3_kl{{{SEL}}}", "k3 KL"),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Optimisation",
+            [
+                PanelSpec(
+                    "Entropy",
+                    "rollwise_learner_entropy_nats.",
+                    "none",
+                    (q(f"rollwise_learner_entropy_nats{{{SEL}}}", "entropy"),),
+                ),
+                PanelSpec(
+                    "Gradient norm and learning rate",
+                    "rollwise_learner_grad_norm (before clipping) and rollwise_learner_learning_rate.",
+                    "none",
+                    (
+                        q(f"rollwise_learner_grad_norm{{{SEL}}}", "grad norm"),
+                        q(f"rollwise_learner_learning_rate{{{SEL}}}", "lr"),
+                    ),
+                ),
+                PanelSpec(
+                    "Tokens trained per second",
+                    "rate(rollwise_learner_tokens_total).",
+                    "ops",
+                    (q(f"sum(rate(rollwise_learner_tokens_total{{{SEL}}}[{RI}]))", "tokens/s"),),
+                ),
+                PanelSpec(
+                    "Step duration",
+                    "rollwise_learner_step_duration_seconds histogram.",
+                    "s",
+                    quantiles("rollwise_learner_step_duration_seconds", SEL, qs=(0.5, 0.9)),
+                ),
+                PanelSpec(
+                    "Learner step",
+                    "rollwise_learner_step (restored on resume).",
+                    "none",
+                    (q(f"max(rollwise_learner_step{{{SEL}}})", "step"),),
+                    kind="stat",
+                    width=6,
+                ),
+                PanelSpec(
+                    "Skipped steps and groups",
+                    "increase(rollwise_learner_skipped_total) by reason.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (reason) (increase(rollwise_learner_skipped_total{{{SEL}}}[{RI}]))",
+                            "{{reason}}",
+                        ),
+                    ),
+                    width=6,
+                ),
+                PanelSpec(
+                    "Checkpoint duration",
+                    "rollwise_checkpoint_duration_seconds histogram.",
+                    "s",
+                    quantiles("rollwise_checkpoint_duration_seconds", SEL, qs=(0.5, 1.0)),
+                ),
+            ],
+        )
+    )
+    return d
+
+
+ENGINE_SEL = 'instance=~"$instance"'
+
+
+def engine() -> DashboardSpec:
+    d = DashboardSpec(
+        "rollwise-engine",
+        "rollwise / engine",
+        "SGLang (or the embedded engine) as seen from its /metrics.",
+        env_variable=False,
+        instance_metric="sglang:num_running_reqs",
+    )
+    d.rows.append(
+        (
+            "Load",
+            [
+                PanelSpec(
+                    "Running and queued requests",
+                    "sglang:num_running_reqs and sglang:num_queue_reqs.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (instance) (sglang:num_running_reqs{{{ENGINE_SEL}}})",
+                            "running {{instance}}",
+                        ),
+                        q(
+                            f"sum by (instance) (sglang:num_queue_reqs{{{ENGINE_SEL}}})",
+                            "queued {{instance}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Generation throughput",
+                    "sglang:gen_throughput (tokens/s) and rate(sglang:generation_tokens_total).",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (instance) (sglang:gen_throughput{{{ENGINE_SEL}}})",
+                            "gen_throughput {{instance}}",
+                        ),
+                        q(
+                            f"sum by (instance) (rate(sglang:generation_tokens_total{{{ENGINE_SEL}}}[{RI}]))",
+                            "generated {{instance}}",
+                        ),
+                        q(
+                            f"sum by (instance) (rate(sglang:prompt_tokens_total{{{ENGINE_SEL}}}[{RI}]))",
+                            "prompt {{instance}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Requests and aborts per second",
+                    "rate(sglang:num_requests_total) and rate(sglang:num_aborted_requests_total).",
+                    "reqps",
+                    (
+                        q(f"sum(rate(sglang:num_requests_total{{{ENGINE_SEL}}}[{RI}]))", "requests"),
+                        q(f"sum(rate(sglang:num_aborted_requests_total{{{ENGINE_SEL}}}[{RI}]))", "aborted"),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Latency",
+            [
+                PanelSpec(
+                    "End-to-end request latency",
+                    "sglang:e2e_request_latency_seconds histogram.",
+                    "s",
+                    quantiles("sglang:e2e_request_latency_seconds", ENGINE_SEL),
+                ),
+                PanelSpec(
+                    "Time to first token",
+                    "sglang:time_to_first_token_seconds histogram.",
+                    "s",
+                    quantiles("sglang:time_to_first_token_seconds", ENGINE_SEL),
+                ),
+                PanelSpec(
+                    "Client-side /generate latency",
+                    "rollwise_engine_request_duration_seconds histogram, measured by the actors.",
+                    "s",
+                    quantiles("rollwise_engine_request_duration_seconds", 'instance=~".*"', qs=(0.5, 0.99)),
+                ),
+            ],
+        )
+    )
+    return d
+
+
+def reliability() -> DashboardSpec:
+    d = DashboardSpec("rollwise-reliability", "rollwise / reliability", "Errors, drops, restarts, transport.")
+    d.rows.append(
+        (
+            "Errors",
+            [
+                PanelSpec(
+                    "Failed episodes by reason",
+                    "rate(rollwise_episodes_total) for env_error, engine_error and timeout.",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (env, reason) (rate(rollwise_episodes_total{{{SEL_ENV}, "
+                            f'reason=~"env_error|engine_error|timeout"}}[{RI}]))',
+                            "{{env}} {{reason}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Engine errors by kind",
+                    "rate(rollwise_engine_errors_total) by engine and kind.",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (engine, kind) (rate(rollwise_engine_errors_total{{{SEL}}}[{RI}]))",
+                            "{{engine}} {{kind}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Environment errors and step latency",
+                    "rate(rollwise_env_errors_total) by kind; rollwise_env_step_duration_seconds p99.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (env, kind) (rate(rollwise_env_errors_total{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}} {{kind}}",
+                        ),
+                        *quantiles("rollwise_env_step_duration_seconds", SEL_ENV, by="env", qs=(0.99,)),
+                    ),
+                ),
+                PanelSpec(
+                    "Groups dropped by reason",
+                    "increase(rollwise_groups_dropped_total) by reason.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (reason) (increase(rollwise_groups_dropped_total{{{SEL}}}[{RI}]))",
+                            "{{reason}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Process restarts",
+                    "increase(rollwise_process_restarts_total) by component.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (component) (increase(rollwise_process_restarts_total{{{SEL}}}[{RI}]))",
+                            "{{component}}",
+                        ),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Transport and sync",
+            [
+                PanelSpec(
+                    "Spool depth",
+                    "rollwise_spool_depth_groups and rollwise_spool_depth_bytes: written, not yet consumed.",
+                    "short",
+                    (
+                        q(f"sum(rollwise_spool_depth_groups{{{SEL}}})", "groups"),
+                        q(f"sum(rollwise_spool_depth_bytes{{{SEL}}}) / 1024", "KiB"),
+                    ),
+                ),
+                PanelSpec(
+                    "Spool write and read latency",
+                    "rollwise_spool_write_duration_seconds (+fsync), rollwise_spool_read_duration_seconds",
+                    "s",
+                    (
+                        *quantiles("rollwise_spool_write_duration_seconds", SEL, qs=(0.99,)),
+                        *quantiles("rollwise_spool_read_duration_seconds", SEL, qs=(0.99,)),
+                    ),
+                ),
+                PanelSpec(
+                    "Quarantined spool files",
+                    "increase(rollwise_spool_quarantined_files_total) by reason.",
+                    "short",
+                    (
+                        q(
+                            "sum by (reason) (increase(rollwise_spool_quarantined_files_total"
+                            f"{{{SEL}}}[{RI}]))",
+                            "{{reason}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Weight-sync phases",
+                    "rollwise_weight_sync_phase_duration_seconds by phase (pause, load, continue).",
+                    "s",
+                    quantiles("rollwise_weight_sync_phase_duration_seconds", SEL, by="phase", qs=(0.5, 1.0)),
+                ),
+                PanelSpec(
+                    "Supervisor event-loop lag",
+                    "rollwise_supervisor_event_loop_lag_seconds histogram.",
+                    "s",
+                    quantiles("rollwise_supervisor_event_loop_lag_seconds", SEL, qs=(0.5, 0.99)),
+                ),
+            ],
+        )
+    )
+    return d
+
+
+def _variables(spec: DashboardSpec) -> list[gd.DatasourceVariable | gd.QueryVariable]:
+    ds_var = gd.DatasourceVariable("datasource").label("Data source").type("prometheus")
+    instance = (
+        gd.QueryVariable("instance")
+        .label("Instance")
+        .datasource(DS)
+        .query(f"label_values({spec.instance_metric}, instance)")
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .include_all(True)
+        .all_value(".*")
+        .multi(True)
+    )
+    out: list[gd.DatasourceVariable | gd.QueryVariable] = [ds_var, instance]
+    if spec.env_variable:
+        out.append(
+            gd.QueryVariable("env")
+            .label("Environment")
+            .datasource(DS)
+            .query("label_values(rollwise_episodes_total, env)")
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .include_all(True)
+            .all_value(".*")
+            .multi(True)
+        )
+    return out
+
+
+def _panel(p: PanelSpec) -> stat.Panel | timeseries.Panel:
+    builder: stat.Panel | timeseries.Panel = stat.Panel() if p.kind == "stat" else timeseries.Panel()
+    builder.title(p.title).description(p.description).unit(p.unit).datasource(DS).span(p.width).height(8)
+    for i, query in enumerate(p.queries):
+        builder.with_target(
+            prometheus.Dataquery()
+            .expr(query.expr)
+            .legend_format(query.legend or "__auto")
+            .ref_id(chr(ord("A") + i))
+        )
+    return builder
+
+
+def build(spec: DashboardSpec) -> dict[str, Any]:
+    dash = (
+        gd.Dashboard(spec.title)
+        .uid(spec.uid)
+        .description(spec.description)
+        .tags(["rollwise"])
+        .refresh("10s")
+        .time("now-30m", "now")
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+    )
+    for variable in _variables(spec):
+        dash.with_variable(variable)
+    for row_title, panels in spec.rows:
+        dash.with_row(gd.Row(row_title))
+        for p in panels:
+            dash.with_panel(_panel(p))
+    model = dash.build()
+    model.schema_version = GRAFANA_SCHEMA_VERSION
+    data: dict[str, Any] = json.loads(JSONEncoder(sort_keys=True, indent=2).encode(model))
+    # Stable, unique ids in layout order (rows included): Grafana links and the lint test rely on them.
+    for panel_id, panel in enumerate(data["panels"], start=1):
+        panel["id"] = panel_id
+    return data
+
+
+DASHBOARDS = {"overview": overview, "learner": learner, "engine": engine, "reliability": reliability}
+
+
+def render_all() -> dict[str, str]:
+    """File name -> JSON text, exactly as committed."""
+    return {
+        f"{name}.json": json.dumps(build(fn()), indent=2, sort_keys=True) + "\n"
+        for name, fn in DASHBOARDS.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if committed dashboards differ")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, text in render_all().items():
+        path = OUT_DIR / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            OUT_DIR.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print(f"stale dashboards (run grafana/generate.py): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,619 @@
+"""``rollwise env check NAME``: run an environment under random and gold policies and judge it.
+
+Every criterion in CRITERIA is reported by name, pass or fail, with a detail that names the episode
+and step at fault. Episodes of a phase run concurrently, each step under
+``asyncio.wait_for(spec.step_timeout_s)`` exactly as the runner does. The random policy mixes
+integers, words, garbage, empty and very long text, and random (often wrong) tool calls: an
+environment must answer all of them with observations, never by raising.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import itertools
+import json
+import math
+import random
+import re
+import string
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic, TypeVar
+
+from envs.api import MESSAGE_ROLES, Action, EnvFactory, Environment, EnvSpec, StepResult, Task, ToolCall
+from envs.sync_adapter import is_pool_thread
+
+CRITERIA: tuple[str, ...] = (
+    "spec_valid",
+    "deterministic_tasks",
+    "deterministic_reset",
+    "observations_well_formed",
+    "survives_random_actions",
+    "rewards_finite",
+    "ends_within_max_turns",
+    "info_json_serializable",
+    "close_idempotent",
+    "no_leaked_tasks",
+    "no_leaked_threads",
+    "step_timeout_enforced",
+    "gold_policy_scores",
+)
+RESET_COMPARISONS = 4
+LEAK_GRACE_S = 0.5
+MAX_DETAILS = 3
+
+# asyncio.TimeoutError is builtins.TimeoutError only from Python 3.11 on.
+_TIMEOUTS = (asyncio.TimeoutError, TimeoutError)
+T = TypeVar("T")
+Policy = Callable[[Environment, random.Random, EnvSpec], Action]
+
+
+@dataclass
+class CriterionResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class CheckReport:
+    """Outcome of ``check_env``: one CriterionResult per name in CRITERIA, plus policy statistics."""
+
+    env: str
+    episodes: int
+    seed: int
+    criteria: list[CriterionResult]
+    stats: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(criterion.passed for criterion in self.criteria)
+
+    def failures(self) -> list[CriterionResult]:
+        return [criterion for criterion in self.criteria if not criterion.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, **asdict(self)}
+
+
+class _Findings:
+    """Problems found so far, by criterion, plus the note shown when a criterion passes."""
+
+    def __init__(self) -> None:
+        self.problems: dict[str, list[str]] = {name: [] for name in CRITERIA}
+        self.notes: dict[str, str] = {}
+
+    def add(self, criterion: str, problem: str) -> None:
+        self.problems[criterion].append(problem)
+
+    def results(self) -> list[CriterionResult]:
+        results = []
+        for name in CRITERIA:
+            problems = self.problems[name]
+            detail = "; ".join(problems[:MAX_DETAILS])
+            if len(problems) > MAX_DETAILS:
+                detail += f" (+{len(problems) - MAX_DETAILS} more)"
+            results.append(CriterionResult(name, not problems, detail or self.notes.get(name, "ok")))
+        return results
+
+
+@dataclass
+class _Episode:
+    label: str
+    turns: int = 0
+    ended: bool = False
+    outcome: float | None = None
+
+
+# --- policies ---------------------------------------------------------------------------------
+
+_WORDS = ("up", "down", "left", "right", "yes", "no", "higher", "lower", "cat", "dog", "the answer is")
+_UNICODE = "é漢🙂\x00\t\n"
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], tuple[str, ...]]:
+    """Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks → (calls, errors).
+
+    The checker's own minimal parser (envs must not import pipeline); used for gold actions.
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            payload = json.loads(body)
+            arguments = payload["arguments"]
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            if not isinstance(payload["name"], str) or not isinstance(arguments, dict):
+                raise TypeError("name must be a string and arguments an object")
+            calls.append(ToolCall(payload["name"], arguments))
+        except (ValueError, KeyError, TypeError) as exc:
+            errors.append(f"bad tool call {body[:80]!r}: {exc}")
+    return tuple(calls), tuple(errors)
+
+
+def _random_text(rng: random.Random) -> str:
+    kind = rng.randrange(6)
+    if kind == 0:
+        return str(rng.randint(-5, 120))
+    if kind == 1:
+        return f"I think {rng.randint(0, 40)} {rng.choice(_WORDS)}"
+    if kind == 2:
+        return rng.choice(_WORDS) if rng.random() < 0.5 else "".join(rng.choices(string.ascii_lowercase, k=3))
+    if kind == 3:
+        return "".join(rng.choices(string.printable + _UNICODE, k=rng.randint(0, 40)))
+    if kind == 4:
+        return "" if rng.random() < 0.5 else "9" * 300 + " " + "x" * 4000
+    return " ".join(rng.choices(_WORDS, k=rng.randint(1, 5)))
+
+
+def _schema_part(schema: Any, *keys: str) -> Any:
+    """``schema[k1][k2]...`` or None; tolerates malformed schemas (spec_valid reports those)."""
+    for key in keys:
+        schema = schema.get(key) if isinstance(schema, dict) else None
+    return schema
+
+
+def _random_arguments(rng: random.Random, tool: dict[str, Any]) -> dict[str, Any]:
+    properties = _schema_part(tool, "function", "parameters", "properties")
+    if not isinstance(properties, dict):
+        return {}
+    arguments: dict[str, Any] = {}
+    for name, schema in properties.items():
+        if rng.random() < 0.1:
+            continue  # a missing argument is a plausible agent mistake
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        if kind == "string":
+            arguments[name] = rng.choice(
+                [f"{rng.randint(0, 50)}+{rng.randint(0, 50)}", "", "((", "2/0", "9" * 90, _random_text(rng)]
+            )
+        elif kind in ("integer", "number"):
+            arguments[name] = rng.choice([rng.randint(-10, 100), 1e308, -0.5])
+        else:
+            arguments[name] = rng.choice([None, [], {"x": 1}, _random_text(rng)])
+    return arguments
+
+
+def random_action(_env: Environment, rng: random.Random, spec: EnvSpec) -> Action:
+    """A random, sometimes plausible, often malformed assistant turn."""
+    if rng.random() < 0.3:
+        tools = [tool for tool in spec.tools if isinstance(tool, dict)]
+        if tools and rng.random() < 0.8:
+            tool = rng.choice(tools)
+            call = ToolCall(str(_schema_part(tool, "function", "name")), _random_arguments(rng, tool))
+        else:
+            call = ToolCall(rng.choice(["nope", "calculator", ""]), {"expression": _random_text(rng)})
+        errors = ("tool call 2 is not valid JSON",) if rng.random() < 0.2 else ()
+        text = f"<tool_call>{json.dumps({'name': call.name, 'arguments': call.arguments})}</tool_call>"
+        return Action(text, (call,), errors)
+    if rng.random() < 0.05:
+        return Action("<tool_call>{not json</tool_call>", (), ("invalid JSON in <tool_call>",))
+    return Action(_random_text(rng))
+
+
+def gold_policy_action(env: Environment, _rng: random.Random, _spec: EnvSpec) -> Action:
+    text = env.gold_action() or ""
+    calls, errors = parse_tool_calls(text)
+    return Action(text, calls, errors)
+
+
+class _SliceTimer(Generic[T]):
+    """Awaitable around a coroutine that measures its longest synchronous stretch (seconds).
+
+    Wall time of the whole await would also count other episodes' work; a stretch between two
+    suspensions is time only this coroutine held the event loop.
+    """
+
+    def __init__(self, awaitable: Awaitable[T]) -> None:
+        if not inspect.isawaitable(awaitable):
+            raise TypeError(f"step() returned {type(awaitable).__name__}, not an awaitable (not async def?)")
+        self.coroutine: Coroutine[Any, Any, T] = (
+            awaitable if asyncio.iscoroutine(awaitable) else _awaited(awaitable)
+        )
+        self.longest_s = 0.0
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        to_send: Any = None
+        to_throw: BaseException | None = None
+        while True:
+            started = time.perf_counter()
+            try:
+                yielded = self.coroutine.send(to_send) if to_throw is None else self.coroutine.throw(to_throw)
+            except StopIteration as stop:
+                self.longest_s = max(self.longest_s, time.perf_counter() - started)
+                result: T = stop.value
+                return result
+            self.longest_s = max(self.longest_s, time.perf_counter() - started)
+            try:
+                to_send, to_throw = (yield yielded), None
+            except GeneratorExit:
+                self.coroutine.close()
+                raise
+            except BaseException as exc:  # cancellation included: the coroutine decides what to do
+                to_send, to_throw = None, exc
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+# --- one episode ------------------------------------------------------------------------------
+
+
+def _check_messages(messages: Any, where: str, findings: _Findings) -> None:
+    if not isinstance(messages, list):
+        findings.add(
+            "observations_well_formed", f"{where}: messages is {type(messages).__name__}, not a list"
+        )
+        return
+    for index, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in MESSAGE_ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            findings.add(
+                "observations_well_formed", f"{where}: message {index} is malformed: {message!r:.120}"
+            )
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_result(result: Any, where: str, findings: _Findings) -> bool:
+    """Record problems with one StepResult; True when the episode ended."""
+    if not isinstance(result, StepResult):
+        findings.add(
+            "observations_well_formed", f"{where}: step returned {type(result).__name__}, not StepResult"
+        )
+        return True
+    _check_messages(result.messages, where, findings)
+    if not _is_finite_number(result.reward):
+        findings.add("rewards_finite", f"{where}: reward {result.reward!r}")
+    if result.outcome is not None and not _is_finite_number(result.outcome):
+        findings.add("rewards_finite", f"{where}: outcome {result.outcome!r}")
+    try:
+        json.dumps(result.info, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        findings.add("info_json_serializable", f"{where}: info {result.info!r:.80} ({exc})")
+    return bool(result.done or result.truncated)
+
+
+async def _close_twice(env: Environment, label: str, timeout_s: float, findings: _Findings) -> None:
+    for attempt in ("first", "second"):
+        try:
+            await asyncio.wait_for(env.close(), timeout_s)
+        except Exception as exc:
+            findings.add("close_idempotent", f"{label}: {attempt} close() raised {exc!r}")
+            return
+
+
+async def _run_episode(
+    factory: EnvFactory,
+    options: dict[str, Any],
+    task: Task,
+    policy: Policy,
+    rng: random.Random,
+    episode: _Episode,
+    findings: _Findings,
+    spec: EnvSpec,
+) -> None:
+    try:
+        env = factory(**options)
+    except Exception as exc:
+        findings.add("survives_random_actions", f"{episode.label}: factory raised {exc!r}")
+        return
+    started = time.monotonic()
+    where = f"{episode.label} reset"
+    try:
+        _check_messages(await asyncio.wait_for(env.reset(task), spec.step_timeout_s), where, findings)
+        for turn in range(1, spec.max_turns + 1):
+            where = f"{episode.label} step {turn}"
+            timed_step: _SliceTimer[StepResult] = _SliceTimer(env.step(policy(env, rng, spec)))
+            result = await asyncio.wait_for(_awaited(timed_step), spec.step_timeout_s)
+            if timed_step.longest_s > spec.step_timeout_s:  # wait_for cannot interrupt a blocked loop
+                findings.add(
+                    "step_timeout_enforced",
+                    f"{where} ran {timed_step.longest_s:.2f}s without yielding (> step_timeout_s="
+                    f"{spec.step_timeout_s}): it blocks the event loop (see envs.sync_adapter)",
+                )
+            episode.turns = turn
+            if _check_result(result, where, findings):
+                episode.ended, episode.outcome = True, getattr(result, "outcome", None)
+                break
+        if not episode.ended:
+            findings.add(
+                "ends_within_max_turns", f"{episode.label}: not done after max_turns={spec.max_turns}"
+            )
+    except _TIMEOUTS:
+        findings.add("step_timeout_enforced", f"{where} exceeded step_timeout_s={spec.step_timeout_s}")
+    except Exception as exc:
+        findings.add("survives_random_actions", f"{where} raised {exc!r}")
+    finally:
+        await _close_twice(env, episode.label, spec.step_timeout_s, findings)
+    elapsed = time.monotonic() - started
+    if elapsed > spec.episode_timeout_s:
+        findings.add(
+            "step_timeout_enforced",
+            f"{episode.label} took {elapsed:.1f}s > episode_timeout_s={spec.episode_timeout_s}",
+        )
+
+
+async def _run_phase(
+    name: str,
+    factory: EnvFactory,
+    options: dict[str, Any],
+    tasks: list[Task],
+    policy: Policy,
+    seed: int,
+    findings: _Findings,
+    spec: EnvSpec,
+) -> list[_Episode]:
+    episodes = [_Episode(f"{name} episode {i} ({task.id})") for i, task in enumerate(tasks)]
+    await asyncio.gather(
+        *(
+            _run_episode(
+                factory, options, task, policy, random.Random(f"{seed}:{name}:{i}"), ep, findings, spec
+            )
+            for i, (task, ep) in enumerate(zip(tasks, episodes, strict=True))
+        )
+    )
+    return episodes
+
+
+# --- whole-environment criteria ---------------------------------------------------------------
+
+
+def _task_key(task: Any) -> Any:
+    if not isinstance(task, Task):
+        return ("not a Task", repr(task))
+    return (task.id, task.seed, json.dumps(dict(task.data), sort_keys=True, default=repr))
+
+
+async def _check_tasks(
+    factory: EnvFactory,
+    options: dict[str, Any],
+    probe: Environment,
+    count: int,
+    seed: int,
+    findings: _Findings,
+) -> list[Task]:
+    first = list(itertools.islice(probe.tasks(seed), count))
+    other = factory(**options)
+    try:
+        second = list(itertools.islice(other.tasks(seed), count))
+    finally:
+        await _close_twice(other, "task stream probe", probe.spec.step_timeout_s, findings)
+    bad = [task for task in first if not isinstance(task, Task)]
+    if bad:
+        findings.add("deterministic_tasks", f"tasks({seed}) yielded {type(bad[0]).__name__}, not Task")
+    if len(first) < count:
+        findings.add(
+            "deterministic_tasks", f"tasks({seed}) ended after {len(first)} tasks (needs an infinite stream)"
+        )
+    if [_task_key(t) for t in first] != [_task_key(t) for t in second]:
+        findings.add("deterministic_tasks", f"tasks({seed}) differs between two instances")
+    findings.notes["deterministic_tasks"] = f"{len(first)} tasks identical across two instances"
+    return [task for task in first if isinstance(task, Task)]
+
+
+async def _check_reset(
+    factory: EnvFactory, options: dict[str, Any], tasks: list[Task], spec: EnvSpec, findings: _Findings
+) -> None:
+    for task in tasks[:RESET_COMPARISONS]:
+        first, second = factory(**options), factory(**options)
+        try:
+            a = await asyncio.wait_for(first.reset(task), spec.step_timeout_s)
+            b = await asyncio.wait_for(second.reset(task), spec.step_timeout_s)
+            if a != b:
+                findings.add(
+                    "deterministic_reset", f"task {task.id}: first observation {a!r:.80} vs {b!r:.80}"
+                )
+        except _TIMEOUTS:
+            findings.add("step_timeout_enforced", f"reset of task {task.id} exceeded step_timeout_s")
+        except Exception as exc:
+            findings.add("deterministic_reset", f"reset of task {task.id} raised {exc!r}")
+        finally:
+            for env in (first, second):
+                await _close_twice(env, f"reset probe ({task.id})", spec.step_timeout_s, findings)
+    findings.notes["deterministic_reset"] = (
+        f"{min(len(tasks), RESET_COMPARISONS)} tasks, same first observation"
+    )
+
+
+async def _has_gold_policy(factory: EnvFactory, options: dict[str, Any], task: Task, spec: EnvSpec) -> bool:
+    env = factory(**options)
+    try:
+        await asyncio.wait_for(env.reset(task), spec.step_timeout_s)
+        return env.gold_action() is not None
+    except Exception:
+        return False  # reset failures are reported by the episode phases
+    finally:
+        with contextlib.suppress(Exception):  # close failures are reported by the episode phases
+            await asyncio.wait_for(env.close(), spec.step_timeout_s)
+
+
+def _policy_stats(prefix: str, episodes: list[_Episode]) -> dict[str, float]:
+    # A missing or non-finite outcome scores 0 (rewards_finite reports the latter).
+    outcomes = [
+        ep.outcome if ep.outcome is not None and _is_finite_number(ep.outcome) else 0.0 for ep in episodes
+    ]
+    count = max(len(episodes), 1)
+    return {
+        f"{prefix}_mean_outcome": sum(outcomes) / count,
+        f"{prefix}_success_rate": sum(1 for o in outcomes if o >= 1.0) / count,
+        f"{prefix}_mean_turns": sum(ep.turns for ep in episodes) / count,
+    }
+
+
+async def _collect_leaked_tasks(before: set[asyncio.Task[Any]], findings: _Findings) -> None:
+    current = asyncio.current_task()
+    deadline = time.monotonic() + LEAK_GRACE_S
+    leaked: list[asyncio.Task[Any]] = []
+    while True:
+        leaked = [t for t in asyncio.all_tasks() if t not in before and t is not current and not t.done()]
+        if not leaked or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    for task in leaked:
+        findings.add(
+            "no_leaked_tasks", f"task {task.get_name()} running {task.get_coro()!r:.80} outlived its episode"
+        )
+        task.cancel()  # the checker must not leave them behind either
+    await asyncio.gather(*leaked, return_exceptions=True)
+
+
+def _collect_leaked_threads(before: set[threading.Thread], findings: _Findings) -> None:
+    deadline = time.monotonic() + LEAK_GRACE_S
+    for thread in threading.enumerate():
+        # Shared adapter pools and the loop's default executor live as long as the process / loop.
+        if thread in before or is_pool_thread(thread) or thread.name.startswith("asyncio_"):
+            continue
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            findings.add("no_leaked_threads", f"thread {thread.name!r} outlived its episode")
+
+
+async def check_env(
+    factory: EnvFactory,
+    *,
+    episodes: int = 16,
+    seed: int = 0,
+    options: dict[str, Any] | None = None,
+    name: str | None = None,
+) -> CheckReport:
+    """Judge the environment made by ``factory(**options)`` on ``episodes`` random and gold episodes."""
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    options = dict(options or {})
+    findings = _Findings()
+    label: str = name or str(getattr(factory, "__name__", repr(factory)))
+    try:
+        probe = factory(**options)
+    except Exception as exc:
+        return _aborted(label, episodes, seed, f"factory(**{options!r}) failed: {exc!r}")
+    spec: Any = getattr(probe, "spec", None)
+    if not isinstance(spec, EnvSpec):
+        return _aborted(label, episodes, seed, f"spec is {type(spec).__name__}, not EnvSpec")
+    label = name or spec.name
+    for problem in spec.validate():
+        findings.add("spec_valid", problem)
+    findings.notes["spec_valid"] = f"{spec.name} v{spec.version}, max_turns={spec.max_turns}"
+
+    tasks_before, threads_before = asyncio.all_tasks(), set(threading.enumerate())
+    stats: dict[str, float] = {}
+    try:
+        tasks = await _check_tasks(factory, options, probe, episodes, seed, findings)
+    except Exception as exc:
+        findings.add("deterministic_tasks", f"tasks({seed}) raised {exc!r}")
+        tasks = []
+    if tasks:
+        await _check_reset(factory, options, tasks, spec, findings)
+        random_eps = await _run_phase("random", factory, options, tasks, random_action, seed, findings, spec)
+        stats.update(_policy_stats("random", random_eps))
+        if await _has_gold_policy(factory, options, tasks[0], spec):
+            gold_eps = await _run_phase(
+                "gold", factory, options, tasks, gold_policy_action, seed, findings, spec
+            )
+            stats.update(_policy_stats("gold", gold_eps))
+            if stats["gold_mean_outcome"] <= 0:
+                findings.add(
+                    "gold_policy_scores", f"gold policy mean outcome {stats['gold_mean_outcome']:.3f} <= 0"
+                )
+            findings.notes["gold_policy_scores"] = f"gold mean outcome {stats['gold_mean_outcome']:.3f}"
+        else:
+            findings.notes["gold_policy_scores"] = "no gold policy (gold_action() is None): skipped"
+    await _close_twice(probe, "probe instance", spec.step_timeout_s, findings)
+    await _collect_leaked_tasks(tasks_before, findings)
+    _collect_leaked_threads(threads_before, findings)
+    return CheckReport(label, episodes, seed, findings.results(), stats)
+
+
+def _aborted(label: str, episodes: int, seed: int, reason: str) -> CheckReport:
+    criteria = [CriterionResult("spec_valid", False, reason)]
+    criteria += [CriterionResult(name, False, "not run: no usable spec") for name in CRITERIA[1:]]
+    return CheckReport(label, episodes, seed, criteria)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"option {text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw  # a bare word is a string option
+
+
+def format_report(report: CheckReport) -> str:
+    """The human-readable table printed by ``rollwise env check``."""
+    lines = [f"env {report.env}: {report.episodes} episodes per policy, seed {report.seed}"]
+    width = max(len(name) for name in CRITERIA)
+    for criterion in report.criteria:
+        lines.append(
+            f"{'PASS' if criterion.passed else 'FAIL'}  {criterion.name.ljust(width)}  {criterion.detail}"
+        )
+    for policy in ("random", "gold"):
+        if f"{policy}_mean_outcome" in report.stats:
+            lines.append(
+                f"{policy} policy: mean outcome {report.stats[f'{policy}_mean_outcome']:.3f}, "
+                f"success {report.stats[f'{policy}_success_rate']:.0%}, "
+                f"mean turns {report.stats[f'{policy}_mean_turns']:.2f}"
+            )
+    failed = [criterion.name for criterion in report.failures()]
+    lines.append(f"FAILED: {', '.join(failed)}" if failed else "all criteria passed")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``rollwise env check NAME [--episodes N] [--seed S] [--json] [--option K=V ...]``.
+
+    ``argv`` are the arguments after ``env check`` (a leading ``"check"`` is tolerated). Exit status:
+    0 all criteria passed, 1 some failed (each named), 2 the environment could not be resolved.
+    """
+    from envs.discovery import EnvDiscoveryError, resolve_env
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if len(args_in) > 1 and args_in[0] == "check" and not args_in[1].startswith("-"):
+        args_in = args_in[1:]
+    parser = argparse.ArgumentParser(prog="rollwise env check", description="Check an environment plugin.")
+    parser.add_argument("name", help="entry-point name (see `rollwise envs`) or module:attr")
+    parser.add_argument("--episodes", type=int, default=16, help="episodes per policy, run concurrently")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task stream and random policy")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--option",
+        type=_parse_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="factory option (VALUE parsed as JSON when possible); repeatable",
+    )
+    args = parser.parse_args(args_in)
+    if args.episodes < 1:
+        parser.error(f"--episodes must be >= 1, got {args.episodes}")
+    try:
+        factory = resolve_env(args.name)
+    except EnvDiscoveryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report = asyncio.run(
+        check_env(factory, episodes=args.episodes, seed=args.seed, options=dict(args.option), name=args.name)
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""rollwise-echo: an example environment plugin (see README.md)."""

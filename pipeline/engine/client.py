@@ -1,0 +1,362 @@
+"""EngineClient: one SGLang server (or one sglang-router URL) over its native HTTP API.
+
+Retry rules, chosen so that no generation is ever run twice by accident:
+- a connection that could not be opened (refused, connect timeout) never reached the server: every call
+  is retried, `generate` included;
+- 5xx replies and connections lost after the request was sent are retried only for idempotent calls
+  (health, info, control calls: pausing twice or loading the same weights twice is harmless).
+  `generate` is not idempotent (a duplicate rid, twice the compute), so it is retried after a reply only
+  on 503 (the server refused to take it);
+- 4xx replies are never retried.
+Backoff is exponential with jitter. A circuit breaker counts consecutive connection failures across
+calls (a call that times out counts too); once open it fails calls fast for `circuit_reset_s`, then
+lets one trial call through. `health()` bypasses it: the probe is what closes it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import aiohttp
+
+from pipeline.engine.protocol import (
+    EngineError,
+    EngineHTTPError,
+    EngineProtocolError,
+    EngineUnavailable,
+    GenerateResult,
+    SamplingParams,
+    parse_generate_response,
+)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+
+# aiohttp >= 3.10 raises ConnectionTimeoutError for a connect timeout; older versions a plain
+# ServerTimeoutError (then treated as "maybe sent", the conservative choice).
+_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectorError,
+    getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError),
+)
+
+# /health on late-2025+ SGLang generates one token and waits up to 20 s (SGLANG_HEALTH_CHECK_TIMEOUT).
+HEALTH_TIMEOUT_S = 25.0
+
+
+@dataclass(frozen=True)
+class _Reply:
+    status: int
+    body: bytes
+    content_type: str
+
+
+class CircuitBreaker:
+    """Counts consecutive connection failures; open = fail fast; half-open = one trial call."""
+
+    def __init__(self, failures_to_open: int, reset_s: float) -> None:
+        self.failures_to_open = failures_to_open
+        self.reset_s = reset_s
+        self.consecutive_failures = 0
+        self.opened_at: float | None = None
+        self._trial_in_flight = False
+
+    @property
+    def is_open(self) -> bool:
+        return self.opened_at is not None
+
+    def admit(self, url: str) -> bool:
+        """Raise EngineUnavailable while open; return True when this call is the half-open trial."""
+        if self.opened_at is None:
+            return False
+        waited = time.monotonic() - self.opened_at
+        if waited < self.reset_s or self._trial_in_flight:
+            raise EngineUnavailable(
+                url, f"circuit open after {self.consecutive_failures} consecutive connection failures"
+            )
+        self._trial_in_flight = True
+        return True
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.opened_at = None
+        self._trial_in_flight = False
+
+    def record_failure(self) -> None:
+        self.consecutive_failures += 1
+        if self._trial_in_flight or self.consecutive_failures >= self.failures_to_open:
+            self.opened_at = time.monotonic()
+        self._trial_in_flight = False
+
+    def release_trial(self) -> None:
+        """A trial that ended without a verdict (cancelled, protocol error) leaves the circuit open."""
+        self._trial_in_flight = False
+
+
+def _error_message(reply: _Reply) -> str:
+    """The human message of an SGLang error body: {"error": {"message"}}, {"message"} or plain text."""
+    text = reply.body.decode("utf-8", errors="replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:500] or "(empty body)"
+    if isinstance(obj, dict):
+        error = obj.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "message" in obj:
+            return str(obj["message"])
+    return text[:500]
+
+
+class EngineClient:
+    """Client of one SGLang HTTP server. Use as `async with EngineClient(url) as c:` or call `close()`.
+
+    `retries` is the number of extra attempts after the first. All timeouts are in seconds; every call
+    has one (`request_timeout_s` in total, `connect_timeout_s` to open a socket).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        request_timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 256,
+        retries: int = 3,
+        backoff_base_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        circuit_failures: int = 5,
+        circuit_reset_s: float = 5.0,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"EngineClient base_url must start with http:// or https://, got {base_url!r}")
+        if max_connections < 1 or retries < 0 or circuit_failures < 1:
+            raise ValueError(
+                f"EngineClient needs max_connections >= 1, retries >= 0, circuit_failures >= 1; got "
+                f"{max_connections}, {retries}, {circuit_failures}"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections
+        self.retries = retries
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.breaker = CircuitBreaker(circuit_failures, circuit_reset_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.base_url!r})"
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session. Idempotent; the client cannot be used afterwards."""
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise EngineUnavailable(self.base_url, "client is closed")
+        if self._session is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            # Created lazily so that the session belongs to the running event loop.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                headers=headers,
+            )
+        return self._session
+
+    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
+        # sock_connect, not connect: waiting for a free pooled connection is not a connection failure.
+        return aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_timeout_s)
+
+    def _backoff_s(self, attempt: int) -> float:
+        cap = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
+        return random.uniform(0.5 * cap, cap)
+
+    async def _send_once(
+        self, method: str, url: str, body: dict[str, Any] | None, limits: aiohttp.ClientTimeout
+    ) -> _Reply:
+        session = self._get_session()
+        async with session.request(method, url, json=body, timeout=limits) as resp:
+            data = await resp.read()
+            return _Reply(resp.status, data, resp.content_type)
+
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
+    ) -> _Reply:
+        """Send with retries and the circuit breaker. Returns a 2xx reply; raises EngineError else."""
+        url = self.base_url + path
+        limits = self._timeout(self.request_timeout_s)
+        attempt = 0
+        failure: EngineError
+        while True:
+            is_trial = self.breaker.admit(url)
+            try:
+                reply = await self._send_once(method, url, body, limits)
+            except _CONNECT_ERRORS as exc:
+                self.breaker.record_failure()
+                failure = EngineUnavailable(url, f"cannot connect: {exc}", maybe_sent=False)
+                failure.__cause__ = exc
+                retryable = True
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+                self.breaker.record_failure()
+                if isinstance(exc, TimeoutError):
+                    reason = f"no complete reply within {limits.total} s"
+                else:
+                    reason = f"connection lost: {type(exc).__name__}: {exc}"
+                failure = EngineUnavailable(url, reason, maybe_sent=True)
+                failure.__cause__ = exc
+                retryable = idempotent
+            else:
+                self.breaker.record_success()
+                if 200 <= reply.status < 300:
+                    return reply
+                failure = EngineHTTPError(reply.status, _error_message(reply), url)
+                retryable = reply.status >= 500 and (idempotent or reply.status == 503)
+            finally:
+                if is_trial:
+                    self.breaker.release_trial()
+            if not retryable or attempt >= self.retries:
+                raise failure
+            await asyncio.sleep(self._backoff_s(attempt))
+            attempt += 1
+
+    async def _call_json(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
+    ) -> dict[str, Any]:
+        reply = await self._call(method, path, body, idempotent=idempotent)
+        obj = _decode_json(reply, self.base_url + path)
+        if not isinstance(obj, dict):
+            raise EngineProtocolError(f"{path} replied {type(obj).__name__}, expected an object")
+        return obj
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+        """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
+
+        An aborted request is not an error: it returns with finish_reason "abort" and its partial output.
+        """
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": sampling.to_wire(),
+            "return_logprob": True,
+            "rid": rid,
+        }
+        url = self.base_url + "/generate"
+        reply = await self._call("POST", "/generate", body, idempotent=False)
+        try:
+            obj = _decode_json(reply, url)
+        except EngineProtocolError as exc:
+            raise EngineProtocolError(exc.defect, rid=rid, url=url) from None
+        try:
+            return parse_generate_response(obj, expected_rid=rid)
+        except EngineProtocolError as exc:
+            raise EngineProtocolError(exc.defect, rid=exc.rid, url=url) from None
+
+    async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+        """Readiness probe: 200 -> True; 5xx (503 = still starting), refused or timeout -> False.
+
+        Bypasses the circuit breaker (it is the probe that closes it) and never retries. A 4xx (e.g. 401,
+        a wrong api key) is a configuration error and raises EngineHTTPError.
+        """
+        url = self.base_url + "/health"
+        try:
+            reply = await self._send_once("GET", url, None, self._timeout(timeout_s))
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+        if reply.status == 200:
+            self.breaker.record_success()
+            return True
+        if 400 <= reply.status < 500:
+            raise EngineHTTPError(reply.status, _error_message(reply), url)
+        return False
+
+    async def wait_ready(self, timeout_s: float, *, poll_interval_s: float = 0.2) -> None:
+        """Poll /health until it answers 200; raise EngineUnavailable after `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineUnavailable(self.base_url, f"/health not ready after {timeout_s} s")
+            if await self.health(timeout_s=max(0.05, min(HEALTH_TIMEOUT_S, remaining))):
+                return
+            await asyncio.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+
+    async def model_info(self) -> dict[str, Any]:
+        """`/model_info` (2026 SGLang), falling back to `/get_model_info` on servers that answer 404."""
+        try:
+            return await self._call_json("GET", "/model_info")
+        except EngineHTTPError as exc:
+            if exc.status != 404:
+                raise
+        return await self._call_json("GET", "/get_model_info")
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Load weights from `model_path` (a directory the server can read) and label them
+        `weight_version`. Returns the server's reply; `success: false` raises EngineHTTPError."""
+        path = "/update_weights_from_disk"
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "abort_all_requests": abort_all_requests,
+            "flush_cache": flush_cache,
+        }
+        reply = await self._call_json("POST", path, body)
+        if reply.get("success") is not True:
+            raise EngineHTTPError(200, str(reply.get("message", "success is not true")), self.base_url + path)
+        return reply
+
+    async def pause_generation(self, mode: PauseMode = "in_place") -> dict[str, Any]:
+        """Pause: `in_place` freezes running requests with their KV, `retract` requeues them, `abort` ends
+        them (they return finish_reason abort). New /generate calls wait until continue_generation."""
+        return await self._call_json("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return await self._call_json("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        """Abort one request by rid, or every request. The aborted calls return finish_reason abort."""
+        if (rid is None) == (not abort_all):
+            raise ValueError("abort_request needs exactly one of rid=... or abort_all=True")
+        body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
+        await self._call("POST", "/abort_request", body)
+
+    async def flush_cache(self) -> str:
+        """Flush the prefix cache. Returns SGLang's plain-text reply; 400 (requests running) raises."""
+        reply = await self._call("POST", "/flush_cache")
+        return reply.body.decode("utf-8", errors="replace")
+
+
+def _decode_json(reply: _Reply, url: str) -> object:
+    try:
+        # json.loads accepts NaN/Infinity literals; the validators reject them with a clear defect.
+        return json.loads(reply.body)
+    except ValueError:
+        snippet = reply.body[:200].decode("utf-8", errors="replace")
+        raise EngineProtocolError(f"{url} replied non-JSON body {snippet!r}", url=url) from None

@@ -1,0 +1,277 @@
+"""SGLang `/generate` wire protocol: request sampling params, parsed results, typed errors.
+
+Pure data and validation, no I/O. The request and response shapes follow SGLang's native HTTP API
+(shared/reference/sglang_api.md §1 and §8); docs/architecture.md "Contract 2" is the contract.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+FinishType = Literal["stop", "length", "abort"]
+FINISH_TYPES: frozenset[str] = frozenset({"stop", "length", "abort"})
+
+_DECIMAL = re.compile(r"[0-9]+")
+
+
+class EngineError(Exception):
+    """Base of every error raised while talking to an inference engine."""
+
+
+class EngineProtocolError(EngineError):
+    """A response that breaks the wire contract. `defect` says what was wrong; `rid` which request."""
+
+    def __init__(self, defect: str, *, rid: str | None = None, url: str | None = None) -> None:
+        self.defect = defect
+        self.rid = rid
+        self.url = url
+        where = f" from {url}" if url else ""
+        super().__init__(f"engine response for rid={rid!r}{where} broke the protocol: {defect}")
+
+
+class EngineHTTPError(EngineError):
+    """An HTTP error status (4xx/5xx) or a control call that reported `success: false`."""
+
+    def __init__(self, status: int, message: str, url: str) -> None:
+        self.status = status
+        self.message = message
+        self.url = url
+        super().__init__(f"HTTP {status} from {url}: {message}")
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached: connection refused or lost, timeout, circuit open, pool empty.
+
+    `maybe_sent` is False when the request certainly never reached the server (connection refused,
+    circuit open, no pool member), so sending it elsewhere cannot duplicate work.
+    """
+
+    def __init__(self, url: str, reason: str, *, maybe_sent: bool = False) -> None:
+        self.url = url
+        self.reason = reason
+        self.maybe_sent = maybe_sent
+        super().__init__(f"engine {url} unavailable: {reason}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request. Defaults are the ones whose log-probs the learner can reproduce
+    (log_softmax(logits / temperature), no nucleus truncation)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (whole vocabulary) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+    def to_wire(self) -> dict[str, Any]:
+        """SGLang `sampling_params`. Special tokens are kept and stop tokens not trimmed, because the
+        trainer needs exactly the ids the engine produced."""
+        wire: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if self.seed is not None:
+            wire["sampling_seed"] = self.seed
+        return wire
+
+
+@dataclass
+class GenerateResult:
+    """One completed `/generate` call. `output_ids`, `logprobs` and `token_versions` have equal length;
+    `logprobs[i]` is the engine's log-prob of `output_ids[i]` (finite, <= 0 for a real engine)."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishType
+    weight_version: str
+    token_versions: list[str]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    abort_message: str | None = None
+
+
+def version_to_int(version: str) -> int:
+    """Policy version of a wire weight version: "default" -> 0, "12" -> 12."""
+    if version == "default":
+        return 0
+    if isinstance(version, str) and _DECIMAL.fullmatch(version):
+        return int(version)
+    raise EngineProtocolError(f"weight_version {version!r} is neither 'default' nor a decimal integer")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_logprob_entries_fast(entries: object) -> tuple[list[float], list[int]] | None:
+    """The common all-valid case at C speed; None means "check entry by entry for the defect"."""
+    if not isinstance(entries, list) or not all(type(e) is list and len(e) >= 2 for e in entries):
+        return None
+    logprobs = [e[0] for e in entries]
+    ids = [e[1] for e in entries]
+    if not all(type(x) is float for x in logprobs) or not all(type(t) is int for t in ids):
+        return None
+    # A NaN or an infinity makes the sum non-finite; finite log-probs cannot overflow it.
+    if not math.isfinite(sum(logprobs)):
+        return None
+    return logprobs, ids
+
+
+def _parse_logprob_entries(entries: object, rid: str) -> tuple[list[float], list[int]]:
+    fast = _parse_logprob_entries_fast(entries)
+    if fast is not None:
+        return fast
+    if not isinstance(entries, list):
+        raise EngineProtocolError(
+            f"meta_info.output_token_logprobs is {type(entries).__name__}, expected a list", rid=rid
+        )
+    logprobs: list[float] = []
+    ids: list[int] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, list) or len(entry) < 2:
+            raise EngineProtocolError(
+                f"meta_info.output_token_logprobs[{i}] is {entry!r}, expected [logprob, token_id, text]",
+                rid=rid,
+            )
+        logprob, token_id = entry[0], entry[1]
+        if logprob is None:
+            raise EngineProtocolError(f"meta_info.output_token_logprobs[{i}] logprob is null", rid=rid)
+        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
+            raise EngineProtocolError(
+                f"meta_info.output_token_logprobs[{i}] logprob {logprob!r} is not a finite number", rid=rid
+            )
+        if not _is_int(token_id):
+            raise EngineProtocolError(
+                f"meta_info.output_token_logprobs[{i}] token id {token_id!r} is not an int", rid=rid
+            )
+        logprobs.append(float(logprob))
+        ids.append(cast(int, token_id))
+    return logprobs, ids
+
+
+def _parse_finish(meta: dict[str, Any], rid: str) -> tuple[FinishType, str | None]:
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict):
+        raise EngineProtocolError(f"meta_info.finish_reason is {finish!r}, expected an object", rid=rid)
+    kind = finish.get("type")
+    if kind not in FINISH_TYPES:
+        raise EngineProtocolError(
+            f"meta_info.finish_reason.type {kind!r} is not one of {sorted(FINISH_TYPES)}", rid=rid
+        )
+    message = finish.get("message") if kind == "abort" else None
+    return cast(FinishType, kind), (str(message) if message is not None else None)
+
+
+def _parse_versions(meta: dict[str, Any], n: int, rid: str) -> tuple[str, list[str]]:
+    weight_version = meta.get("weight_version", "default")
+    if not isinstance(weight_version, str):
+        raise EngineProtocolError(f"meta_info.weight_version {weight_version!r} is not a string", rid=rid)
+    per_token = meta.get("output_token_weight_versions")
+    if per_token is None:
+        return weight_version, [weight_version] * n
+    if not isinstance(per_token, list) or not all(isinstance(v, str) for v in per_token):
+        raise EngineProtocolError("meta_info.output_token_weight_versions is not a list of strings", rid=rid)
+    if len(per_token) != n:
+        raise EngineProtocolError(
+            f"meta_info.output_token_weight_versions has {len(per_token)} entries for {n} output tokens",
+            rid=rid,
+        )
+    return weight_version, list(per_token)
+
+
+def _int_field(meta: dict[str, Any], key: str, rid: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if not _is_int(value):
+        raise EngineProtocolError(f"meta_info.{key} is {value!r}, expected an int", rid=rid)
+    return cast(int, value)
+
+
+def parse_generate_response(obj: object, *, expected_rid: str | None) -> GenerateResult:
+    """Validate one non-streaming `/generate` response object (sent with return_logprob=true).
+
+    Unknown fields are ignored. Every breach raises EngineProtocolError naming the field. An abort with
+    no tokens (a request aborted in the waiting queue) may omit `output_token_logprobs`.
+    """
+    rid = expected_rid or "?"
+    if not isinstance(obj, dict):
+        raise EngineProtocolError(f"response is a JSON {type(obj).__name__}, expected an object", rid=rid)
+    meta = obj.get("meta_info")
+    if not isinstance(meta, dict):
+        error = obj.get("error")
+        detail = f" (server error: {error!r})" if error is not None else ""
+        raise EngineProtocolError(f"response has no meta_info object{detail}", rid=rid)
+    got_rid = meta.get("id")
+    if not isinstance(got_rid, str):
+        raise EngineProtocolError(f"meta_info.id is {got_rid!r}, expected a string", rid=rid)
+    if expected_rid is not None and got_rid != expected_rid:
+        raise EngineProtocolError(f"meta_info.id {got_rid!r} differs from the request's rid", rid=rid)
+    finish_reason, abort_message = _parse_finish(meta, got_rid)
+
+    raw_ids = obj.get("output_ids")
+    if raw_ids is not None and (not isinstance(raw_ids, list) or not all(type(t) is int for t in raw_ids)):
+        raise EngineProtocolError("output_ids is not a list of ints", rid=got_rid)
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        if finish_reason == "abort" and not raw_ids:
+            entries = []
+        else:
+            raise EngineProtocolError(
+                "meta_info.output_token_logprobs is missing (was return_logprob sent?)", rid=got_rid
+            )
+    logprobs, logprob_ids = _parse_logprob_entries(entries, got_rid)
+    output_ids = cast(list[int], raw_ids) if raw_ids is not None else logprob_ids
+    if len(logprob_ids) != len(output_ids):
+        raise EngineProtocolError(
+            f"meta_info.output_token_logprobs has {len(logprob_ids)} entries for "
+            f"{len(output_ids)} output_ids",
+            rid=got_rid,
+        )
+    for i, (a, b) in enumerate(zip(output_ids, logprob_ids, strict=True)):
+        if a != b:
+            raise EngineProtocolError(
+                f"output_ids[{i}]={a} but meta_info.output_token_logprobs[{i}] is for token {b}", rid=got_rid
+            )
+    completion_tokens = _int_field(meta, "completion_tokens", got_rid)
+    if completion_tokens != len(output_ids):
+        raise EngineProtocolError(
+            f"meta_info.completion_tokens={completion_tokens} but {len(output_ids)} output_ids", rid=got_rid
+        )
+    weight_version, token_versions = _parse_versions(meta, len(output_ids), got_rid)
+    return GenerateResult(
+        rid=got_rid,
+        output_ids=list(output_ids),
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        weight_version=weight_version,
+        token_versions=token_versions,
+        prompt_tokens=_int_field(meta, "prompt_tokens", got_rid),
+        completion_tokens=completion_tokens,
+        cached_tokens=_int_field(meta, "cached_tokens", got_rid, default=0),
+        abort_message=abort_message,
+    )

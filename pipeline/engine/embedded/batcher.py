@@ -1,0 +1,565 @@
+"""Continuous-batching scheduler of the embedded engine: one worker thread owns the model and KV cache.
+
+Threading: `Scheduler` runs the model in ONE dedicated thread (torch releases the GIL inside its
+kernels, so the aiohttp loop stays responsive). Other threads talk to it only through a thread-safe
+command queue (`submit`, `abort`, `pause`, `resume`, `swap_weights`, `flush_cache`); replies come back
+as `concurrent.futures.Future`s, and per-request progress through the request's `notify` callback,
+which is invoked on the worker thread (the server wraps it in `loop.call_soon_threadsafe`).
+`EngineRequest.output_ids / logprobs / versions` are append-only lists written only by the worker;
+readers take a prefix of the length announced by `notify`.
+
+KV cache layout: the running batch keeps, per layer, keys/values of shape (B, kv_heads, T, head_dim)
+with LEFT padding, a (B, T) attention mask (0 on padding) and explicit per-row position ids, so a
+row's numbers do not depend on what it is batched with. New requests are prefilled together (left
+padded to their longest prompt), sample their first token from the prefill logits, and are merged
+into the running batch by left-padding the shorter KV; finished rows are dropped between steps and
+all-padding leading columns trimmed. Every decode step feeds each row's last sampled token. The KV
+lives in `GrowableLayer`s (an HF `DynamicCache` whose layers write each step in place into a buffer
+with spare room) because DynamicLayer's per-step concatenation copies the whole cache every token.
+
+Weight versions: every generated token is stamped with the weight version active when it was sampled
+(`EngineRequest.versions`, sent as `meta_info.output_token_weight_versions`); `meta_info.weight_version`
+is the version at finish. Weight swaps happen between two steps, never inside one. Rows that keep their
+KV across a swap (in-place pause, or no pause at all) continue on the new weights with the old KV;
+retracted rows recompute their KV with whatever weights are active when they are re-admitted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from pipeline.engine.embedded.metrics import EngineMetrics, version_value
+from pipeline.engine.embedded.sampling import (
+    RequestSampling,
+    batch_sampling,
+    draw_uniforms,
+    sample_next_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+# Shape-defining config fields: weights whose config differs here cannot reuse the running KV cache.
+GROW_MIN = 64  # spare KV positions added at least when a GrowableLayer is (re)allocated
+_ARCH_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size")
+
+
+def abort_reason(message: str) -> dict[str, Any]:
+    """SGLang's FINISH_ABORT json."""
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One sequence to generate. `notify(request, finished)` is called on the worker thread after each
+    new token when `stream` is true, and once when the request finishes (finish_reason set first)."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: RequestSampling
+    notify: Callable[[EngineRequest, bool], None]
+    stream: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    finish_time: float | None = None
+    finish_version: str | None = None  # weight version active when the request finished
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        seed = self.sampling.sampling_seed
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed if seed is not None else random.getrandbits(63))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GrowableLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in a buffer with spare room along the sequence axis.
+
+    DynamicLayer concatenates on every update, copying the whole cache each decode step; here a step
+    writes its column in place and `keys`/`values` are views of the first `length` positions. The
+    buffer grows by half its length when full (amortised O(1) per token). Only `update` and
+    `get_seq_length` are supported (the engine never crops or reorders a layer; it builds a new one).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._length = keys.shape[2]
+        capacity = self._length + max(GROW_MIN, self._length // 2)
+        self._key_buffer = self._allocate(keys, capacity)
+        self._value_buffer = self._allocate(values, capacity)
+        self._expose()
+
+    @staticmethod
+    def _allocate(content: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, length, dim = content.shape
+        buffer = content.new_empty(batch, heads, capacity, dim)
+        buffer[:, :, :length] = content
+        return buffer
+
+    def _expose(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self._key_buffer[:, :, : self._length]
+        values = self._value_buffer[:, :, : self._length]
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self._length + key_states.shape[2]
+        if end > self._key_buffer.shape[2]:
+            capacity = end + max(GROW_MIN, end // 2)
+            self._key_buffer = self._allocate(self._key_buffer[:, :, : self._length], capacity)
+            self._value_buffer = self._allocate(self._value_buffer[:, :, : self._length], capacity)
+        self._key_buffer[:, :, self._length : end] = key_states
+        self._value_buffer[:, :, self._length : end] = value_states
+        self._length = end
+        return self._expose()
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+
+def growable_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache holding `kv` (per layer (B, kv_heads, T, head_dim)) in GrowableLayers."""
+    cache = DynamicCache()
+    cache.layers = [GrowableLayer(keys, values) for keys, values in kv]
+    return cache
+
+
+@dataclass
+class RunningBatch:
+    """Rows being decoded, with their left-padded KV cache (see module docstring)."""
+
+    rows: list[EngineRequest]
+    cache: DynamicCache
+    mask: torch.Tensor  # (B, T) int64, 0 = padding
+    next_pos: torch.Tensor  # (B,) int64, position id of the token fed next
+    last_tokens: torch.Tensor  # (B,) int64, the token fed next (sampled, not yet in the cache)
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv_of(self.cache)
+
+    @staticmethod
+    def kv_of(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # getattr: transformers types `layers` as a union that includes linear-attention layers.
+        return [(getattr(layer, "keys"), getattr(layer, "values")) for layer in cache.layers]  # noqa: B009
+
+    def select(self, keep: list[int]) -> RunningBatch:
+        """The batch restricted to rows `keep`, with all-padding leading columns trimmed."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        mask = self.mask.index_select(0, index)
+        used = mask.any(dim=0).nonzero()
+        start = int(used[0]) if used.numel() else mask.shape[1]
+        kv = [
+            (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
+            for k, v in self.kv()
+        ]
+        return RunningBatch(
+            rows=[self.rows[i] for i in keep],
+            cache=growable_cache(kv),
+            mask=mask[:, start:],
+            next_pos=self.next_pos.index_select(0, index),
+            last_tokens=self.last_tokens.index_select(0, index),
+        )
+
+    def merge(self, other: RunningBatch) -> RunningBatch:
+        """Both batches' rows in one batch; the shorter side is left-padded with masked zeros."""
+        length = max(self.mask.shape[1], other.mask.shape[1])
+        merged_kv = [
+            (
+                torch.cat([_left_pad(k1, length), _left_pad(k2, length)]),
+                torch.cat([_left_pad(v1, length), _left_pad(v2, length)]),
+            )
+            for (k1, v1), (k2, v2) in zip(self.kv(), other.kv(), strict=True)
+        ]
+        return RunningBatch(
+            rows=self.rows + other.rows,
+            cache=growable_cache(merged_kv),
+            mask=torch.cat([_left_pad_mask(self.mask, length), _left_pad_mask(other.mask, length)]),
+            next_pos=torch.cat([self.next_pos, other.next_pos]),
+            last_tokens=torch.cat([self.last_tokens, other.last_tokens]),
+        )
+
+
+def _left_pad(kv: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - kv.shape[2]
+    if missing == 0:
+        return kv
+    pad = kv.new_zeros(kv.shape[0], kv.shape[1], missing, kv.shape[3])
+    return torch.cat([pad, kv], dim=2)
+
+
+def _left_pad_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - mask.shape[1]
+    if missing == 0:
+        return mask
+    return torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)
+
+
+def architecture_mismatch(old: Any, new: Any) -> str | None:
+    """Name the first shape-defining config field that differs between two model configs."""
+    for name in _ARCH_FIELDS:
+        before, after = getattr(old, name, None), getattr(new, name, None)
+        if before != after:
+            return f"config.{name} differs: loaded model has {before!r}, new weights have {after!r}"
+    return None
+
+
+class Scheduler:
+    """Owns the model; batches, decodes and finishes requests on its own worker thread."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        weight_version: str,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+        metrics: EngineMetrics,
+        max_batch: int = 64,
+        batch_wait_s: float = 0.003,
+        max_prefill_tokens: int = 16384,
+    ) -> None:
+        self.model = model
+        self.weight_version = weight_version
+        self.vocab_size = int(model.config.vocab_size)
+        self.context_length = context_length
+        self._eos = eos_token_ids
+        self._metrics = metrics
+        self._max_batch = max_batch
+        self._batch_wait_s = batch_wait_s
+        self._max_prefill_tokens = max_prefill_tokens
+        self._device = next(model.parameters()).device
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._waiting: deque[EngineRequest] = deque()
+        self._batch: RunningBatch | None = None
+        self._paused = False
+        self._stopping = False
+        self.peak_batch = 0  # most rows ever decoded in one step (diagnostics, tests)
+        self._thread = threading.Thread(target=self._run, name="rollwise-engine-worker", daemon=True)
+        metrics.weight_version.set(version_value(weight_version))
+
+    # ---- thread-safe API -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and end the worker thread."""
+
+        def command() -> None:
+            self._abort_matching(None, "engine shutting down")
+            self._stopping = True
+
+        self._commands.put(command)
+        self._thread.join(timeout)
+
+    def submit(self, requests: list[EngineRequest]) -> None:
+        self._commands.put(lambda: self._waiting.extend(requests))
+
+    def abort(self, rid: str | None, message: str = "Aborted by /abort_request") -> None:
+        """Abort the request `rid` (running or waiting), or every request when rid is None."""
+        self._commands.put(lambda: self._abort_matching(rid, message))
+
+    def pause(self, mode: PauseMode) -> concurrent.futures.Future[None]:
+        def command() -> None:
+            if mode == "abort":
+                self._abort_matching(None, "Aborted by /pause_generation")
+            elif mode == "retract":
+                self._retract_all()
+            self._paused = True
+
+        return self._call(command)
+
+    def resume(self) -> concurrent.futures.Future[None]:
+        def command() -> None:
+            self._paused = False
+
+        return self._call(command)
+
+    def swap_weights(
+        self, model: Any, weight_version: str | None, abort_all: bool
+    ) -> concurrent.futures.Future[int]:
+        """Replace the model between two steps; resolves to the number of requests held by a pause.
+        Fails (ValueError) if the new model's architecture differs; then nothing changes."""
+
+        def command() -> int:
+            mismatch = architecture_mismatch(self.model.config, model.config)
+            if mismatch:
+                raise ValueError(f"cannot swap weights: {mismatch}")
+            if abort_all:
+                self._abort_matching(None, "Aborted by weight update (abort_all_requests)")
+            self.model = model
+            if weight_version is not None:
+                self.weight_version = weight_version
+                self._metrics.weight_version.set(version_value(weight_version))
+            return self.num_requests() if self._paused else 0
+
+        return self._call(command)
+
+    def flush_cache(self) -> concurrent.futures.Future[bool]:
+        """True if the engine was idle (there is no prefix cache, so nothing else to drop)."""
+        return self._call(lambda: self.num_requests() == 0)
+
+    def num_running(self) -> int:
+        batch = self._batch
+        return batch.size if batch is not None else 0
+
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def num_requests(self) -> int:
+        return self.num_running() + self.num_waiting()
+
+    @property
+    def alive(self) -> bool:
+        """The worker thread is running (False before start, after stop, or if it died)."""
+        return self._thread.is_alive()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._commands.put(command)
+        return future
+
+    # ---- worker thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                idle = self._paused or (self._batch is None and not self._waiting)
+                self._drain_commands(block=idle)
+                if self._stopping or self._paused:
+                    self._publish_gauges()
+                    continue
+                if idle and self._waiting:
+                    self._collect_arrivals()
+                try:
+                    self._admit_waiting()
+                    if self._batch is not None:
+                        self._decode_step()
+                except Exception as exc:  # a failing step must not kill the engine: fail its requests
+                    log.exception("engine step failed")
+                    self._abort_matching(None, f"engine step failed: {type(exc).__name__}: {exc}")
+                self._publish_gauges()
+
+    def _drain_commands(self, *, block: bool) -> None:
+        if block:
+            self._execute(self._commands.get())
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._execute(command)
+
+    @staticmethod
+    def _execute(command: Callable[[], None]) -> None:
+        try:
+            command()
+        except Exception:  # the worker thread must outlive any one command
+            log.exception("engine command failed")
+
+    def _collect_arrivals(self) -> None:
+        """Wait a few ms after the first request of an idle engine so that requests sent together are
+        prefilled together."""
+        deadline = time.monotonic() + self._batch_wait_s
+        while not self._stopping and not self._paused and len(self._waiting) < self._max_batch:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                command = self._commands.get(timeout=remaining)
+            except queue.Empty:
+                return
+            self._execute(command)
+
+    def _publish_gauges(self) -> None:
+        self._metrics.num_running_reqs.set(self.num_running())
+        self._metrics.num_queue_reqs.set(self.num_waiting())
+
+    def _finish(self, request: EngineRequest, reason: dict[str, Any]) -> None:
+        if request.finished:
+            return
+        request.finish_version = self.weight_version
+        request.finish_time = time.monotonic()
+        request.finish_reason = reason
+        self._metrics.num_requests.inc()
+        if reason["type"] == "abort":
+            self._metrics.num_aborted_requests.inc()
+        self._metrics.e2e_latency.observe(request.finish_time - request.arrival)
+        request.notify(request, True)
+
+    def _abort_matching(self, rid: str | None, message: str) -> None:
+        for request in [r for r in self._waiting if rid is None or r.rid == rid]:
+            self._waiting.remove(request)
+            self._finish(request, abort_reason("Abort in waiting queue" if rid is None else message))
+        batch = self._batch
+        if batch is None:
+            return
+        hit = [i for i, r in enumerate(batch.rows) if rid is None or r.rid == rid]
+        for i in hit:
+            self._finish(batch.rows[i], abort_reason(message))
+        if hit:
+            self._keep_unfinished()
+
+    def _retract_all(self) -> None:
+        """Move running rows back to the front of the queue; their KV is dropped and recomputed from
+        prompt + output so far when they are admitted again."""
+        if self._batch is not None:
+            self._waiting.extendleft(reversed(self._batch.rows))
+            self._batch = None
+
+    def _keep_unfinished(self) -> None:
+        batch = self._batch
+        if batch is None:
+            return
+        keep = [i for i, r in enumerate(batch.rows) if not r.finished]
+        self._batch = batch.select(keep) if keep else None
+
+    def _admit_waiting(self) -> None:
+        admitted: list[EngineRequest] = []
+        longest = 0
+        while self._waiting and self.num_running() + len(admitted) < self._max_batch:
+            request = self._waiting[0]
+            if request.sampling.max_new_tokens == 0:
+                self._waiting.popleft()
+                self._metrics.prompt_tokens.inc(len(request.prompt_ids))
+                self._finish(request, {"type": "length", "length": 0})
+                continue
+            length = len(request.prompt_ids) + len(request.output_ids)
+            if admitted and max(longest, length) * (len(admitted) + 1) > self._max_prefill_tokens:
+                break
+            longest = max(longest, length)
+            admitted.append(self._waiting.popleft())
+        if not admitted:
+            return
+        try:
+            self._prefill(admitted)
+        except Exception as exc:
+            # Admitted requests are in neither the queue nor the batch: finish them here.
+            for request in admitted:
+                self._finish(request, abort_reason(f"prefill failed: {type(exc).__name__}: {exc}"))
+            raise
+
+    def _prefill(self, requests: list[EngineRequest]) -> None:
+        sequences = [r.prompt_ids + r.output_ids for r in requests]
+        width = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        mask = torch.zeros(len(sequences), width, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self._device), mask.to(self._device), positions.to(self._device)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
+        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self._device)
+        fresh = RunningBatch(
+            rows=requests,
+            cache=growable_cache(RunningBatch.kv_of(cache)),
+            mask=mask,
+            next_pos=lengths,
+            last_tokens=lengths.clone(),
+        )
+        self._sample_into(fresh, out.logits[:, -1, :])
+        keep = [i for i, r in enumerate(requests) if not r.finished]
+        if not keep:
+            return
+        fresh = fresh.select(keep) if len(keep) < len(requests) else fresh
+        self._batch = fresh if self._batch is None else self._batch.merge(fresh)
+
+    def _decode_step(self) -> None:
+        batch = self._batch
+        assert batch is not None
+        self.peak_batch = max(self.peak_batch, batch.size)
+        mask = torch.cat([batch.mask, batch.mask.new_ones(batch.size, 1)], dim=1)
+        out = self.model(
+            input_ids=batch.last_tokens.unsqueeze(1),
+            attention_mask=mask,
+            position_ids=batch.next_pos.unsqueeze(1),
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.mask = mask
+        batch.next_pos = batch.next_pos + 1
+        self._sample_into(batch, out.logits[:, -1, :])
+        if any(r.finished for r in batch.rows):
+            self._keep_unfinished()
+
+    def _sample_into(self, batch: RunningBatch, logits: torch.Tensor) -> None:
+        """Sample each row's next token, record it on the request, finish rows that are done."""
+        rows = batch.rows
+        settings = batch_sampling([r.sampling for r in rows], self.vocab_size)
+        uniforms = draw_uniforms([r.generator for r in rows])
+        tokens, logprobs = sample_next_tokens(logits, settings, uniforms)
+        batch.last_tokens = tokens
+        now = time.monotonic()
+        version = self.weight_version
+        for request, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            if not request.output_ids:
+                self._metrics.time_to_first_token.observe(now - request.arrival)
+            request.output_ids.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(version)
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self._finish(request, reason)
+            elif request.stream:
+                request.notify(request, False)
+        self._metrics.record_generated(len(rows), now)
+
+    def _stop_reason(self, request: EngineRequest) -> dict[str, Any] | None:
+        token = request.output_ids[-1]
+        sampling = request.sampling
+        if (not sampling.ignore_eos and token in self._eos) or token in sampling.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if len(request.output_ids) >= sampling.max_new_tokens:
+            return {"type": "length", "length": sampling.max_new_tokens}
+        if len(request.prompt_ids) + len(request.output_ids) >= self.context_length:
+            return {"type": "length", "length": len(request.output_ids)}
+        return None

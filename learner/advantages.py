@@ -1,0 +1,225 @@
+"""Per-turn advantages for multi-turn episodes (pure Python; shared/reference/envs_and_advantages.md C.2).
+
+Input: groups of episodes; the episodes of a group played the same task. An episode is
+``(turn_rewards, outcome)``: one shaping reward per turn (the env's ``StepResult.reward``) and the final
+outcome, or None when the environment reports none.
+
+Default estimator ``"turn"``, two channels:
+
+- outcome, leave-one-out: A^o_i = o_i - mean_{j != i} o_j (0 when the group has one episode). An episode
+  without an outcome uses o_i = sum of its turn rewards and then has no shaping channel: its rewards
+  already are its outcome (counting them twice would double their weight), so its A^s is 0, it adds
+  nothing to sigma_s, and it is no peer in other episodes' shaping baselines (its rewards are outcome
+  signal, not shaping on the same scale as theirs).
+- shaping, return-to-go with a per-turn leave-one-out baseline: S_{i,k} = sum_{j >= k} gamma^{j-k} s_{i,j};
+  A^s_{i,k} = S_{i,k} - mean of S_{j,k} over peers j != i that have a shaping channel and reached turn k
+  (0 when there is none). Each turn subtracts exactly one baseline built only from *other* episodes, so
+  the baseline does not depend on episode i's own later actions or on when it stopped (no length bias,
+  pitfall P1), and every episode counts once however many turns it took (P2).
+
+Each channel is divided by its own batch-level population std (+1e-6) over every value it has in the call
+(one A^o per episode, one A^s per turn of the episodes that have shaping), so a dense shaping reward
+cannot swamp the outcome, and tiny groups do not blow up: A_{i,k} = A^o_i / sigma_o + lam * A^s_{i,k} /
+sigma_s.
+
+Estimator ``"outcome"``: classic GRPO broadcast, per group (r_i - mean) / (std + 1e-6) with r_i the
+outcome (or the sum of turn rewards), the same value on every turn. std is the *population* std (so a
+one-episode group gives 0, not NaN); verl and TRL use the Bessel-corrected std, which differs by the
+constant factor sqrt((G - 1) / G).
+
+Sums use math.fsum, which is exactly rounded, so results do not depend on episode order, not even in
+the last bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Episode = tuple[Sequence[float], float | None]
+Group = Sequence[Episode]
+Estimator = Literal["turn", "outcome"]
+ESTIMATORS: tuple[str, ...] = ("turn", "outcome")
+STD_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class RawChannels:
+    """Un-normalised channels of the "turn" estimator, indexed [group][episode] (and [turn]).
+
+    ``shaping_baseline[g][i][k]`` is the leave-one-out mean subtracted from S_{i,k} (0.0 when no peer
+    reached turn k); ``shaping[g][i][k]`` = return-to-go minus that baseline. Episodes without a shaping
+    channel (outcome None) have ``has_shaping`` False and zeros in both.
+    """
+
+    outcome: list[list[float]]
+    shaping: list[list[list[float]]]
+    shaping_baseline: list[list[list[float]]]
+    has_shaping: list[list[bool]]
+
+
+def _validated(groups: Sequence[Group]) -> list[list[tuple[list[float], float | None]]]:
+    checked = []
+    for g, group in enumerate(groups):
+        episodes = []
+        for i, episode in enumerate(group):
+            if not isinstance(episode, (tuple, list)) or len(episode) != 2:
+                raise ValueError(f"group {g} episode {i}: expected (turn_rewards, outcome), got {episode!r}")
+            rewards, outcome = episode
+            values = [float(r) for r in rewards]
+            for k, value in enumerate(values):
+                if not math.isfinite(value):
+                    raise ValueError(f"group {g} episode {i} turn {k}: reward {value} is not finite")
+            if outcome is not None and not math.isfinite(float(outcome)):
+                raise ValueError(f"group {g} episode {i}: outcome {outcome} is not finite")
+            episodes.append((values, None if outcome is None else float(outcome)))
+        checked.append(episodes)
+    return checked
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
+
+
+def _population_std(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    mean = _mean(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
+def _outcome_value(rewards: Sequence[float], outcome: float | None) -> float:
+    return math.fsum(rewards) if outcome is None else outcome
+
+
+def _returns_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
+    returns = [0.0] * len(rewards)
+    running = 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        running = rewards[k] + gamma * running
+        returns[k] = running
+    return returns
+
+
+def _leave_one_out(values: Sequence[float], i: int) -> float:
+    peers = [v for j, v in enumerate(values) if j != i]
+    return values[i] - _mean(peers) if peers else 0.0
+
+
+def raw_channels(groups: Sequence[Group], *, gamma: float = 1.0) -> RawChannels:
+    """The outcome and shaping channels before scaling (see the module docstring)."""
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    outcome: list[list[float]] = []
+    shaping: list[list[list[float]]] = []
+    baselines: list[list[list[float]]] = []
+    has_shaping: list[list[bool]] = []
+    for episodes in _validated(groups):
+        outcomes = [_outcome_value(rewards, o) for rewards, o in episodes]
+        outcome.append([_leave_one_out(outcomes, i) for i in range(len(episodes))])
+        shaped = [o is not None for _, o in episodes]
+        returns = [_returns_to_go(rewards, gamma) for rewards, _ in episodes]
+        group_shaping, group_baselines = [], []
+        for i, episode_returns in enumerate(returns):
+            if not shaped[i]:
+                group_shaping.append([0.0] * len(episode_returns))
+                group_baselines.append([0.0] * len(episode_returns))
+                continue
+            episode_shaping, episode_baselines = [], []
+            for k, value in enumerate(episode_returns):
+                peers = [
+                    returns[j][k]
+                    for j in range(len(episodes))
+                    if j != i and shaped[j] and len(returns[j]) > k
+                ]
+                baseline = _mean(peers) if peers else 0.0
+                episode_baselines.append(baseline)
+                episode_shaping.append(value - baseline if peers else 0.0)
+            group_shaping.append(episode_shaping)
+            group_baselines.append(episode_baselines)
+        shaping.append(group_shaping)
+        baselines.append(group_baselines)
+        has_shaping.append(shaped)
+    return RawChannels(outcome, shaping, baselines, has_shaping)
+
+
+def turn_advantages(
+    groups: Sequence[Group],
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    estimator: Estimator = "turn",
+) -> list[list[list[float]]]:
+    """One advantage per turn, indexed [group][episode][turn], for every episode of every group.
+
+    Args:
+        groups: each group a sequence of ``(turn_rewards, outcome)`` episodes (outcome may be None).
+        gamma: discount of the shaping return-to-go, in [0, 1].
+        lam: weight of the shaping channel relative to the outcome channel (turn estimator only).
+        estimator: "turn" (C.2, default) or "outcome" (GRPO broadcast of the group-normalised outcome).
+
+    Raises:
+        ValueError: naming the group/episode/turn of a non-finite reward, or an unknown estimator.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if not math.isfinite(lam):
+        raise ValueError(f"lam must be finite, got {lam}")
+    if estimator == "outcome":
+        return _grpo_broadcast(_validated(groups))
+
+    raw = raw_channels(groups, gamma=gamma)
+    sigma_outcome = _population_std([a for group in raw.outcome for a in group]) + STD_EPS
+    shaping_values = [
+        a
+        for group, shaped in zip(raw.shaping, raw.has_shaping, strict=True)
+        for episode, has in zip(group, shaped, strict=True)
+        if has
+        for a in episode
+    ]
+    sigma_shaping = _population_std(shaping_values) + STD_EPS
+    return [
+        [
+            [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_s in episode_shaping]
+            for a_o, episode_shaping in zip(group_outcome, group_shaping, strict=True)
+        ]
+        for group_outcome, group_shaping in zip(raw.outcome, raw.shaping, strict=True)
+    ]
+
+
+def _grpo_broadcast(groups: list[list[tuple[list[float], float | None]]]) -> list[list[list[float]]]:
+    result: list[list[list[float]]] = []
+    for episodes in groups:
+        returns = [_outcome_value(rewards, o) for rewards, o in episodes]
+        if not returns:
+            result.append([])
+            continue
+        mean, std = _mean(returns), _population_std(returns)
+        result.append(
+            [
+                [(r - mean) / (std + STD_EPS)] * len(rewards)
+                for r, (rewards, _) in zip(returns, episodes, strict=True)
+            ]
+        )
+    return result
+
+
+def token_advantages(
+    turn_adv: Sequence[float], turn_index: Sequence[int], loss_mask: Sequence[int] | None = None
+) -> list[float]:
+    """Each token's advantage: its turn's value; 0.0 for the prompt (turn -1) and masked tokens.
+
+    ``turn_index`` and ``loss_mask`` follow the trajectory schema (one entry per token). A turn index
+    outside [-1, len(turn_adv)) raises ValueError naming the token position.
+    """
+    if loss_mask is not None and len(loss_mask) != len(turn_index):
+        raise ValueError(f"loss_mask has {len(loss_mask)} entries, turn_index has {len(turn_index)}")
+    advantages = []
+    for position, turn in enumerate(turn_index):
+        if not -1 <= turn < len(turn_adv):
+            raise ValueError(f"token {position}: turn index {turn} outside [-1, {len(turn_adv)})")
+        masked = loss_mask is not None and not loss_mask[position]
+        advantages.append(0.0 if turn == -1 or masked else float(turn_adv[turn]))
+    return advantages

@@ -1,0 +1,220 @@
+"""Per-turn advantages (C.2): hand-computed values, invariances, degenerate groups, validation."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from learner.advantages import Estimator, raw_channels, token_advantages, turn_advantages
+
+# Episodes of 1, 2 and 3 turns: (turn_rewards, outcome).
+K123 = [
+    ([1.0], 1.0),
+    ([0.0, 2.0], 0.0),
+    ([1.0, 0.0, 1.0], 1.0),
+]
+
+
+def test_hand_computed_raw_channels_for_one_two_three_turns() -> None:
+    raw = raw_channels([K123])
+    # Outcome LOO: 1 - (0 + 1)/2 = 0.5;  0 - (1 + 1)/2 = -1;  1 - (1 + 0)/2 = 0.5.
+    assert raw.outcome == [[0.5, -1.0, 0.5]]
+    # Returns-to-go (gamma 1): e0 [1]; e1 [0+2, 2] = [2, 2]; e2 [1+0+1, 0+1, 1] = [2, 1, 1].
+    # Turn 0, everyone reached it:  e0: 1 - (2+2)/2 = -1;  e1: 2 - (1+2)/2 = 0.5;  e2: 2 - (1+2)/2 = 0.5.
+    # Turn 1, only e1 and e2:       e1: 2 - 1 = 1;          e2: 1 - 2 = -1.
+    # Turn 2, only e2: no peer -> 0.
+    assert raw.shaping == [[[-1.0], [0.5, 1.0], [0.5, -1.0, 0.0]]]
+    assert raw.shaping_baseline == [[[2.0], [1.5, 1.0], [1.5, 2.0, 0.0]]]
+    assert raw.has_shaping == [[True, True, True]]
+
+
+def test_hand_computed_advantages_for_one_two_three_turns() -> None:
+    advantages = turn_advantages([K123])
+    # sigma_o: population std of [0.5, -1, 0.5] = sqrt((0.25 + 1 + 0.25) / 3) = sqrt(0.5) = 0.70711.
+    # sigma_s: population std of [-1, 0.5, 1, 0.5, -1, 0] (mean 0) = sqrt(3.5 / 6) = 0.76376.
+    sigma_o = math.sqrt(0.5) + 1e-6
+    sigma_s = math.sqrt(3.5 / 6) + 1e-6
+    expected = [
+        [0.5 / sigma_o - 1.0 / sigma_s],  # 0.70711 - 1.30931 = -0.60220
+        [-1.0 / sigma_o + 0.5 / sigma_s, -1.0 / sigma_o + 1.0 / sigma_s],  # -0.75956, -0.10491
+        [
+            0.5 / sigma_o + 0.5 / sigma_s,
+            0.5 / sigma_o - 1.0 / sigma_s,
+            0.5 / sigma_o,
+        ],  # 1.36176, -0.60220, 0.70711
+    ]
+    assert [len(e) for e in advantages[0]] == [1, 2, 3]
+    for got, want in zip(advantages[0], expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
+    assert advantages[0][0][0] == pytest.approx(-0.60220, abs=1e-5)
+    assert advantages[0][1] == pytest.approx([-0.75956, -0.10491], abs=1e-5)
+    assert advantages[0][2] == pytest.approx([1.36176, -0.60220, 0.70711], abs=1e-5)
+
+
+def test_lambda_scales_only_the_shaping_channel() -> None:
+    sigma_o = math.sqrt(0.5) + 1e-6
+    outcome_only = turn_advantages([K123], lam=0.0)
+    assert outcome_only == [[[0.5 / sigma_o], [-1.0 / sigma_o] * 2, [0.5 / sigma_o] * 3]]
+
+
+def test_discounted_returns_to_go() -> None:
+    raw = raw_channels([K123], gamma=0.5)
+    # Returns: e0 [1]; e1 [0 + 0.5*2, 2] = [1, 2]; e2 [1 + 0.5*0 + 0.25*1, 0 + 0.5*1, 1] = [1.25, 0.5, 1].
+    # Turn 0: e0: 1 - (1 + 1.25)/2 = -0.125; e1: 1 - (1 + 1.25)/2 = -0.125; e2: 1.25 - (1 + 1)/2 = 0.25.
+    # Turn 1: e1: 2 - 0.5 = 1.5; e2: 0.5 - 2 = -1.5.
+    assert raw.shaping == [[[-0.125], [-0.125, 1.5], [0.25, -1.5, 0.0]]]
+
+
+def _random_groups(seed: int) -> list[list[tuple[list[float], float | None]]]:
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(3):
+        group: list[tuple[list[float], float | None]] = []
+        for _ in range(5):
+            rewards = [rng.choice([-0.1, 0.0, 0.25, 1.0, 0.3]) for _ in range(rng.randint(1, 5))]
+            group.append((rewards, rng.choice([0.0, 1.0, 0.5, None])))
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.parametrize("estimator", ["turn", "outcome"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_permuting_episodes_permutes_advantages_identically(estimator: str, seed: int) -> None:
+    groups = _random_groups(seed)
+    base = turn_advantages(groups, gamma=0.9, estimator=estimator)  # type: ignore[arg-type]
+    rng = random.Random(100 + seed)
+    orders = [rng.sample(range(len(group)), len(group)) for group in groups]
+    shuffled = [[group[i] for i in order] for group, order in zip(groups, orders, strict=True)]
+    # Also reorder the groups themselves: channel scales are batch-level and must not care.
+    result = turn_advantages(shuffled[::-1], gamma=0.9, estimator=estimator)[::-1]  # type: ignore[arg-type]
+    for group_base, group_result, order in zip(base, result, orders, strict=True):
+        assert group_result == [group_base[i] for i in order]  # exact: math.fsum sums are order-free
+
+
+def test_own_later_turns_never_move_the_baseline_of_earlier_turns() -> None:
+    """The P1 fix: episode i's baseline at turn k depends only on other episodes."""
+    longer = [([1.0, 5.0, -2.0, 7.0], 1.0), *K123[1:]]  # e0 now plays 3 more turns with rewards
+    before = raw_channels([K123]).shaping_baseline[0][0]
+    after = raw_channels([longer]).shaping_baseline[0][0]
+    assert after[:1] == before
+    # ... whereas its own advantage does see its own future (it is a return-to-go).
+    assert raw_channels([longer]).shaping[0][0][0] == pytest.approx((1 + 5 - 2 + 7) - 2.0)
+
+
+def test_peer_turn_count_beyond_turn_k_leaves_turn_k_baselines_alone() -> None:
+    # e1 plays two extra zero-reward turns: its returns at turns 0-1 are unchanged, it now reaches turn 2.
+    extended = [K123[0], ([0.0, 2.0, 0.0, 0.0], 0.0), K123[2]]
+    before = raw_channels([K123])
+    after = raw_channels([extended])
+    assert after.shaping_baseline[0][0] == before.shaping_baseline[0][0]
+    assert after.shaping_baseline[0][2][:2] == before.shaping_baseline[0][2][:2]
+    assert after.shaping[0][2][:2] == before.shaping[0][2][:2]
+    # Turn 2 of e2 now has a peer (e1, return 0): A^s = 1 - 0 instead of "no peer" 0.
+    assert after.shaping[0][2][2] == 1.0
+
+
+def test_single_episode_group_gives_zeros_without_nan() -> None:
+    estimators: tuple[Estimator, ...] = ("turn", "outcome")
+    for estimator in estimators:
+        advantages = turn_advantages([[([1.0, 2.0, 0.5], 1.0)]], estimator=estimator)
+        assert advantages == [[[0.0, 0.0, 0.0]]]
+
+
+def test_all_equal_outcomes_give_zero_outcome_channel_without_nan() -> None:
+    group = [([0.0, 0.0], 1.0), ([0.0], 1.0), ([0.0, 0.0, 0.0], 1.0)]
+    assert raw_channels([group]).outcome == [[0.0, 0.0, 0.0]]
+    advantages = turn_advantages([group])
+    assert advantages == [[[0.0, 0.0], [0.0], [0.0, 0.0, 0.0]]]
+    assert turn_advantages([group], estimator="outcome") == advantages
+
+
+def test_outcome_none_uses_reward_sum_and_drops_the_shaping_channel() -> None:
+    group = [([1.0, 1.0], None), ([0.5], 0.0), ([0.0, 3.0], 1.0)]
+    raw = raw_channels([group])
+    # Outcomes: e0 has none -> sum of rewards 2. LOO: 2 - (0+1)/2 = 1.5; 0 - (2+1)/2 = -1.5; 1 - 1 = 0.
+    assert raw.outcome == [[1.5, -1.5, 0.0]]
+    assert raw.has_shaping == [[False, True, True]]
+    # e0 is no shaping peer: turn 0 peers of e1 are {e2}: 0.5 - 3 = -2.5; of e2 {e1}: 3 - 0.5 = 2.5.
+    # Turn 1 of e2: e0 reached it but has no shaping channel, so no peer -> 0 (with e0 it would be 3-1).
+    assert raw.shaping == [[[0.0, 0.0], [-2.5], [2.5, 0.0]]]
+    advantages = turn_advantages([group])
+    # sigma_o = std([1.5, -1.5, 0]) = sqrt(1.5); sigma_s over e1, e2 only: std([-2.5, 2.5, 0]) = sqrt(12.5/3).
+    sigma_o = math.sqrt(1.5) + 1e-6
+    sigma_s = math.sqrt(12.5 / 3) + 1e-6
+    assert advantages[0][0] == pytest.approx([1.5 / sigma_o] * 2, abs=1e-12)
+    assert advantages[0][1] == pytest.approx([-1.5 / sigma_o - 2.5 / sigma_s], abs=1e-12)
+    assert advantages[0][2] == pytest.approx([2.5 / sigma_s, 0.0], abs=1e-12)
+
+
+def test_outcome_estimator_is_the_grpo_group_normalisation() -> None:
+    groups: list[list[tuple[list[float], float | None]]] = [
+        [([0.0], 1.0), ([0.2, 0.3], 0.0), ([1.0], None), ([0.0, 0.0, 0.0], 0.5)],
+        [([0.0], 3.0), ([0.0], -1.0)],
+    ]
+    advantages = turn_advantages(groups, estimator="outcome")
+    for group, group_adv in zip(groups, advantages, strict=True):
+        returns = [sum(r) if o is None else o for r, o in group]
+        mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+        for (rewards, _), value, episode_adv in zip(group, returns, group_adv, strict=True):
+            assert episode_adv == pytest.approx([(value - mean) / (std + 1e-6)] * len(rewards), abs=1e-12)
+    # Second group: returns [3, -1], mean 1, std 2 -> +-2 / (2 + 1e-6).
+    assert advantages[1][0] == pytest.approx([1.0 - 5e-7], abs=1e-9)
+    assert advantages[1][1] == pytest.approx([-1.0 + 5e-7], abs=1e-9)
+
+
+def test_channel_scales_are_batch_level_across_groups() -> None:
+    """A second group with a big outcome spread shrinks the first group's scaled outcome channel."""
+    alone = turn_advantages([K123], lam=0.0)
+    wide = [([0.0], 10.0), ([0.0], -10.0)]
+    together = turn_advantages([K123, wide], lam=0.0)
+    # Outcome channel values in the call: [0.5, -1, 0.5, 20, -20] -> population std sqrt(161.5 / 5).
+    sigma = math.sqrt((0.25 + 1 + 0.25 + 400 + 400) / 5) + 1e-6
+    assert together[0][0] == pytest.approx([0.5 / sigma], abs=1e-12)
+    assert abs(together[0][0][0]) < abs(alone[0][0][0])
+
+
+def test_empty_groups_and_zero_turn_episodes() -> None:
+    assert turn_advantages([]) == []
+    assert turn_advantages([[]]) == [[]]
+    # A zero-turn episode still serves as an outcome peer.
+    raw = raw_channels([[([], 1.0), ([0.0], 0.0)]])
+    assert raw.outcome == [[1.0, -1.0]]
+    assert turn_advantages([[([], 1.0), ([0.0], 0.0)]])[0][0] == []
+
+
+def test_non_finite_rewards_are_rejected_with_their_place() -> None:
+    with pytest.raises(ValueError, match="group 1 episode 0 turn 2: reward nan"):
+        turn_advantages([K123, [([0.0, 1.0, float("nan")], 1.0)]])
+    with pytest.raises(ValueError, match="group 0 episode 1: outcome inf"):
+        turn_advantages([[([0.0], 1.0), ([0.0], float("inf"))]])
+    with pytest.raises(ValueError, match="group 0 episode 0: expected"):
+        turn_advantages([[([0.0], 1.0, 2.0)]])  # type: ignore[list-item]
+
+
+def test_bad_options_are_rejected() -> None:
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        turn_advantages([K123], estimator="gae")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gamma"):
+        turn_advantages([K123], gamma=1.5)
+    with pytest.raises(ValueError, match="lam"):
+        turn_advantages([K123], lam=float("nan"))
+
+
+def test_token_advantages_map_turns_and_zero_prompt_and_masked_tokens() -> None:
+    turn_adv = [0.5, -1.0]
+    turn_index = [-1, -1, 0, 0, 0, 1, 1, 1]
+    mask = [0, 0, 1, 1, 0, 1, 1, 0]  # token 4: env reply inside turn 0; token 7: tool output
+    assert token_advantages(turn_adv, turn_index, mask) == [0.0, 0.0, 0.5, 0.5, 0.0, -1.0, -1.0, 0.0]
+    assert token_advantages(turn_adv, turn_index) == [0.0, 0.0, 0.5, 0.5, 0.5, -1.0, -1.0, -1.0]
+
+
+def test_token_advantages_reject_bad_turn_indices() -> None:
+    with pytest.raises(ValueError, match="token 2: turn index 2 outside"):
+        token_advantages([0.5, -1.0], [-1, 0, 2])
+    with pytest.raises(ValueError, match="token 0: turn index -2"):
+        token_advantages([0.5], [-2])
+    with pytest.raises(ValueError, match="loss_mask has 1 entries"):
+        token_advantages([0.5], [0, 0], [1])

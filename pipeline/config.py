@@ -156,6 +156,9 @@ class Config(_Section):
             raise ValueError("learner.mini_batches exceeds the episodes in one rollout batch")
         if self.env.group_size < 2 and self.learner.estimator == "turn":
             raise ValueError("env.group_size must be >= 2: leave-one-out advantages need peers")
+        if self.async_.max_staleness < self.async_.sync_every_steps - 1:
+            # Admission counts versions the engines serve; they lag the learner by up to k-1 versions.
+            raise ValueError("async.max_staleness must be >= async.sync_every_steps - 1 (actors would wait)")
         if self.learner.dtype == "bfloat16" and self.learner.device == "cpu":
             raise ValueError("learner.dtype = 'bfloat16' needs learner.device = 'cuda' (or 'auto' on a GPU)")
         return self

@@ -1,0 +1,106 @@
+"""Weight sync across every engine: pause -> update_weights_from_disk -> continue, each phase timed.
+
+`mode` is SGLang's pause mode (shared/reference/async_rl_systems.md §0): `in_place` freezes running
+requests with their KV (tokens decoded after the update carry the new version), `retract` requeues them
+(KV recomputed with the new weights), `abort` returns them to their callers (the runner may resubmit).
+The update never aborts requests itself (`abort_all_requests=False`): the pause mode decides.
+
+Invariant: every engine receives continue_generation, whatever failed before it and even when the
+caller is cancelled mid-sync, so no engine is ever left paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pipeline import metrics
+from pipeline.engine.pool import MemberOutcome
+
+log = logging.getLogger(__name__)
+
+SyncMode = Literal["in_place", "retract", "abort"]
+
+
+class ControlPool(Protocol):
+    """The fan-out control calls of pipeline.engine.pool.EnginePool."""
+
+    async def pause_all(self, mode: SyncMode = "in_place") -> list[MemberOutcome[dict[str, Any]]]: ...
+
+    async def update_all(
+        self,
+        model_path: str,
+        weight_version: str,
+        *,
+        abort_all_requests: bool = False,
+        flush_cache: bool = True,
+    ) -> list[MemberOutcome[dict[str, Any]]]: ...
+
+    async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]: ...
+
+
+@dataclass(frozen=True)
+class SyncTimings:
+    """Seconds per phase (wall clock of the slowest member) and the outcome. `errors` maps a member URL
+    to "<phase>: <error>" for every member that failed a phase; `ok` = no errors at all."""
+
+    version: int
+    pause_s: float
+    load_s: float
+    continue_s: float
+    total_s: float
+    ok: bool
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def _collect(phase: str, outcomes: list[MemberOutcome[Any]], errors: dict[str, str]) -> None:
+    for outcome in outcomes:
+        if outcome.error is not None and outcome.url not in errors:
+            errors[outcome.url] = f"{phase}: {outcome.error}"
+
+
+async def sync_weights(pool: ControlPool, *, model_path: str, version: int, mode: SyncMode) -> SyncTimings:
+    """Load the HF directory `model_path` as policy `version` on every engine (see module docstring)."""
+    if mode not in ("in_place", "retract", "abort"):
+        raise ValueError(f"weight sync mode must be in_place, retract or abort, got {mode!r}")
+    errors: dict[str, str] = {}
+    started = time.perf_counter()
+    pause_s = load_s = 0.0
+    loaded: set[str] = set()
+    try:
+        pause_outcomes = await pool.pause_all(mode)
+        pause_s = time.perf_counter() - started
+        _collect("pause", pause_outcomes, errors)
+        load_started = time.perf_counter()
+        update_outcomes = await pool.update_all(model_path, str(version), abort_all_requests=False)
+        load_s = time.perf_counter() - load_started
+        _collect("update", update_outcomes, errors)
+        loaded = {o.url for o in update_outcomes if o.ok}
+    finally:
+        continue_started = time.perf_counter()
+        # Shielded: a cancelled caller must still release every engine.
+        continue_outcomes = await asyncio.shield(pool.continue_all())
+        continue_s = time.perf_counter() - continue_started
+        _collect("continue", continue_outcomes, errors)
+        total_s = time.perf_counter() - started
+        metrics.WEIGHT_SYNC_PHASE.labels(phase="pause").observe(pause_s)
+        metrics.WEIGHT_SYNC_PHASE.labels(phase="load").observe(load_s)
+        metrics.WEIGHT_SYNC_PHASE.labels(phase="continue").observe(continue_s)
+        metrics.WEIGHT_SYNC_PHASE.labels(phase="total").observe(total_s)
+        metrics.WEIGHT_SYNCS.labels(status="ok" if not errors else "error").inc()
+        for url in loaded:
+            metrics.POLICY_VERSION_SERVED.labels(engine=url).set(version)
+    if errors:
+        log.error("weight sync to version %d failed on %d engine(s): %s", version, len(errors), errors)
+    return SyncTimings(
+        version=version,
+        pause_s=pause_s,
+        load_s=load_s,
+        continue_s=continue_s,
+        total_s=total_s,
+        ok=not errors,
+        errors=errors,
+    )

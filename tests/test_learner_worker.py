@@ -1,0 +1,343 @@
+"""The learner child process: events, publishing, checkpoints, drops, stop paths and crash resume.
+
+The worker runs as a real subprocess on a temporary run directory with a tiny model; groups are
+written with the real SpoolWriter. Episodes are synthetic but valid: prompt tokens, three generated
+tokens with plausible negative log-probs, and outcomes that differ within the group (a learning signal,
+so every step changes the weights and bumps the version).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from learner.schema import Episode, episodes_to_batch
+from pipeline.learner_worker import acquire_lock, group_drop_reason, prune_weights, token_staleness
+from pipeline.spool import SpoolWriter, spool_name
+
+B = 2
+
+
+def episode(
+    group_id: str, index: int, version: int, *, finish: str = "stop", outcome: float | None = None
+) -> Episode:
+    return Episode(
+        episode_id=f"{group_id}-{index}",
+        group_id=group_id,
+        task_id="task",
+        env="test-env",
+        token_ids=[5, 6, 7, 8, 30 + index, 40 + index, 50],
+        prompt_len=4,
+        loss_mask=[0, 0, 0, 0, 1, 1, 1],
+        logprobs=[0.0, 0.0, 0.0, 0.0, -2.0, -1.5, -3.0],
+        turn_index=[-1, -1, -1, -1, 0, 0, 0],
+        versions=[-1, -1, -1, -1, version, version, version],
+        turn_rewards=[0.0],
+        outcome=float(index % 2) if outcome is None else outcome,
+        num_turns=1,
+        finish_reason=finish,
+    )
+
+
+def write_group(
+    spool: SpoolWriter, group_id: str, version: int, members: int = 2, outcome: float | None = None
+) -> int:
+    batch = episodes_to_batch([episode(group_id, i, version, outcome=outcome) for i in range(members)])
+    return spool.write_group(batch, group_id=group_id).seq
+
+
+# ---------------------------------------------------------------------------------------------- unit
+def test_drop_reason_rules() -> None:
+    ok = [episode("g", 0, 3), episode("g", 1, 3)]
+    assert group_drop_reason(ok, learner_version=3, max_staleness=0) is None
+    assert group_drop_reason(ok, learner_version=4, max_staleness=0) == "stale"
+    assert group_drop_reason(ok, learner_version=5, max_staleness=2) is None
+    failed = [episode("g", 0, 3), episode("g", 1, 3, finish="engine_error")]
+    assert group_drop_reason(failed, learner_version=3, max_staleness=0) == "too_few_members"
+    assert group_drop_reason([], learner_version=0, max_staleness=0) == "too_few_members"
+    assert group_drop_reason(ok, learner_version=3, max_staleness=0, vocab_size=51) is None
+    assert group_drop_reason(ok, learner_version=3, max_staleness=0, vocab_size=50) == "invalid_tokens"
+    # an untrainable old episode does not make the group stale
+    mixed = [*ok, episode("g", 2, 0, finish="timeout")]
+    assert group_drop_reason(mixed, learner_version=3, max_staleness=0) is None
+
+
+def test_token_staleness_counts_generated_tokens_of_trainable_rows() -> None:
+    rows = [episode("g", 0, 1), episode("g", 1, 3), episode("g", 2, 0, finish="env_error")]
+    assert dict(token_staleness(rows, learner_version=3)) == {2: 3, 0: 3}
+
+
+def test_prune_weights_keeps_the_newest_three(tmp_path: Path) -> None:
+    for v in range(1, 6):
+        (tmp_path / f"v{v}").mkdir()
+    (tmp_path / "notes").mkdir()
+    assert prune_weights(tmp_path, newest=5) == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "v3", "v4", "v5"]
+
+
+def test_second_learner_waits_for_the_lock(tmp_path: Path) -> None:
+    first = acquire_lock(tmp_path)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(acquire_lock(tmp_path)))
+    waiter.start()
+    time.sleep(0.2)
+    assert got == []
+    os.close(first)
+    waiter.join(timeout=5)
+    assert len(got) == 1
+    os.close(got[0])
+
+
+# ---------------------------------------------------------------------------------- subprocess runs
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from learner.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("model") / "tiny", "tiny", 0)
+
+
+CONFIG = """
+[env]
+group_size = 2
+[learner]
+batch_groups = {batch}
+mini_batches = 1
+checkpoint_every = 2
+keep_checkpoints = 2
+device = "cpu"
+lr = 0.01
+[async]
+max_staleness = {eta}
+sync_every_steps = 1
+"""
+
+
+def make_run_dir(root: Path, model: Path, eta: int = 0) -> Path:
+    run_dir = root / "run"
+    shutil.copytree(model, run_dir / "model")
+    (run_dir / "config.toml").write_text(CONFIG.format(batch=B, eta=eta))
+    return run_dir
+
+
+class Worker:
+    """A learner subprocess with its events collected by a reader thread."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.stderr = open(run_dir / f"learner-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.learner_worker",
+                "--config",
+                str(run_dir / "config.toml"),
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.events: list[dict[str, Any]] = []
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(json.loads(line))
+        self._queue.put(None)
+
+    def wait_for(self, match: Callable[[dict[str, Any]], bool], timeout_s: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        for event in self.events:
+            if match(event):
+                return event
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no matching event; got {self.events}")
+            received = self._queue.get(timeout=remaining)
+            if received is None:
+                raise EOFError(f"worker exited ({self.proc.wait()}) without the event; got {self.events}")
+            self.events.append(received)
+            if match(received):
+                return received
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout_s: float = 120.0) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        while not self._queue.empty():
+            event = self._queue.get_nowait()
+            if event is not None:
+                self.events.append(event)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self.stderr.close()
+        return code
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for w in started:
+        if w.proc.poll() is None:
+            w.proc.kill()
+            w.finish()
+
+
+def event_is(kind: str, **fields: Any) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == kind and all(e.get(k) == v for k, v in fields.items())
+
+
+@pytest.mark.integration
+def test_worker_trains_publishes_checkpoints_and_drops(
+    tmp_path: Path, tiny_model: Path, workers: list[Worker]
+) -> None:
+    from learner.checkpoint import load_latest_checkpoint
+    from learner.model import VERSION_FILE, load_policy
+
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=0)
+    spool = SpoolWriter(run_dir / "spool")
+    for k in range(2 * B):
+        write_group(spool, f"g{k}", version=k // B)
+    w = Worker(run_dir)
+    workers.append(w)
+    ready = w.wait_for(event_is("ready"))
+    assert (ready["version"], ready["step"], ready["consumed_seq"]) == (0, 0, 0)
+    step2 = w.wait_for(event_is("step", step=2))
+    ckpt = w.wait_for(event_is("checkpoint", step=2))
+    step1 = w.of("step")[0]
+    assert (step1["version"], step1["groups"], step1["group_ids"]) == (1, B, ["g0", "g1"])
+    assert (step2["version"], step2["group_ids"], step2["consumed_seq"]) == (2, ["g2", "g3"], 4)
+    assert step2["staleness"] == {"0": 2 * 3 * B}
+    assert step2["metrics"]["optimizer_updates"] >= 1.0
+    assert step2["loss"] == step2["metrics"]["loss"]
+    assert [(e["version"], e["path"]) for e in w.of("published")] == [
+        (1, str(run_dir / "weights" / "v1")),
+        (2, str(run_dir / "weights" / "v2")),
+    ]
+    assert ckpt["consumed_seq"] == 4
+
+    # drops: a stale group (generated at version 0, learner at 2, η = 0), one with a single member,
+    # and a corrupt file, each reported at once
+    write_group(spool, "old", version=0)
+    write_group(spool, "lonely", version=2, members=1)
+    (run_dir / "spool" / spool_name(7)).write_bytes(b"not arrow")
+    spool.next_seq = 8  # the corrupt file bypassed the writer; it must not reuse 7
+    w.wait_for(event_is("dropped", seq=7))
+    dropped = [(e["seq"], e["group_id"], e["reason"]) for e in w.of("dropped")]
+    assert dropped == [
+        (5, "old", "stale"),
+        (6, "lonely", "too_few_members"),
+        (7, spool_name(7), "quarantined"),
+    ]
+    [quarantined] = w.of("quarantined")
+    assert (quarantined["seq"], quarantined["kind"]) == (7, "unreadable")
+
+    # groups without signal (every member scored the same): the step changes no weight, the version
+    # stays, and its groups are reported dropped so the actors' admission count stays exact
+    write_group(spool, "flat-a", version=2, outcome=1.0)
+    write_group(spool, "flat-b", version=2, outcome=1.0)
+    step3 = w.wait_for(event_is("step", step=3))
+    assert (step3["version"], step3["group_ids"], step3["consumed_seq"]) == (2, ["flat-a", "flat-b"], 9)
+    assert step3["dropped"] == {"stale": 1, "too_few_members": 1, "quarantined": 1, "no_update": 2}
+    assert [e["group_id"] for e in w.of("dropped")][-2:] == ["flat-a", "flat-b"]
+    assert len(w.of("published")) == 2
+
+    # closing stdin = the parent died: checkpoint the step taken since the last checkpoint, and exit
+    assert w.proc.stdin is not None
+    w.proc.stdin.close()
+    assert w.finish() == 0
+    assert [e["step"] for e in w.of("checkpoint")] == [2, 3]
+
+    weights = run_dir / "weights" / "v2"
+    assert json.loads((weights / VERSION_FILE).read_text()) == {"policy_version": 2}
+    model, tokenizer = load_policy(weights)
+    assert model.config.vocab_size == len(tokenizer)
+    latest = load_latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None
+    assert (latest.step, latest.consumed.last_seq) == (3, 9)
+    assert latest.consumed.group_ids == ["old", "lonely", "flat-a", "flat-b"]
+    # retention: the oldest kept checkpoint (step 2) consumed seqs 1..4, so their files are gone
+    assert sorted(p.name for p in (run_dir / "spool").glob("*.arrow")) == [
+        spool_name(s) for s in (5, 6, 8, 9)
+    ]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_kill_minus_nine_resumes_from_the_last_checkpoint(
+    tmp_path: Path, tiny_model: Path, workers: list[Worker]
+) -> None:
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=0)
+    spool = SpoolWriter(run_dir / "spool")
+    for k in range(3 * B):
+        write_group(spool, f"g{k}", version=k // B)
+    first = Worker(run_dir)
+    workers.append(first)
+    first.wait_for(event_is("step", step=3))
+    assert [e["step"] for e in first.of("checkpoint")] == [2]
+    first.proc.send_signal(signal.SIGKILL)
+    assert first.finish() == -signal.SIGKILL
+    trained_first = {e["step"]: e["group_ids"] for e in first.of("step")}
+
+    second = Worker(run_dir)
+    workers.append(second)
+    ready = second.wait_for(event_is("ready"))
+    assert (ready["step"], ready["version"], ready["consumed_seq"]) == (2, 2, 4)
+    second.wait_for(event_is("step", step=3))
+    for k in range(3 * B, 4 * B):
+        write_group(spool, f"g{k}", version=k // B)
+    second.wait_for(event_is("checkpoint", step=4))
+    second.send({"cmd": "stop"})
+    assert second.finish() == 0
+    trained_second = {e["step"]: e["group_ids"] for e in second.of("step")}
+
+    assert sorted(trained_second) == [3, 4]
+    assert trained_second[3] == trained_first[3]  # the lost step is redone on the same groups
+    kept = [g for step, ids in trained_first.items() if step <= 2 for g in ids]
+    redone = [g for ids in trained_second.values() for g in ids]
+    assert sorted(kept + redone) == sorted(f"g{k}" for k in range(4 * B))  # none lost, none twice
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_sigterm_finishes_with_a_checkpoint(tmp_path: Path, tiny_model: Path, workers: list[Worker]) -> None:
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=2)
+    spool = SpoolWriter(run_dir / "spool")
+    for k in range(B):
+        write_group(spool, f"g{k}", version=0)
+    w = Worker(run_dir)
+    workers.append(w)
+    w.wait_for(event_is("step", step=1))
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.finish() == 0
+    [ckpt] = w.of("checkpoint")
+    assert (ckpt["step"], ckpt["consumed_seq"]) == (1, B)
+    assert (run_dir / "checkpoints" / "step1" / "state.json").is_file()

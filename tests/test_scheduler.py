@@ -1,0 +1,339 @@
+"""The scheduler against a fake SGLang through a real EnginePool, the real runner and a real spool."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from fakes.sglang_fake import FakeSGLang
+
+from envs.api import Environment, Task
+from learner.schema import batch_to_episodes
+from pipeline.admission import AdmissionController
+from pipeline.bench.async_ import CharTokenizer, CoinEnv
+from pipeline.engine.client import EngineClient
+from pipeline.engine.pool import EnginePool
+from pipeline.engine.protocol import SamplingParams
+from pipeline.rollout import RolloutSettings
+from pipeline.scheduler import Scheduler
+from pipeline.spool import SpoolEntry, SpoolReader, SpoolWriter
+
+G = 2
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeSGLang]:
+    server = FakeSGLang(vocab_size=256, eos_token_id=CharTokenizer.eos_token_id)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def pool(fake: FakeSGLang) -> AsyncIterator[EnginePool]:
+    p = EnginePool([EngineClient(fake.base_url, retries=0, request_timeout_s=10.0)])
+    yield p
+    await p.close()
+
+
+def _tasks() -> Iterator[Task]:
+    return CoinEnv().tasks(seed=0)
+
+
+def make_scheduler(
+    pool: EnginePool,
+    spool_dir: Path,
+    *,
+    batch: int,
+    eta: int,
+    max_concurrent: int = 16,
+    tasks: Iterator[Task] | None = None,
+    factory: Callable[..., Environment] = CoinEnv,
+    failure_backoff_s: tuple[float, float] = (0.05, 2.0),
+) -> Scheduler:
+    return Scheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=factory,
+        env_name="bench-coin",
+        env_options={"turns": 2},
+        settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
+        group_size=G,
+        admission=AdmissionController(batch_groups=batch, max_staleness=eta, max_concurrent=max_concurrent),
+        spool=SpoolWriter(spool_dir),
+        tasks=tasks if tasks is not None else _tasks(),
+        run_prefix="test",
+        failure_backoff_s=failure_backoff_s,
+    )
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll a plain attribute condition (the scheduler has no event per counter change)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def _settle() -> None:
+    """Give the scheduler loop time to admit anything it is allowed to (it must not)."""
+    await asyncio.sleep(0.1)
+
+
+async def test_eta_zero_admits_exactly_one_batch_per_version(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 2 and sched.running == 0)
+    await _settle()
+    assert (sched.started, sched.accepted, sched.capacity()) == (2, 2, 0)
+    sched.on_version(1)
+    await until(lambda: sched.written == 4)
+    await _settle()
+    assert sched.started == 4
+    stop.set()
+    await runner
+    items = SpoolReader(tmp_path, after_seq=0).poll()
+    assert [i.group_id for i in items] == [gid for gid, _ in sched.written_log]
+    assert sorted(i.group_id for i in items) == [f"test-g{k:06d}" for k in range(1, 5)]
+    for item in items:
+        episodes, rejected = batch_to_episodes(item.batch)
+        assert rejected == []
+        assert len({e.episode_id for e in episodes}) == G
+        assert all(e.finish_reason in ("stop", "length") for e in episodes)
+
+
+async def test_dropped_groups_are_replaced_at_the_same_version(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 2 and sched.running == 0)
+    sched.on_dropped(1)
+    await until(lambda: sched.written == 3)
+    await _settle()
+    assert (sched.started, sched.accepted) == (3, 2)
+    stop.set()
+    await runner
+
+
+async def test_concurrency_caps_running_groups_and_staleness_idle_is_counted(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    await pool.pause_all("in_place")  # groups run but cannot finish
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=3, max_concurrent=3)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 3)
+    await _settle()
+    assert sched.started == 3
+    assert sched.in_flight_episodes == 3 * G
+    assert sched.actor_idle_s == 0.0  # concurrency, not staleness, holds work back
+    stop.set()
+    await runner
+    assert await sched.drain(0.0) == (0, 3)
+    assert sched.running == 0
+    assert os.listdir(tmp_path) == []
+
+
+async def test_actor_idle_accumulates_while_staleness_holds_work(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=4)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1 and sched.running == 0)
+    idle_before = sched.actor_idle_s
+    await asyncio.sleep(0.3)
+    sched.on_version(1)  # ends the wait, which books its idle time
+    await until(lambda: sched.started == 2)
+    stop.set()
+    await runner
+    # every slot (4 of 4) was free for ~0.3 s
+    assert 0.25 <= sched.actor_idle_s - idle_before <= 1.0
+
+
+async def test_drain_lets_groups_finish_within_grace(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    fake.token_delay_s = 0.01
+    sched = make_scheduler(pool, tmp_path, batch=3, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 3)
+    stop.set()
+    await runner
+    finished, cancelled = await sched.drain(10.0)
+    assert (finished, cancelled) == (3, 0)
+    assert len(SpoolReader(tmp_path, after_seq=0).poll()) == 3
+
+
+async def test_drain_cancels_groups_past_grace_and_writes_nothing_partial(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    await pool.pause_all("in_place")
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 2)
+    drained = asyncio.create_task(sched.drain(0.05))
+    await runner  # drain also ends the admission loop
+    assert await drained == (0, 2)
+    assert (sched.running, sched.written, sched.cancelled) == (0, 0, 2)
+    assert os.listdir(tmp_path) == []
+
+
+class _BrokenEnv(CoinEnv):
+    def __init__(self, turns: int = 2) -> None:
+        raise RuntimeError("env cannot start")
+
+
+async def test_group_whose_every_episode_failed_is_still_written(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, factory=_BrokenEnv)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1)
+    stop.set()
+    await runner
+    [item] = SpoolReader(tmp_path, after_seq=0).poll()
+    assert item.group_id == "test-g000001"
+    assert item.batch.num_rows == 0  # the learner drops it as too_few_members
+
+
+async def test_engine_errors_are_written_as_untrainable_rows(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    fake.queue_faults("http_500", "http_500")
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1)
+    stop.set()
+    await runner
+    [item] = SpoolReader(tmp_path, after_seq=0).poll()
+    episodes, _ = batch_to_episodes(item.batch)
+    assert sorted(e.finish_reason for e in episodes) == ["engine_error", "engine_error"]
+
+
+async def test_run_returns_when_the_task_stream_ends(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=8, eta=0, tasks=itertools.islice(_tasks(), 3))
+    await asyncio.wait_for(sched.run(asyncio.Event()), timeout=5.0)
+    assert (sched.started, sched.written, sched.running) == (3, 3, 0)
+
+
+async def test_group_ids_differ_between_scheduler_instances(pool: EnginePool, tmp_path: Path) -> None:
+    a = make_scheduler(pool, tmp_path / "a", batch=1, eta=0)
+    b = Scheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=CoinEnv,
+        env_name="bench-coin",
+        env_options=None,
+        settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=4), max_context_tokens=128),
+        group_size=G,
+        admission=AdmissionController(1, 0, 1),
+        spool=SpoolWriter(tmp_path / "b"),
+        tasks=_tasks(),
+    )
+    assert a.run_prefix == "test"
+    c = Scheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=CoinEnv,
+        env_name="bench-coin",
+        env_options=None,
+        settings=b.settings,
+        group_size=G,
+        admission=b.admission,
+        spool=b.spool,
+        tasks=_tasks(),
+    )
+    assert b.run_prefix != c.run_prefix
+    assert len(b.run_prefix) == 8
+
+
+class _BlockingSpool(SpoolWriter):
+    """A spool whose writes wait for `release` (a slow disk) or fail when `fail` is set."""
+
+    def __init__(self, spool_dir: Path) -> None:
+        super().__init__(spool_dir)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.fail = False
+
+    def write_group(self, batch: pa.RecordBatch, *, group_id: str) -> SpoolEntry:
+        self.entered.set()
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.release.wait(timeout=10)
+        return super().write_group(batch, group_id=group_id)
+
+
+async def test_group_cancelled_during_its_write_is_still_written_and_counted(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0)
+    spool = _BlockingSpool(tmp_path)
+    sched.spool = spool
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(spool.entered.is_set)
+    drained = asyncio.create_task(sched.drain(0.0))
+    await asyncio.sleep(0.05)
+    assert not drained.done()  # drain waits for the write it cannot cancel
+    spool.release.set()
+    assert await drained == (1, 0)
+    await runner
+    assert (sched.written, sched.accepted, sched.running, sched.cancelled) == (1, 1, 0, 0)
+    assert [i.group_id for i in SpoolReader(tmp_path, after_seq=0).poll()] == ["test-g000001"]
+
+
+async def test_failed_write_loses_the_group_and_frees_its_slot(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
+    spool = _BlockingSpool(tmp_path)
+    spool.fail = True
+    sched.spool = spool
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.failed >= 2)  # the slot came back, so a second group could start
+    stop.set()
+    await runner
+    await sched.drain(0.0)
+    assert sched.written == 0
+    assert sched.accepted == 0
+    assert sched.running == 0
+
+
+async def test_failing_groups_back_off_admission_instead_of_spinning(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    # A broken environment (or a dead engine) ends groups in milliseconds; dropped groups free their
+    # admission slot at once, so only the backoff keeps the scheduler from writing empty groups in a loop.
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, factory=_BrokenEnv, failure_backoff_s=(0.05, 0.4))
+    stop = asyncio.Event()
+
+    async def learner_drops_everything() -> None:
+        while not stop.is_set():
+            if sched.accepted > 0:
+                sched.on_dropped(sched.accepted)
+            await asyncio.sleep(0.001)
+
+    runner = asyncio.create_task(sched.run(stop))
+    dropper = asyncio.create_task(learner_drops_everything())
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.gather(runner, dropper)
+    # pauses of 0.05, 0.1, 0.2, 0.4, 0.4 ... s: about 5 groups in one second, not hundreds
+    assert 3 <= sched.started <= 8
+    assert sched.failed_groups == sched.written
+
+
+async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
+    sched._note_outcome("bad", any_trainable=False)
+    sched._note_outcome("bad", any_trainable=False)
+    assert sched._failure_streak == 2
+    sched._note_outcome("good", any_trainable=True)
+    assert sched._failure_streak == 0

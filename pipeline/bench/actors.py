@@ -1,0 +1,399 @@
+"""`rollwise bench actors`: episode-runner turns/s against a bare aiohttp request loop.
+
+Both sides talk over real HTTP to the same *instant* SGLang-compatible server (it answers every
+/generate with the same few tokens, no model), which runs in a child process pinned to its own core
+so it does not share the event loop or the CPU with the measured side (pinned to another core).
+
+- bare loop: E coroutines, each posting T /generate requests in sequence with payloads of the same
+  sizes the episodes send, reading the reply and nothing else (one aiohttp session, C connections);
+- runner: E concurrent episodes (groups of G, pipeline.rollout.run_group) of a T-turn echo
+  environment through EnginePool/EngineClient (C connections), chat-template rendering, tool-call
+  parsing, metrics and the Arrow record batch of every group included.
+
+Reported: turns/s of each side and their ratio (goal >= 0.5), actor CPU time per turn (and the ratio
+of the two, which is what turns/s would show if both sides were CPU-bound; unlike wall-clock rates it
+hardly moves when other processes load the machine), and the per-turn overhead distribution (p50/p99
+of a turn's wall time minus its /generate round trip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
+
+GOAL_RATIO = 0.5
+ECHO_PROMPT = "Repeat after me: hello there."
+MODEL_TEXT = "hello there 12"
+LOGPROB = -0.5  # every token the instant server "generates" gets this log-prob
+
+
+class EchoEnv(Environment):
+    """Trivial instant environment: echoes the assistant's text back for `turns` turns, then done."""
+
+    def __init__(self, turns: int = 8) -> None:
+        self.spec = EnvSpec(
+            name="echo", version="1", max_turns=turns, step_timeout_s=60.0, episode_timeout_s=600.0
+        )
+        self._steps = 0
+
+    def tasks(self, seed: int) -> Iterator[Task]:
+        index = 0
+        while True:
+            yield Task(id=f"echo-{seed}-{index}", seed=seed, data={})
+            index += 1
+
+    async def reset(self, task: Task) -> list[Message]:
+        self._steps = 0
+        return [{"role": "user", "content": ECHO_PROMPT}]
+
+    async def step(self, action: Action) -> StepResult:
+        self._steps += 1
+        done = self._steps >= self.spec.max_turns
+        return StepResult(
+            [{"role": "user", "content": action.text}], done=done, outcome=1.0 if done else None
+        )
+
+
+# --------------------------------------------------------------------------------------- the server
+def serve_instant(core: int | None, output_ids: list[int]) -> None:
+    """Child process body: pin to `core`, serve /generate instantly, print the port on stdout."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    asyncio.run(_serve_async(output_ids))
+
+
+async def _serve_async(output_ids: list[int]) -> None:
+    entries = [[LOGPROB, t, None] for t in output_ids]
+    finish = {"type": "stop", "matched": output_ids[-1]}
+
+    async def generate(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        meta = {
+            "id": body.get("rid") or "x",
+            "finish_reason": finish,
+            "prompt_tokens": len(body["input_ids"]),
+            "weight_version": "default",
+            "completion_tokens": len(output_ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": entries,
+            "e2e_latency": 0.0,
+        }
+        payload = json.dumps({"output_ids": output_ids, "meta_info": meta}, separators=(",", ":"))
+        return web.Response(text=payload, content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)  # 1,000 clients connect at once
+    await site.start()
+    print(int(runner.addresses[0][1]), flush=True)
+    await asyncio.Event().wait()  # until the parent terminates this process
+
+
+@contextmanager
+def instant_server(output_ids: list[int], core: int | None) -> Iterator[str]:
+    """Start the instant server as a child process; yields its base URL; terminates it by PID."""
+    code = (
+        "import sys, json; from pipeline.bench.actors import serve_instant as s; s(*json.loads(sys.argv[1]))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps([core, output_ids])], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60.0)
+        line = proc.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"instant SGLang server (pid {proc.pid}) did not report its port: {line!r}")
+        yield f"http://127.0.0.1:{int(line)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5.0)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@contextmanager
+def pinned(core: int | None) -> Iterator[None]:
+    """Pin this process to `core` for the block (restored afterwards)."""
+    if core is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+# --------------------------------------------------------------------------------------- the two sides
+@dataclass
+class SideResult:
+    turns: int
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def turns_per_s(self) -> float:
+        return self.turns / self.seconds
+
+    @property
+    def cpu_us_per_turn(self) -> float:
+        return 1e6 * self.cpu_seconds / self.turns
+
+
+async def bare_loop(url: str, payload_sizes: Sequence[int], episodes: int, connections: int) -> SideResult:
+    """`episodes` coroutines, each posting one request per entry of `payload_sizes` in sequence."""
+    sampling = {
+        "max_new_tokens": 16,
+        "stop_token_ids": [0],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
+
+        async def one(index: int) -> int:
+            for turn, size in enumerate(payload_sizes):
+                body = {
+                    "input_ids": list(range(size)),
+                    "sampling_params": sampling,
+                    "return_logprob": True,
+                    "rid": f"bare-{index}-t{turn}",
+                }
+                async with session.post(f"{url}/generate", json=body) as resp:
+                    resp.raise_for_status()
+                    await resp.read()
+            return len(payload_sizes)
+
+        cpu, start = time.process_time(), time.perf_counter()
+        counts = await asyncio.gather(*(one(i) for i in range(episodes)))
+        return SideResult(sum(counts), time.perf_counter() - start, time.process_time() - cpu)
+
+
+@dataclass
+class RunnerResult(SideResult):
+    overhead_p50_us: float
+    overhead_p99_us: float
+    engine_p50_us: float
+    payload_sizes: list[int]
+
+
+async def runner_side(
+    url: str, tokenizer: Any, episodes: int, turns: int, group_size: int, connections: int
+) -> RunnerResult:
+    from pipeline.engine.client import EngineClient
+    from pipeline.engine.pool import EnginePool
+    from pipeline.engine.protocol import SamplingParams
+    from pipeline.rollout import GroupOutcome, RolloutSettings, run_group
+
+    settings = RolloutSettings(
+        sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(int(tokenizer.eos_token_id),)),
+        max_context_tokens=100_000,
+    )
+    # A generous connect timeout: 1,000 episodes starting at once can starve the loop for seconds.
+    client = EngineClient(url, max_connections=connections, retries=0, connect_timeout_s=60.0)
+    pool = EnginePool([client])
+    task = Task(id="echo-0", seed=0, data={})
+    # Groups of G; the last one takes the remainder.
+    sizes = [group_size] * (episodes // group_size) + (
+        [episodes % group_size] if episodes % group_size else []
+    )
+
+    async def group(index: int) -> GroupOutcome:
+        outcome = await run_group(
+            pool,
+            tokenizer,
+            EchoEnv,
+            task,
+            settings,
+            group_size=sizes[index],
+            group_id=f"g{index}",
+            env_name="echo",
+            env_options={"turns": turns},
+        )
+        outcome.to_record_batch()
+        return outcome
+
+    try:
+        cpu, start = time.process_time(), time.perf_counter()
+        outcomes = await asyncio.gather(*(group(i) for i in range(len(sizes))))
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        await pool.close()
+    eps = [ep for g in outcomes for ep in g.episodes]
+    bad = [ep for ep in eps if ep.finish_reason != "stop"]
+    if bad:
+        first = f"{bad[0].finish_reason}: {bad[0].error}"
+        raise RuntimeError(f"{len(bad)} bench episodes did not finish with 'stop'; first: {first}")
+    overheads = sorted(
+        wall - engine for ep in eps for wall, engine in zip(ep.turn_seconds, ep.engine_seconds, strict=True)
+    )
+    engine_times = sorted(s for ep in eps for s in ep.engine_seconds)
+    # Sizes of the requests one episode sent: its prompt, then the buffer before each later turn.
+    row = eps[0].rows[0]
+    sizes = [i for i in range(1, len(row.loss_mask)) if _turn_starts(row.loss_mask, i)]
+    return RunnerResult(
+        turns=sum(ep.num_turns for ep in eps),
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
+        overhead_p50_us=1e6 * _quantile(overheads, 0.5),
+        overhead_p99_us=1e6 * _quantile(overheads, 0.99),
+        engine_p50_us=1e6 * _quantile(engine_times, 0.5),
+        payload_sizes=sizes[:turns],
+    )
+
+
+def _turn_starts(loss_mask: Sequence[int], i: int) -> bool:
+    """True where a generated run starts after context tokens (the request was sent with i tokens)."""
+    return loss_mask[i] == 1 and loss_mask[i - 1] == 0
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+# --------------------------------------------------------------------------------------- main
+def load_tokenizer(model_dir: str | None) -> Any:
+    """The tiny preset's tokenizer (built into a temp dir), or the tokenizer of `model_dir`."""
+    from transformers import AutoTokenizer
+
+    if model_dir is not None:
+        return AutoTokenizer.from_pretrained(model_dir)
+    from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="rollwise-bench-tok-") as tmp:
+        write_tokenizer(build_tokenizer(vocab_hints()), Path(tmp))
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def _cores(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    available = sorted(os.sched_getaffinity(0))
+    if args.no_pin or len(available) < 2:
+        return None, None
+    actor = args.actor_core if args.actor_core is not None else available[0]
+    server = args.server_core if args.server_core is not None else available[1]
+    return actor, server
+
+
+async def _measure(args: argparse.Namespace, url: str, tokenizer: Any) -> dict[str, Any]:
+    """Alternate the two sides `repeats` times; each side reports its best round (least disturbed)."""
+    # Warm-up: connections, template compilation, metric children.
+    await runner_side(url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections)
+    runners: list[RunnerResult] = []
+    bares: list[SideResult] = []
+    for _ in range(args.repeats):
+        runners.append(
+            await runner_side(url, tokenizer, args.episodes, args.turns, args.group_size, args.connections)
+        )
+        bares.append(await bare_loop(url, runners[-1].payload_sizes, args.episodes, args.connections))
+    runner = max(runners, key=lambda r: r.turns_per_s)
+    bare = max(bares, key=lambda r: r.turns_per_s)
+    ratio = runner.turns_per_s / bare.turns_per_s
+    return {
+        "episodes": args.episodes,
+        "turns_per_episode": args.turns,
+        "group_size": args.group_size,
+        "connections": args.connections,
+        "repeats": args.repeats,
+        "bare": asdict(bare) | {"turns_per_s": bare.turns_per_s, "cpu_us_per_turn": bare.cpu_us_per_turn},
+        "runner": asdict(runner)
+        | {"turns_per_s": runner.turns_per_s, "cpu_us_per_turn": runner.cpu_us_per_turn},
+        "rounds_turns_per_s": {
+            "bare": [round(r.turns_per_s, 1) for r in bares],
+            "runner": [round(r.turns_per_s, 1) for r in runners],
+        },
+        "ratio": ratio,
+        # What the ratio would be if both sides were CPU-bound on one core (insensitive to other load).
+        "cpu_ratio": bare.cpu_us_per_turn / runner.cpu_us_per_turn,
+        "goal_ratio": GOAL_RATIO,
+        "meets_goal": ratio >= GOAL_RATIO,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    bare, runner = report["bare"], report["runner"]
+    lines = [
+        f"rollwise bench actors: {report['episodes']} concurrent episodes"
+        f" x {report['turns_per_episode']} turns,"
+        f" groups of {report['group_size']}, {report['connections']} connections, instant fake SGLang"
+        f" (server core {report.get('server_core')}, actor core {report.get('actor_core')})",
+        "",
+        f"{'side':<12}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}",
+        f"{'bare loop':<12}{bare['turns']:>9}{bare['seconds']:>10.2f}{bare['turns_per_s']:>11.0f}"
+        f"{bare['cpu_us_per_turn']:>13.0f}",
+        f"{'runner':<12}{runner['turns']:>9}{runner['seconds']:>10.2f}{runner['turns_per_s']:>11.0f}"
+        f"{runner['cpu_us_per_turn']:>13.0f}",
+        "",
+        f"rounds (turns/s): bare {report['rounds_turns_per_s']['bare']}, "
+        f"runner {report['rounds_turns_per_s']['runner']}",
+        f"ratio runner/bare = {report['ratio']:.2f} (goal >= {report['goal_ratio']}: "
+        f"{'met' if report['meets_goal'] else 'MISSED'}); CPU-bound ratio (bare CPU/turn / runner CPU/turn)"
+        f" = {report['cpu_ratio']:.2f}",
+        f"per-turn overhead (turn wall time - engine round trip): p50 {runner['overhead_p50_us']:.0f} us, "
+        f"p99 {runner['overhead_p99_us']:.0f} us; engine round trip p50 {runner['engine_p50_us']:.0f} us",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rollwise bench actors`. Exit 0 on success; 1 if --require-goal and the goal is missed."""
+    parser = argparse.ArgumentParser(prog="rollwise bench actors", description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=1000, help="concurrent episodes (E)")
+    parser.add_argument("--turns", type=int, default=8, help="turns per episode (T)")
+    parser.add_argument("--group-size", type=int, default=8, help="episodes per group (G)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds; best round per side")
+    parser.add_argument("--connections", type=int, default=256, help="HTTP connections of each side")
+    parser.add_argument("--model", default=None, help="HF dir whose tokenizer to use (default: tiny preset)")
+    parser.add_argument("--actor-core", type=int, default=None, help="CPU for the measured side")
+    parser.add_argument("--server-core", type=int, default=None, help="CPU for the instant server")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--require-goal", action="store_true", help="exit 1 when the ratio misses the goal")
+    args = parser.parse_args(argv)
+    if min(args.episodes, args.turns, args.group_size, args.repeats, args.connections) < 1:
+        parser.error("--episodes, --turns, --group-size, --repeats and --connections must be >= 1")
+    tokenizer = load_tokenizer(args.model)
+    output_ids = [*tokenizer.encode(MODEL_TEXT, add_special_tokens=False), int(tokenizer.eos_token_id)]
+    actor_core, server_core = _cores(args)
+    with instant_server(output_ids, server_core) as url, pinned(actor_core):
+        report = asyncio.run(_measure(args, url, tokenizer))
+    report |= {"actor_core": actor_core, "server_core": server_core}
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 1 if args.require_goal and not report["meets_goal"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""The token buffer of one multi-turn conversation: token-in/token-out across chat turns.
+
+The engine sees only token ids. The first prompt is the tokenizer's chat template rendered as text
+(`add_generation_prompt=True`) and encoded once without adding special tokens again. After that the
+buffer only grows:
+
+- the engine's `output_ids` are appended VERBATIM (loss mask 1, with their log-probs and versions);
+  they are decoded for the environment and the template, never re-encoded;
+- after the environment answers, the whole conversation is rendered again (the assistant message's
+  content = decode of the turn's generated ids minus a trailing stop token) with the new messages and
+  the generation prompt. When the text rendered before, followed by the decoded generated ids, is an
+  exact prefix of the new rendering, only the rest is encoded and appended (loss mask 0);
+- when it is not (a template that rewrites history, e.g. drops earlier `<think>` blocks, or trims
+  what the model wrote), the buffer cannot be extended without corrupting the sequence, so a new
+  *segment* starts: its token ids are the full new rendering (all of it prompt, loss mask 0). The
+  finished segment is kept as its own row.
+
+Boundary: the engine stops on a stop token that it returns (`no_stop_trim`), e.g. `<|im_end|>`, and
+ChatML renders `content + "<|im_end|>\\n"`; the decoded stop token then matches the template's own
+end-of-turn text and only `"\\n<|im_start|>user..."` is appended. A turn cut by `max_new_tokens` has no
+stop token: whatever the template writes after the content (`<|im_end|>\\n...`) is appended as
+context, so the turn is closed the way the template expects, with those ids marked as NOT generated.
+
+A stop token that the template does not write after assistant content (e.g. `<|endoftext|>` when the
+template closes turns with `<|im_end|>`) breaks the prefix check too and so starts a new segment:
+correct, but configure `stop_token_ids` to the template's end-of-turn token to avoid it.
+
+The environment's final reply (the one that ends the episode) is never appended: the engine never
+saw it, and the row holds exactly what the engine saw and produced.
+
+Cost: one full template render per turn (linear in the conversation so far). It is what makes the
+history-rewrite check exact for any template; `bench actors` shows it is the largest CPU item of a
+turn after HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+Message = dict[str, Any]
+ExtendOutcome = Literal["appended", "new_segment", "overflow"]
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the buffer uses."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]: ...
+
+    def decode(self, token_ids: Any, **kwargs: Any) -> str: ...
+
+
+@dataclass
+class SegmentBuffer:
+    """Per-token columns of one segment (see learner.schema.Episode); all lists have equal length.
+
+    `prompt_len` tokens open the segment (turn_index -1); every later token belongs to a turn.
+    """
+
+    token_ids: list[int]
+    prompt_len: int
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn_index: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_prompt(cls, prompt_ids: list[int]) -> SegmentBuffer:
+        n = len(prompt_ids)
+        return cls(list(prompt_ids), n, [0] * n, [0.0] * n, [-1] * n, [-1] * n)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def append_generated(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], turn: int
+    ) -> None:
+        """Model tokens: loss mask 1, the engine's log-probs and policy versions."""
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(
+                f"generated ids ({len(ids)}), logprobs ({len(logprobs)}) and versions ({len(versions)}) "
+                "must have the same length"
+            )
+        n = len(ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * n)
+        self.logprobs.extend(logprobs)
+        self.turn_index.extend([turn] * n)
+        self.versions.extend(versions)
+
+    def append_context(self, ids: Sequence[int], turn: int) -> None:
+        """Tokens the model did not generate (environment replies, template glue): loss mask 0."""
+        n = len(ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * n)
+        self.logprobs.extend([0.0] * n)
+        self.turn_index.extend([turn] * n)
+        self.versions.extend([-1] * n)
+
+
+def _verified_backend(tokenizer: ChatTokenizer, text: str, ids: list[int]) -> Any | None:
+    """The fast tokenizer's `tokenizers.Tokenizer` when it encodes and decodes `text` exactly as the HF
+    wrapper does (it skips the wrapper's per-call overhead, ~4x on short texts), else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        same_ids = list(backend.encode(text, add_special_tokens=False).ids) == ids
+        wrapper_text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        same_text = backend.decode(ids, skip_special_tokens=False) == wrapper_text
+    except Exception:  # an unexpected backend API: the wrapper is always correct
+        return None
+    return backend if same_ids and same_text else None
+
+
+class ChatBuffer:
+    """Token buffer of one conversation; `input_ids` is what the next /generate call sends.
+
+    Call order per turn: `add_generated` (one or more times: a resubmitted aborted request adds its
+    continuation), `finish_turn` (returns the assistant text), then either `add_env_messages` to
+    continue or nothing when the episode ends.
+    """
+
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        messages: Iterable[Message],
+        *,
+        tools: Sequence[dict[str, Any]] = (),
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tools = list(tools) or None
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.messages: list[Message] = list(messages)
+        self._text = self._render(self.messages)
+        prompt_ids = list(tokenizer.encode(self._text, add_special_tokens=False))
+        self._backend = _verified_backend(tokenizer, self._text, prompt_ids)
+        self.segments: list[SegmentBuffer] = [SegmentBuffer.from_prompt(prompt_ids)]
+        self._turn_ids: list[int] = []
+        self._turn_text: str | None = None
+
+    @property
+    def current(self) -> SegmentBuffer:
+        return self.segments[-1]
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The current segment's ids (the live list: do not mutate)."""
+        return self.current.token_ids
+
+    def _render(self, messages: list[Message]) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, add_generation_prompt=True, tokenize=False
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        # The template already wrote every special token; adding BOS/EOS again would corrupt the prompt.
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return str(self._backend.decode(list(ids), skip_special_tokens=False))
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def add_generated(
+        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int], turn: int
+    ) -> None:
+        """Append engine output ids verbatim to the current segment (part of the turn in progress)."""
+        self.current.append_generated(ids, logprobs, versions, turn)
+        self._turn_ids.extend(ids)
+
+    def finish_turn(self) -> str:
+        """Close the turn in progress; return the assistant text (decoded, trailing stop token removed).
+
+        The assistant message joins the conversation with that text as its content (tool-call markup
+        included, no parsed `tool_calls`: the template must reproduce what the model wrote).
+        """
+        ids = self._turn_ids
+        self._turn_text = self._decode(ids)
+        ends_with_stop = bool(ids) and ids[-1] in self.stop_token_ids
+        content = self._decode(ids[:-1]) if ends_with_stop else self._turn_text
+        self.messages.append({"role": "assistant", "content": content})
+        self._turn_ids = []
+        return content
+
+    def add_env_messages(self, new_messages: Sequence[Message], turn: int, max_tokens: int) -> ExtendOutcome:
+        """Append the environment's reply (and the next generation prompt) to the buffer.
+
+        Returns "appended" when the current segment was extended, "new_segment" when the template could
+        not extend it and a new segment started, "overflow" when the result would leave no room to
+        generate (`len >= max_tokens`); on overflow nothing changes. The tokens get `turn_index = turn`.
+        """
+        if self._turn_text is None:
+            raise RuntimeError("add_env_messages called before finish_turn")
+        conversation = [*self.messages, *new_messages]
+        rendered = self._render(conversation)
+        expected_prefix = self._text + self._turn_text
+        if rendered.startswith(expected_prefix):
+            suffix_ids = self._encode(rendered[len(expected_prefix) :])
+            if len(self.current) + len(suffix_ids) >= max_tokens:
+                return "overflow"
+            self.current.append_context(suffix_ids, turn)
+            outcome: ExtendOutcome = "appended"
+        else:
+            full_ids = self._encode(rendered)
+            if len(full_ids) >= max_tokens:
+                return "overflow"
+            self.segments.append(SegmentBuffer.from_prompt(full_ids))
+            outcome = "new_segment"
+        self.messages = conversation
+        self._text = rendered
+        self._turn_text = None
+        return outcome

@@ -1,0 +1,231 @@
+"""ChatBuffer: token-in/token-out extension with the real tiny ChatML tokenizer, and segment restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
+from learner.schema import Episode, validate_episode
+from pipeline.chat import ChatBuffer, SegmentBuffer
+
+# Qwen3-style: reasoning inside <think></think> of earlier assistant turns is dropped when rendering.
+STRIP_THINK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- set content = message.content %}"
+    "{%- if '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+USER = [{"role": "user", "content": "Guess my number from 1 to 16."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(build_tokenizer(vocab_hints()), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def strip_tokenizer(tokenizer_dir: Path) -> Any:
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = STRIP_THINK_TEMPLATE
+    return tok
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert isinstance(text, str)
+    return text
+
+
+def generate(chat: ChatBuffer, ids: list[int], turn: int, version: int = 0) -> None:
+    logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
+    chat.add_generated(ids, logprobs, [version] * len(ids), turn)
+
+
+def as_row(seg: SegmentBuffer, num_turns: int, segment: int) -> Episode:
+    return Episode(
+        episode_id="e",
+        group_id="g",
+        task_id="t",
+        env="test",
+        token_ids=seg.token_ids,
+        prompt_len=seg.prompt_len,
+        loss_mask=seg.loss_mask,
+        logprobs=seg.logprobs,
+        turn_index=seg.turn_index,
+        versions=seg.versions,
+        turn_rewards=[0.0] * num_turns,
+        outcome=None,
+        num_turns=num_turns,
+        finish_reason="stop",
+        segment=segment,
+    )
+
+
+def test_first_prompt_is_the_rendered_template_encoded_once(tokenizer: Any) -> None:
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
+    text = "<|im_start|>user\nGuess my number from 1 to 16.<|im_end|>\n<|im_start|>assistant\n"
+    assert chat.input_ids == encode(tokenizer, text)
+    assert chat.input_ids[0] == im_start and chat.input_ids.count(im_start) == 2  # no extra BOS/specials
+    seg = chat.current
+    assert seg.prompt_len == len(seg.token_ids)
+    assert seg.loss_mask == [0] * seg.prompt_len and seg.turn_index == [-1] * seg.prompt_len
+
+
+def test_tools_are_rendered_into_the_first_prompt(tokenizer: Any) -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    chat = ChatBuffer(tokenizer, USER, tools=[tool], stop_token_ids=[tokenizer.eos_token_id])
+    assert chat.input_ids == encode(tokenizer, render(tokenizer, USER, tools=[tool]))
+    assert '"name": "add"' in tokenizer.decode(chat.input_ids)
+
+
+def test_three_turns_append_exactly_the_template_suffix(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[eos])
+    prompt = list(chat.input_ids)
+    expected, mask, turns = list(prompt), [0] * len(prompt), [-1] * len(prompt)
+    conversation = list(USER)
+    for turn, (guess, reply) in enumerate([("8", "higher"), ("12", "lower"), ("10", "correct")]):
+        out = [*encode(tokenizer, guess), eos]
+        generate(chat, out, turn, version=turn)
+        assert chat.finish_turn() == guess
+        expected += out
+        mask += [1] * len(out)
+        turns += [turn] * len(out)
+        conversation += [{"role": "assistant", "content": guess}]
+        if turn == 2:
+            break  # the reply that ends the episode is never appended
+        env_ids = encode(tokenizer, f"\n<|im_start|>user\n{reply}<|im_end|>\n<|im_start|>assistant\n")
+        user = {"role": "user", "content": reply}
+        assert chat.add_env_messages([user], turn, max_tokens=1000) == "appended"
+        expected += env_ids
+        mask += [0] * len(env_ids)
+        turns += [turn] * len(env_ids)
+        conversation.append(user)
+        # Extension equals a from-scratch encoding of the whole conversation (canonical model output).
+        assert chat.input_ids == expected == encode(tokenizer, render(tokenizer, conversation))
+    assert len(chat.segments) == 1
+    seg = chat.current
+    assert seg.token_ids == expected
+    assert seg.loss_mask == mask
+    assert seg.turn_index == turns
+    assert [v for v, m in zip(seg.versions, mask, strict=True) if m] == [0, 0, 1, 1, 2, 2]
+    assert all(v == -1 for v, m in zip(seg.versions, mask, strict=True) if not m)
+    assert [lp for lp, m in zip(seg.logprobs, mask, strict=True) if m] == [-0.25, -0.26] * 3
+    assert validate_episode(as_row(seg, num_turns=3, segment=0)) is None
+
+
+def test_generated_ids_are_kept_verbatim_even_when_not_canonical(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[eos])
+    one, two = encode(tokenizer, "1"), encode(tokenizer, "2")
+    assert encode(tokenizer, "12") != one + two  # "12" is one token; the model wrote two
+    out = [*one, *two, eos]
+    generate(chat, out, 0)
+    assert chat.finish_turn() == "12"
+    start = len(chat.input_ids)
+    assert chat.add_env_messages([{"role": "user", "content": "lower"}], 0, max_tokens=1000) == "appended"
+    assert chat.input_ids[start - len(out) : start] == out
+    assert chat.input_ids[start:] == encode(
+        tokenizer, "\n<|im_start|>user\nlower<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_turn_cut_by_length_is_closed_with_non_model_end_of_turn(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[eos])
+    out = encode(tokenizer, "I think 8")  # no stop token: max_new_tokens cut the turn
+    generate(chat, out, 0)
+    assert chat.finish_turn() == "I think 8"
+    start = len(chat.input_ids)
+    assert chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=1000) == "appended"
+    seg = chat.current
+    glue = encode(tokenizer, "<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
+    assert seg.token_ids[start:] == glue
+    assert seg.token_ids[start] == eos
+    assert seg.loss_mask[start:] == [0] * len(glue)
+    assert seg.versions[start:] == [-1] * len(glue) and seg.logprobs[start:] == [0.0] * len(glue)
+    assert seg.turn_index[start:] == [0] * len(glue)
+
+
+def test_overflow_leaves_the_buffer_unchanged(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[eos])
+    generate(chat, [*encode(tokenizer, "8"), eos], 0)
+    chat.finish_turn()
+    before = list(chat.input_ids)
+    suffix = encode(tokenizer, "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
+    limit = len(before) + len(suffix)  # appending would leave no room for one generated token
+    assert chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=limit) == "overflow"
+    assert chat.input_ids == before
+    assert (
+        chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=limit + 1) == "appended"
+    )
+
+
+def test_template_that_strips_think_blocks_starts_a_new_segment(strip_tokenizer: Any) -> None:
+    tok = strip_tokenizer
+    eos = tok.eos_token_id
+    chat = ChatBuffer(tok, USER, stop_token_ids=[eos])
+    first = [*encode(tok, "<think>\nmid is 8\n</think>\n8"), eos]
+    generate(chat, first, 0)
+    assert chat.finish_turn() == "<think>\nmid is 8\n</think>\n8"
+    segment0 = list(chat.input_ids)
+    assert chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=1000) == "new_segment"
+    assert len(chat.segments) == 2
+    assert chat.segments[0].token_ids == segment0  # the old row is kept as it was
+    restarted = [*USER, {"role": "assistant", "content": "8"}, {"role": "user", "content": "higher"}]
+    # The stripped rendering (think block gone) is the new segment's prompt.
+    new_prompt = encode(tok, render(tok, restarted))
+    assert chat.input_ids == new_prompt and chat.current.prompt_len == len(new_prompt)
+    generate(chat, [*encode(tok, "12"), eos], 1, version=1)
+    chat.finish_turn()
+    rows = [as_row(seg, num_turns=2, segment=i) for i, seg in enumerate(chat.segments)]
+    assert [validate_episode(r) for r in rows] == [None, None]
+    assert rows[1].turn_index[rows[1].prompt_len :] == [1, 1]
+
+
+def test_strip_template_without_think_blocks_still_extends(strip_tokenizer: Any) -> None:
+    tok = strip_tokenizer
+    eos = tok.eos_token_id
+    chat = ChatBuffer(tok, USER, stop_token_ids=[eos])
+    generate(chat, [*encode(tok, "8"), eos], 0)
+    chat.finish_turn()
+    assert chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=1000) == "appended"
+    assert len(chat.segments) == 1
+
+
+def test_env_messages_before_finish_turn_is_an_error(tokenizer: Any) -> None:
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
+    with pytest.raises(RuntimeError, match="before finish_turn"):
+        chat.add_env_messages([{"role": "user", "content": "x"}], 0, max_tokens=100)
+
+
+def test_generated_columns_must_have_equal_lengths() -> None:
+    seg = SegmentBuffer.from_prompt([1, 2])
+    with pytest.raises(ValueError, match=r"generated ids \(2\), logprobs \(1\) and versions \(2\)"):
+        seg.append_generated([3, 4], [-0.1], [0, 0], 0)

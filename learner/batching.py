@@ -1,0 +1,104 @@
+"""Padding training sequences into the (B, T) tensors the loss consumes, with the next-token shift applied.
+
+A causal LM's logits at position j score the token at position j + 1. So for a sequence of L tokens the
+model reads tokens[0 : L-1] and every per-token quantity of the loss (target id, loss mask, engine
+log-prob, advantage) is taken from tokens[1 : L]: column j of every tensor below describes token j + 1.
+Token 0 is never scored (nothing precedes it), so a loss-mask bit on it is dropped.
+
+Right padding: real tokens sit in columns [0, L-1) and padding after them. With causal attention no real
+position can attend to a later pad, so padded columns only need to be masked out of the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainSequence:
+    """One trajectory row ready for the loss: all lists have len(token_ids) entries, one per token.
+
+    loss_mask is 1 on generated tokens; old_logprobs are the engine's log-probs (0 elsewhere); advantages
+    are per token (the advantage of the turn that produced it, 0 on non-generated tokens).
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]
+    advantages: list[float]
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "old_logprobs", "advantages"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"TrainSequence.{name} has {len(getattr(self, name))} entries, expected {n}")
+        if n < 2:
+            raise ValueError(f"TrainSequence needs at least 2 tokens (one context, one target), got {n}")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Generated tokens that can be scored (token 0 cannot)."""
+        return sum(self.loss_mask[1:])
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Right-padded tensors, shape (B, T) with T = max(len(token_ids)) - 1; column j describes token j+1.
+
+    input_ids, attention_mask: what the model reads (long). targets: the token each position must score
+    (long, pad id in padding). loss_mask (float 0/1), old_logprobs, advantages: float32, 0 in padding.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) input tokens: the forward-pass work."""
+        return int(self.attention_mask.sum().item())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets)),
+            *(t.to(device) for t in (self.loss_mask, self.old_logprobs, self.advantages)),
+        )
+
+
+def pack_sequences(sequences: Sequence[TrainSequence], *, pad_id: int) -> PackedBatch:
+    """Pad `sequences` (at least one) into a PackedBatch on the CPU."""
+    if not sequences:
+        raise ValueError("pack_sequences needs at least one sequence")
+    width = max(len(s.token_ids) for s in sequences) - 1
+    rows = len(sequences)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    targets = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    loss_mask = torch.zeros((rows, width), dtype=torch.float32)
+    old_logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    advantages = torch.zeros((rows, width), dtype=torch.float32)
+    for row, seq in enumerate(sequences):
+        n = len(seq.token_ids) - 1
+        ids = torch.tensor(seq.token_ids, dtype=torch.long)
+        input_ids[row, :n] = ids[:-1]
+        targets[row, :n] = ids[1:]
+        attention_mask[row, :n] = 1
+        scored = torch.tensor(seq.loss_mask[1:], dtype=torch.bool)
+        loss_mask[row, :n] = scored.float()
+        # Zero outside the mask (where, not multiply: NaN * 0 is NaN) so a stray value on a prompt or env
+        # token can never reach the loss.
+        old_logprobs[row, :n] = torch.where(
+            scored, torch.tensor(seq.old_logprobs[1:], dtype=torch.float32), 0.0
+        )
+        advantages[row, :n] = torch.where(scored, torch.tensor(seq.advantages[1:], dtype=torch.float32), 0.0)
+    return PackedBatch(input_ids, attention_mask, targets, loss_mask, old_logprobs, advantages)

@@ -1,0 +1,208 @@
+"""Atomic learner checkpoints: enough state that a restarted learner takes exactly the same next step.
+
+Layout (docs/architecture.md, Contract 5):
+
+    <checkpoints_dir>/step<n>/model/            HF directory (config.json, model.safetensors[, tokenizer])
+    <checkpoints_dir>/step<n>/trainer_state.pt  optimizer, LR scheduler, torch RNG + the trainer's generator
+    <checkpoints_dir>/step<n>/state.json        counters, consumed trajectories, python/numpy RNG, extra
+    <checkpoints_dir>/latest                    name of the newest complete step dir
+
+A step dir is staged under a hidden temp name, fsync'd and renamed, and only then does `latest` move
+(temp file + fsync + rename), so a crash leaves either the previous checkpoint or the new one.
+`trainer_state.pt` holds tensors and plain containers only and is read with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_model
+
+from learner.model import fsync_dir, quiet_transformers, replace_dir_atomically, save_tokenizer
+from learner.trainer import Trainer
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+@dataclass
+class ConsumedState:
+    """Which trajectories the learner has already trained on (spool resume point)."""
+
+    last_seq: int = -1  # highest spool sequence number consumed; -1: none yet
+    group_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint on disk; tensors are read by `restore`."""
+
+    path: Path
+    step: int
+    counters: dict[str, int]
+    consumed: ConsumedState
+    extra: dict[str, Any]
+    rng: dict[str, Any]
+
+    @property
+    def model_dir(self) -> Path:
+        """HF directory of the checkpointed weights (loadable with learner.model.load_policy)."""
+        return self.path / "model"
+
+
+def _numpy_state_to_json() -> dict[str, Any]:
+    state = np.random.get_state(legacy=True)
+    if not isinstance(state, tuple):
+        raise TypeError(f"numpy legacy RNG state is a tuple, got {type(state)}")
+    name, keys, pos, has_gauss, cached = state
+    return {
+        "name": name,
+        "keys": keys.tolist(),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached": cached,
+    }
+
+
+def _numpy_state_from_json(state: dict[str, Any]) -> None:
+    keys = np.asarray(state["keys"], dtype=np.uint32)
+    np.random.set_state((state["name"], keys, state["pos"], state["has_gauss"], state["cached"]))
+
+
+def _write_text_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _step_dirs(checkpoints_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for child in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else []:
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / "state.json").is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def save_checkpoint(
+    checkpoints_dir: str | Path,
+    trainer: Trainer,
+    *,
+    consumed: ConsumedState,
+    extra: dict[str, Any] | None = None,
+    keep: int = 2,
+    tokenizer: Any = None,
+) -> Path:
+    """Write `step<trainer.steps>` atomically, point `latest` at it and keep the newest `keep` step dirs.
+
+    `extra` must be JSON-serialisable (e.g. the resolved config hash, wall-clock of the run).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    quiet_transformers()
+    root = Path(checkpoints_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step{trainer.steps}"
+    staged = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        trainer.model.save_pretrained(staged / "model")
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, staged / "model")
+        tensors: dict[str, Any] = {
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(),
+            "generator": trainer.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            tensors["cuda_rng"] = torch.cuda.get_rng_state_all()
+        torch.save(tensors, staged / "trainer_state.pt")
+        state = {
+            "format": FORMAT_VERSION,
+            "step": trainer.steps,
+            "counters": trainer.counters(),
+            "consumed": asdict(consumed),
+            "extra": extra or {},
+            "rng": {"python": list(_python_state()), "numpy": _numpy_state_to_json()},
+        }
+        (staged / "state.json").write_text(json.dumps(state) + "\n", encoding="utf-8")
+        target = root / name
+        replace_dir_atomically(staged, target)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    _write_text_atomically(root / LATEST, name + "\n")
+    for _, old in _step_dirs(root)[:-keep]:
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
+    # Staging dirs of saves that crashed before their rename (one learner writes here at a time).
+    for leftover in root.glob(".step*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+    return target
+
+
+def _python_state() -> tuple[Any, ...]:
+    version, internal, gauss = random.getstate()
+    return (version, list(internal), gauss)
+
+
+def _read(path: Path) -> Checkpoint:
+    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has format {state.get('format')!r}, expected {FORMAT_VERSION}")
+    return Checkpoint(
+        path=path,
+        step=int(state["step"]),
+        counters={k: int(v) for k, v in state["counters"].items()},
+        consumed=ConsumedState(**state["consumed"]),
+        extra=dict(state["extra"]),
+        rng=dict(state["rng"]),
+    )
+
+
+def load_latest_checkpoint(checkpoints_dir: str | Path) -> Checkpoint | None:
+    """The checkpoint `latest` names; else the newest complete step dir; None when there is none."""
+    root = Path(checkpoints_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text(encoding="utf-8").strip()
+        if (named / "state.json").is_file():
+            return _read(named)
+    dirs = _step_dirs(root)
+    return _read(dirs[-1][1]) if dirs else None
+
+
+def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
+    """Load weights, optimizer, scheduler, RNG states and counters of `ckpt` into `trainer` in place."""
+    weights = ckpt.model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")
+    # strict: a key mismatch raises naming the keys; tied embeddings are saved once and matched by storage.
+    load_model(trainer.model, weights, strict=True, device=str(trainer.device))
+    tensors = torch.load(ckpt.path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    trainer.optimizer.load_state_dict(tensors["optimizer"])
+    trainer.scheduler.load_state_dict(tensors["scheduler"])
+    trainer.generator.set_state(tensors["generator"])
+    torch.set_rng_state(tensors["torch_rng"])
+    if "cuda_rng" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tensors["cuda_rng"])
+    version, internal, gauss = ckpt.rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    _numpy_state_from_json(ckpt.rng["numpy"])
+    trainer.load_counters(ckpt.counters)

@@ -1,0 +1,354 @@
+"""One training step: Arrow trajectory batches in, GSPO-token updates on the policy, metrics out.
+
+The behaviour policy is the engine: its per-token log-probs in the rows are the "old" log-probs, so there
+is no recomputation pass. The step reads like the recipe:
+
+    decode rows → drop untrainable → group → per-turn advantages → drop zero-signal groups
+    → per-token advantages → shuffle (seeded) → mini-batches → forward, log-probs at the sampling
+    temperature, loss, backward → clip → AdamW (skipped when anything is non-finite)
+
+Policy version: incremented once per `step()` that changed the weights (at least one optimizer update
+applied), i.e. once per set of weights worth publishing. Optimizer updates are counted separately.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pyarrow as pa
+import torch
+
+from learner.advantages import Estimator, token_advantages, turn_advantages
+from learner.batching import PackedBatch, TrainSequence, pack_sequences
+from learner.gspo import Level, gspo_token_loss
+from learner.logprobs import entropy_from_logits, sampled_token_logprobs
+from learner.schema import Episode, RejectedRow, batch_to_episodes
+
+# Per-turn advantages below this are float noise of a group whose members all scored the same.
+ZERO_ADVANTAGE = 1e-8
+MIN_GROUP_MEMBERS = 2
+
+
+class TrainerConfig(Protocol):
+    """The fields of pipeline.config.LearnerConfig the trainer reads."""
+
+    mini_batches: int
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+    grad_accum: int
+    warmup_steps: int
+    clip_low: float
+    clip_high: float
+    loss_level: Level
+    estimator: Estimator
+    gamma: float
+    lam: float
+
+
+@dataclass
+class StepInput:
+    """What survives decoding and filtering: the sequences to train on plus the accounting."""
+
+    sequences: list[TrainSequence] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)  # unique trainable episodes (first segment)
+    rejected: list[RejectedRow] = field(default_factory=list)
+    untrainable_rows: int = 0
+    dropped_small_groups: int = 0
+    skipped_zero_adv_groups: int = 0
+    trained_groups: int = 0
+
+
+def _warmup(warmup_steps: int) -> Callable[[int], float]:
+    def factor(update: int) -> float:
+        return min(1.0, (update + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return factor
+
+
+def _group_segments(rows: Sequence[Episode]) -> dict[str, dict[str, list[Episode]]]:
+    """group_id → episode_id → its segment rows, all in first-appearance order."""
+    groups: dict[str, dict[str, list[Episode]]] = {}
+    for row in rows:
+        groups.setdefault(row.group_id, {}).setdefault(row.episode_id, []).append(row)
+    return groups
+
+
+def build_step_input(
+    batches: Sequence[pa.RecordBatch], *, estimator: Estimator, gamma: float, lam: float
+) -> StepInput:
+    """Decode, filter and annotate rows with per-token advantages (pure; no model involved).
+
+    Segments of one episode share its turn_rewards and outcome, so advantages are computed once per
+    episode and every segment maps its tokens through its own turn_index. A batch whose schema is not
+    the trajectory schema raises InvalidEpisodeError (the spool quarantines such files before this).
+    """
+    result = StepInput()
+    rows: list[Episode] = []
+    for batch in batches:
+        decoded, rejected = batch_to_episodes(batch)
+        rows.extend(decoded)
+        result.rejected.extend(rejected)
+    trainable = [row for row in rows if row.trainable]
+    result.untrainable_rows = len(rows) - len(trainable)
+
+    all_groups = list(_group_segments(trainable).values())
+    groups = [g for g in all_groups if len(g) >= MIN_GROUP_MEMBERS]  # leave-one-out needs peers
+    result.dropped_small_groups = len(all_groups) - len(groups)
+    members = [[segments[0] for segments in group.values()] for group in groups]
+    result.episodes = [ep for group in members for ep in group]
+    if not groups:
+        return result
+    advantages = turn_advantages(
+        [[(list(ep.turn_rewards), ep.outcome) for ep in group] for group in members],
+        gamma=gamma,
+        lam=lam,
+        estimator=estimator,
+    )
+    for group, group_adv in zip(groups, advantages, strict=True):
+        if all(abs(a) <= ZERO_ADVANTAGE for episode_adv in group_adv for a in episode_adv):
+            result.skipped_zero_adv_groups += 1
+            continue
+        result.trained_groups += 1
+        for segments, episode_adv in zip(group.values(), group_adv, strict=True):
+            for seg in segments:
+                if sum(seg.loss_mask[1:]) == 0:
+                    continue  # nothing the model generated can be scored in this row
+                try:
+                    token_adv = token_advantages(episode_adv, seg.turn_index, seg.loss_mask)
+                except ValueError as exc:  # a turn index without a turn reward: never guess one
+                    result.rejected.append(RejectedRow(index=-1, episode_id=seg.episode_id, reason=str(exc)))
+                    continue
+                result.sequences.append(
+                    TrainSequence(
+                        token_ids=list(seg.token_ids),
+                        loss_mask=list(seg.loss_mask),
+                        old_logprobs=list(seg.logprobs),
+                        advantages=token_adv,
+                    )
+                )
+    return result
+
+
+@dataclass
+class _UpdateStats:
+    """Accumulates per-mini-batch loss statistics over one step."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    clip_fractions: list[tuple[float, int]] = field(default_factory=list)
+    ratio_means: list[float] = field(default_factory=list)
+    ratio_min: float = math.inf
+    ratio_max: float = -math.inf
+    first: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+    lr: float = 0.0  # learning rate of the last applied update
+    applied: int = 0
+    skipped_nonfinite: int = 0
+
+    def add(self, stats: dict[str, torch.Tensor], entropy: float) -> None:
+        values = {key: float(value) for key, value in stats.items()}
+        if not self.first:
+            self.first = values
+        self.entropies.append(entropy)
+        self.clip_fractions.append((values["clip_fraction"], int(values["num_sequences"])))
+        self.ratio_means.append(values["ratio_mean"])
+        self.ratio_min = min(self.ratio_min, values["ratio_min"])
+        self.ratio_max = max(self.ratio_max, values["ratio_max"])
+
+
+def episode_return(ep: Episode) -> float:
+    """Total reward of an episode: its turn rewards plus its outcome (0 when the env set none)."""
+    return sum(ep.turn_rewards) + (ep.outcome if ep.outcome is not None else 0.0)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class Trainer:
+    """Owns the policy, its AdamW optimizer, the LR schedule and the seeded shuffling generator.
+
+    `model` is a causal LM (HF PreTrainedModel) already in its training dtype; `temperature` must equal
+    the sampling temperature of the rollouts (the engine's log-probs are of softmax(logits / T)). `device`
+    defaults to where the model's parameters are; `pad_token_id` to the model config's.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cfg: TrainerConfig,
+        *,
+        temperature: float,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        if not (math.isfinite(temperature) and temperature > 0.0):
+            raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
+        self.model = model
+        self.cfg = cfg
+        self.temperature = float(temperature)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model.to(self.device)
+        self.model.train()
+        pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else 0
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=(float(cfg.betas[0]), float(cfg.betas[1])),
+            weight_decay=cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(cfg.warmup_steps))
+        # Mini-batch shuffling; the seed may also come with the config (the learner worker passes it there).
+        shuffle_seed = seed if seed is not None else int(getattr(cfg, "seed", 0))
+        self.generator = torch.Generator().manual_seed(shuffle_seed)
+        self.steps = 0  # step() calls
+        self.optimizer_updates = 0
+        self._policy_version = 0
+        self.last_rejected: list[RejectedRow] = []
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def counters(self) -> dict[str, int]:
+        """Everything besides tensors that a checkpoint must restore for an identical next step."""
+        return {
+            "steps": self.steps,
+            "optimizer_updates": self.optimizer_updates,
+            "policy_version": self._policy_version,
+        }
+
+    def load_counters(self, counters: dict[str, int]) -> None:
+        self.steps = int(counters["steps"])
+        self.optimizer_updates = int(counters["optimizer_updates"])
+        self._policy_version = int(counters["policy_version"])
+
+    def step(self, batches: Sequence[pa.RecordBatch]) -> dict[str, float]:
+        """Train on the trajectory rows of `batches`; returns the step's metrics (see module docstring)."""
+        started = time.perf_counter()
+        data = build_step_input(batches, estimator=self.cfg.estimator, gamma=self.cfg.gamma, lam=self.cfg.lam)
+        self.last_rejected = data.rejected
+        stats = _UpdateStats()
+        if data.sequences:
+            self._update(data.sequences, stats)
+        if stats.applied:
+            self._policy_version += 1
+        self.steps += 1
+        elapsed = time.perf_counter() - started
+        return self._metrics(data, stats, elapsed)
+
+    def _mini_batches(self, count: int) -> list[list[int]]:
+        order = torch.randperm(count, generator=self.generator)
+        parts = min(self.cfg.mini_batches, count)
+        return [chunk.tolist() for chunk in torch.tensor_split(order, parts)]
+
+    def _update(self, sequences: list[TrainSequence], stats: _UpdateStats) -> None:
+        chunks = self._mini_batches(len(sequences))
+        accum = self.cfg.grad_accum
+        for start in range(0, len(chunks), accum):
+            window = [
+                pack_sequences([sequences[i] for i in c], pad_id=self.pad_token_id)
+                for c in chunks[start : start + accum]
+            ]
+            self._optimizer_update(window, stats)
+
+    def _optimizer_update(self, window: list[PackedBatch], stats: _UpdateStats) -> None:
+        """Accumulate gradients over `window` (seq-mean over all its sequences), then one AdamW update."""
+        self.optimizer.zero_grad(set_to_none=True)
+        num_sequences = sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window)
+        window_loss = 0.0
+        finite = True
+        for packed in window:
+            batch = packed.to(self.device)
+            loss, loss_stats, entropy = self._forward_loss(batch, num_sequences)
+            stats.add(loss_stats, entropy)
+            stats.tokens += packed.num_tokens
+            stats.loss_tokens += packed.num_loss_tokens
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            window_loss += float(loss.detach())
+        grad_norm = math.nan
+        if finite:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            finite = math.isfinite(grad_norm)
+        if not finite:
+            # Keep the weights: a non-finite update would poison every later step.
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.skipped_nonfinite += 1
+            return
+        stats.lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_updates += 1
+        stats.applied += 1
+        stats.losses.append(window_loss)
+        stats.grad_norms.append(grad_norm)
+
+    def _forward_loss(
+        self, batch: PackedBatch, num_sequences: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        # use_cache=False: a training forward has no use for a KV cache and would allocate one per layer.
+        logits = self.model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+        ).logits
+        logprobs = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature)
+        loss, loss_stats = gspo_token_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            level=self.cfg.loss_level,
+            num_global_sequences=num_sequences,
+        )
+        entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
+        return loss, loss_stats, entropy
+
+    def _metrics(self, data: StepInput, stats: _UpdateStats, elapsed: float) -> dict[str, float]:
+        episodes = data.episodes
+        weighted_clip = sum(f * n for f, n in stats.clip_fractions)
+        clip_sequences = sum(n for _, n in stats.clip_fractions)
+        outcomes = [ep.outcome for ep in episodes if ep.outcome is not None]
+        return {
+            "loss": _mean(stats.losses),
+            "clip_fraction": weighted_clip / clip_sequences if clip_sequences else 0.0,
+            "ratio_mean": _mean(stats.ratio_means) if stats.ratio_means else 1.0,
+            "ratio_min": stats.ratio_min if stats.ratio_means else 1.0,
+            "ratio_max": stats.ratio_max if stats.ratio_means else 1.0,
+            "mismatch_abs_mean": stats.first.get("mismatch_abs_mean", 0.0),
+            "mismatch_k3": stats.first.get("mismatch_k3", 0.0),
+            "entropy": _mean(stats.entropies),
+            "grad_norm": _mean(stats.grad_norms),
+            "lr": stats.lr if stats.applied else float(self.optimizer.param_groups[0]["lr"]),
+            "tokens": float(stats.tokens),
+            "loss_tokens": float(stats.loss_tokens),
+            "tokens_per_s": stats.tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed,
+            "num_sequences": float(len(data.sequences)),
+            "num_groups": float(data.trained_groups),
+            "optimizer_updates": float(stats.applied),
+            "skipped_zero_adv_groups": float(data.skipped_zero_adv_groups),
+            "skipped_steps_nonfinite": float(stats.skipped_nonfinite),
+            "dropped_small_groups": float(data.dropped_small_groups),
+            "rejected_rows": float(len(data.rejected)),
+            "untrainable_rows": float(data.untrainable_rows),
+            "reward_mean": _mean([episode_return(ep) for ep in episodes]),
+            "outcome_mean": _mean([float(o) for o in outcomes]),
+            "success_rate": _mean([1.0 if ep.success else 0.0 for ep in episodes]),
+            "policy_version": float(self._policy_version),
+        }

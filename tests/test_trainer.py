@@ -1,0 +1,443 @@
+"""Batching (the next-token shift) and the training step on the tiny preset."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import torch
+
+import learner.trainer as trainer_module
+from learner.batching import TrainSequence, pack_sequences
+from learner.model import load_policy
+from learner.model_init import init_model
+from learner.schema import TRAJECTORY_SCHEMA, Episode, episodes_to_batch
+from learner.trainer import Trainer, build_step_input
+from pipeline.config import LearnerConfig
+
+PAD = 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny matmuls: extra intra-op threads only add contention (10x slower on a busy 2-core machine).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+
+
+@pytest.fixture
+def policy(model_dir: Path) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    return load_policy(model_dir)
+
+
+def _cfg(**overrides: Any) -> LearnerConfig:
+    base: dict[str, Any] = {"lr": 1e-2, "mini_batches": 2, "device": "cpu"}
+    base.update(overrides)
+    return LearnerConfig(**base)
+
+
+def _prompt_ids(tokenizer: Any) -> list[int]:
+    messages = [{"role": "user", "content": "Guess my number from 1 to 16."}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@torch.no_grad()
+def _logprobs_of(
+    model: Any, token_ids: list[int], *, temperature: float = 1.0, start: int = 1
+) -> list[float]:
+    """log p(token_t | tokens_<t) under `model` for t >= start (0.0 before), one prefix forward per token."""
+    out = [0.0] * start
+    for t in range(start, len(token_ids)):
+        logits = model(input_ids=torch.tensor([token_ids[:t]])).logits[0, -1].double() / temperature
+        out.append(float(torch.log_softmax(logits, dim=-1)[token_ids[t]]))
+    return out
+
+
+def _episode(
+    model: Any,
+    prompt: list[int],
+    action: list[int],
+    *,
+    group: str,
+    index: int,
+    outcome: float | None,
+    turn_rewards: list[float] | None = None,
+    finish_reason: str = "stop",
+    temperature: float = 1.0,
+) -> Episode:
+    """A one-turn episode whose engine log-probs come from `model` itself (behaviour = current policy)."""
+    tokens = prompt + action
+    n_prompt, n_action = len(prompt), len(action)
+    full = _logprobs_of(model, tokens, temperature=temperature, start=n_prompt)
+    return Episode(
+        episode_id=f"{group}-e{index}",
+        group_id=group,
+        task_id=f"task-{group}",
+        env="guess-number",
+        token_ids=tokens,
+        prompt_len=n_prompt,
+        loss_mask=[0] * n_prompt + [1] * n_action,
+        logprobs=[0.0] * n_prompt + full[n_prompt:],
+        turn_index=[-1] * n_prompt + [0] * n_action,
+        versions=[-1] * n_prompt + [0] * n_action,
+        turn_rewards=turn_rewards if turn_rewards is not None else [0.0],
+        outcome=outcome,
+        num_turns=1,
+        finish_reason=finish_reason,
+    )
+
+
+def _ids(tokenizer: Any, text: str) -> int:
+    ids = tokenizer.encode(text)
+    assert len(ids) == 1, text
+    return int(ids[0])
+
+
+def _contrast_group(model: Any, tokenizer: Any, group: str, x: int, y: int) -> list[Episode]:
+    """Two episodes answering X (outcome 1) and two answering Y (outcome 0), each ending with <|im_end|>."""
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    actions = [([x, end], 1.0), ([y, end], 0.0), ([x, end], 1.0), ([y, end], 0.0)]
+    return [
+        _episode(model, prompt, action, group=group, index=i, outcome=outcome)
+        for i, (action, outcome) in enumerate(actions)
+    ]
+
+
+@torch.no_grad()
+def _next_token_logprob(model: Any, prompt: list[int], token: int) -> float:
+    logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    return float(torch.log_softmax(logits.double(), dim=-1)[token])
+
+
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- batching -------------------------------------------------------------------------------------------
+
+
+def test_pack_shifts_targets_and_per_token_fields_by_one() -> None:
+    seq = TrainSequence(
+        token_ids=[5, 6, 7, 8],
+        loss_mask=[0, 0, 1, 1],
+        old_logprobs=[0.0, 0.0, -1.0, -2.0],
+        advantages=[0, 0, 0.5, 0.5],
+    )
+    short = TrainSequence(
+        token_ids=[9, 10], loss_mask=[0, 1], old_logprobs=[0.0, -3.0], advantages=[0.0, -1.0]
+    )
+    batch = pack_sequences([seq, short], pad_id=PAD)
+    assert batch.input_ids.tolist() == [[5, 6, 7], [9, PAD, PAD]]
+    assert batch.targets.tolist() == [[6, 7, 8], [10, PAD, PAD]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert batch.old_logprobs.tolist() == [[0.0, -1.0, -2.0], [-3.0, 0.0, 0.0]]
+    assert batch.advantages.tolist() == [[0.0, 0.5, 0.5], [-1.0, 0.0, 0.0]]
+    assert batch.num_tokens == 4 and batch.num_loss_tokens == 3
+
+
+def test_pack_zeroes_values_outside_the_loss_mask_even_nan() -> None:
+    seq = TrainSequence(
+        token_ids=[1, 2, 3],
+        loss_mask=[1, 0, 1],
+        old_logprobs=[-5.0, math.nan, -1.0],
+        advantages=[9.0, math.nan, 2.0],
+    )
+    batch = pack_sequences([seq], pad_id=PAD)
+    # Token 0 has no context, so its mask bit is dropped; the NaNs sit on a masked token.
+    assert batch.loss_mask.tolist() == [[0.0, 1.0]]
+    assert batch.old_logprobs.tolist() == [[0.0, -1.0]]
+    assert batch.advantages.tolist() == [[0.0, 2.0]]
+
+
+def test_train_sequence_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="advantages has 2 entries, expected 3"):
+        TrainSequence(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], old_logprobs=[0, 0, 0], advantages=[0, 0])
+
+
+def test_packed_logits_score_the_next_token_exactly_as_one_position_at_a_time(
+    policy: tuple[Any, Any],
+) -> None:
+    model, tokenizer = policy
+    prompt = _prompt_ids(tokenizer)
+    long_tokens = [*prompt, _ids(tokenizer, "12"), _ids(tokenizer, "higher"), tokenizer.eos_token_id]
+    short_tokens = [*prompt[:5], _ids(tokenizer, "3")]
+    seqs = [
+        TrainSequence(t, [0] * (len(t) - 1) + [1], [0.0] * len(t), [0.0] * len(t))
+        for t in (long_tokens, short_tokens)
+    ]
+    batch = pack_sequences(seqs, pad_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        packed = (
+            torch.log_softmax(logits.double(), dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+        )
+    for row, tokens in enumerate((long_tokens, short_tokens)):
+        expected = _logprobs_of(model, tokens)[1:]
+        got = packed[row, : len(tokens) - 1].tolist()
+        assert got == pytest.approx(expected, abs=1e-5)
+
+
+# --- the training step ----------------------------------------------------------------------------------
+
+
+def test_twenty_steps_raise_the_rewarded_token_and_lower_the_punished_one(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    trainer = Trainer(model, _cfg(lr=3e-3, mini_batches=2), temperature=1.0)
+    prompt = _prompt_ids(tokenizer)
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    before_x, before_y = _next_token_logprob(model, prompt, x), _next_token_logprob(model, prompt, y)
+    for step in range(20):
+        groups = [_contrast_group(model, tokenizer, f"s{step}g{g}", x, y) for g in range(2)]
+        metrics = trainer.step([episodes_to_batch([ep for group in groups for ep in group])])
+        assert metrics["num_sequences"] == 8.0
+        assert metrics["optimizer_updates"] == 2.0
+        # Behaviour log-probs came from this very model: the first mini-batch is exactly on-policy.
+        assert metrics["mismatch_abs_mean"] < 1e-5
+    after_x, after_y = _next_token_logprob(model, prompt, x), _next_token_logprob(model, prompt, y)
+    # Measured (seed-0 tiny preset, lr 3e-3): log p(X) -6.86 -> -0.04, log p(Y) -6.50 -> -17.1.
+    # The thresholds keep a wide margin for other torch builds.
+    assert after_x - before_x > 4.0 and after_x > -1.0
+    assert after_y - before_y < -5.0
+    assert trainer.policy_version == 20
+    assert trainer.optimizer_updates == 40
+
+
+def test_metrics_report_the_step(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    trainer = Trainer(model, _cfg(mini_batches=2), temperature=1.0)
+    episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
+    metrics = trainer.step([episodes_to_batch(episodes)])
+    prompt_len = len(_prompt_ids(tokenizer))
+    assert metrics["num_sequences"] == 4.0 and metrics["num_groups"] == 1.0
+    assert metrics["tokens"] == 4 * (prompt_len + 1)  # every token but the last of each row is read
+    assert metrics["loss_tokens"] == 8.0
+    assert metrics["success_rate"] == 0.5
+    assert metrics["reward_mean"] == 0.5
+    assert metrics["mismatch_k3"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["ratio_min"] <= metrics["ratio_mean"] <= metrics["ratio_max"]
+    assert metrics["lr"] == pytest.approx(1e-2)
+    assert metrics["grad_norm"] > 0 and math.isfinite(metrics["loss"])
+    assert 0.0 < metrics["entropy"] <= math.log(len(tokenizer)) + 1e-4
+    assert metrics["tokens_per_s"] > 0 and metrics["step_time_s"] > 0
+    assert metrics["policy_version"] == 1.0
+
+
+def test_mismatch_reveals_a_temperature_different_from_the_sampling_one(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    episodes = [
+        _episode(
+            model,
+            prompt,
+            [_ids(tokenizer, t), end],
+            group="g",
+            index=i,
+            outcome=float(i % 2),
+            temperature=0.25,
+        )
+        for i, t in enumerate(["12", "3", "5", "8"])
+    ]
+    batch = episodes_to_batch(episodes)
+    same = Trainer(model, _cfg(lr=1e-9), temperature=0.25).step([batch])
+    other = Trainer(model, _cfg(lr=1e-9), temperature=1.0).step([batch])
+    assert same["mismatch_abs_mean"] < 1e-5
+    assert other["mismatch_abs_mean"] > 0.1
+
+
+def test_nan_logprob_on_a_model_token_rejects_the_row_and_trains_the_rest(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
+    episodes.append(
+        _episode(model, _prompt_ids(tokenizer), [_ids(tokenizer, "7")], group="g", index=9, outcome=0.0)
+    )
+    columns = episodes_to_batch(episodes).to_pydict()
+    columns["logprobs"][-1][-1] = math.nan
+    batch = pa.RecordBatch.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
+    trainer = Trainer(model, _cfg(), temperature=1.0)
+    metrics = trainer.step([batch])
+    assert metrics["rejected_rows"] == 1.0
+    assert metrics["num_sequences"] == 4.0
+    assert [r.episode_id for r in trainer.last_rejected] == ["g-e9"]
+    assert "logprobs" in trainer.last_rejected[0].reason
+
+
+def test_all_zero_advantage_group_is_skipped_and_counted(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    solved = [
+        _episode(model, prompt, [_ids(tokenizer, "12"), end], group="same", index=i, outcome=1.0)
+        for i in range(3)
+    ]
+    trainer = Trainer(model, _cfg(), temperature=1.0)
+    before = _weights(model)
+    metrics = trainer.step([episodes_to_batch(solved)])
+    assert metrics["skipped_zero_adv_groups"] == 1.0
+    assert metrics["num_sequences"] == 0.0 and metrics["optimizer_updates"] == 0.0
+    assert _same_weights(before, _weights(model))
+    assert trainer.policy_version == 0
+    assert metrics["success_rate"] == 1.0  # accounting still sees the episodes
+
+
+def test_untrainable_rows_are_dropped_and_small_groups_with_them(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    rows = [
+        _episode(model, prompt, [x, end], group="a", index=0, outcome=1.0),
+        _episode(model, prompt, [y, end], group="a", index=1, outcome=None, finish_reason="env_error"),
+        *_contrast_group(model, tokenizer, "b", x, y),
+        _episode(model, prompt, [y, end], group="b", index=7, outcome=None, finish_reason="timeout"),
+    ]
+    data = build_step_input([episodes_to_batch(rows)], estimator="turn", gamma=1.0, lam=1.0)
+    assert data.untrainable_rows == 2
+    assert data.dropped_small_groups == 1  # group "a" keeps one member
+    assert len(data.sequences) == 4 and data.trained_groups == 1
+
+
+def test_segments_of_one_episode_share_its_turn_advantages(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    rows = _contrast_group(model, tokenizer, "g", x, y)
+    second = _episode(model, prompt, [y, end], group="g", index=0, outcome=1.0)
+    second.segment = 1
+    data = build_step_input([episodes_to_batch([*rows, second])], estimator="outcome", gamma=1.0, lam=1.0)
+    # Sequences come per episode in first-appearance order, an episode's segments together.
+    advantages = [seq.advantages for seq in data.sequences]
+    assert len(advantages) == 5
+    assert advantages[0][-1] > 0 and advantages[1][-1] == advantages[0][-1]  # both segments of g-e0
+    assert advantages[2][-1] == advantages[2][-2] < 0  # g-e1: every token of its turn
+    prompt_len = len(_prompt_ids(tokenizer))
+    assert all(a == 0.0 for a in advantages[0][:prompt_len])
+
+
+def test_non_finite_loss_skips_the_update_and_keeps_the_weights(
+    policy: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tokenizer = policy
+    real_loss = trainer_module.gspo_token_loss
+
+    def poisoned(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = real_loss(*args, **kwargs)
+        return loss * math.inf, stats
+
+    monkeypatch.setattr(trainer_module, "gspo_token_loss", poisoned)
+    episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
+    trainer = Trainer(model, _cfg(mini_batches=2), temperature=1.0)
+    before = _weights(model)
+    metrics = trainer.step([episodes_to_batch(episodes)])
+    assert metrics["skipped_steps_nonfinite"] == 2.0
+    assert metrics["optimizer_updates"] == 0.0
+    assert _same_weights(before, _weights(model))
+    assert trainer.policy_version == 0
+    assert trainer.optimizer.state_dict()["state"] == {}
+
+
+def test_non_finite_gradient_skips_the_update_and_keeps_the_weights(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
+    trainer = Trainer(model, _cfg(mini_batches=1), temperature=1.0)
+    handle = model.model.norm.weight.register_hook(lambda grad: grad * math.nan)
+    before = _weights(model)
+    try:
+        metrics = trainer.step([episodes_to_batch(episodes)])
+    finally:
+        handle.remove()
+    assert metrics["skipped_steps_nonfinite"] == 1.0
+    assert _same_weights(before, _weights(model))
+    # The next clean step trains normally: no NaN was left behind in gradients or optimizer state.
+    metrics = trainer.step([episodes_to_batch(episodes)])
+    assert metrics["optimizer_updates"] == 1.0 and metrics["skipped_steps_nonfinite"] == 0.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_grad_accumulation_merges_mini_batches_into_one_update(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    episodes = [ep for g in range(2) for ep in _contrast_group(model, tokenizer, f"g{g}", x, y)]
+    trainer = Trainer(model, _cfg(mini_batches=4, grad_accum=2), temperature=1.0)
+    metrics = trainer.step([episodes_to_batch(episodes)])
+    assert metrics["optimizer_updates"] == 2.0
+    assert metrics["num_sequences"] == 8.0
+
+
+def test_accumulated_mini_batches_give_the_whole_batch_loss_and_gradient(model_dir: Path) -> None:
+    first, tokenizer = load_policy(model_dir)
+    second, _ = load_policy(model_dir)
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    batch = episodes_to_batch(_contrast_group(first, tokenizer, "g", x, y))
+    whole = Trainer(first, _cfg(mini_batches=1), temperature=1.0).step([batch])
+    accumulated = Trainer(second, _cfg(mini_batches=4, grad_accum=4), temperature=1.0).step([batch])
+    assert accumulated["optimizer_updates"] == whole["optimizer_updates"] == 1.0
+    assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    assert accumulated["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+
+
+def test_same_seed_same_updates(model_dir: Path) -> None:
+    first, tokenizer = load_policy(model_dir)
+    second, _ = load_policy(model_dir)
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    batch = episodes_to_batch(
+        [ep for g in range(2) for ep in _contrast_group(first, tokenizer, f"g{g}", x, y)]
+    )
+    trainers = [Trainer(m, _cfg(mini_batches=4), temperature=1.0) for m in (first, second)]
+    for trainer in trainers:
+        for _ in range(2):
+            trainer.step([batch])
+    assert _same_weights(_weights(first), _weights(second))
+
+
+def test_warmup_scales_the_learning_rate(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
+    trainer = Trainer(model, _cfg(lr=1e-2, mini_batches=1, warmup_steps=4), temperature=1.0)
+    rates = [trainer.step([episodes_to_batch(episodes)])["lr"] for _ in range(5)]
+    assert rates == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])
+
+
+def test_temperature_must_be_positive(policy: tuple[Any, Any]) -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        Trainer(policy[0], _cfg(), temperature=0.0)
+
+
+def test_shuffle_seed_comes_from_the_argument_or_the_config(policy: tuple[Any, Any]) -> None:
+    model = policy[0]
+    cfg = _cfg()
+    from_argument = Trainer(model, cfg, temperature=1.0, seed=5).generator.get_state()
+    from_config = Trainer(model, SimpleNamespace(**cfg.model_dump(), seed=5), temperature=1.0)
+    default = Trainer(model, cfg, temperature=1.0).generator.get_state()
+    assert torch.equal(from_argument, from_config.generator.get_state())
+    assert not torch.equal(from_argument, default)
+
+
+def test_generated_tokens_of_a_turn_without_a_reward_reject_the_row(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
+    # The schema allows turn 0 on an episode that reports no turns; no advantage exists for its tokens.
+    orphan = _episode(model, prompt, [x, end], group="g", index=0, outcome=1.0, turn_rewards=[])
+    orphan.num_turns = 0
+    rows = [orphan, *(_episode(model, prompt, [y, end], group="g", index=i, outcome=0.0) for i in (1, 2))]
+    data = build_step_input([episodes_to_batch(rows)], estimator="turn", gamma=1.0, lam=1.0)
+    assert [r.episode_id for r in data.rejected] == ["g-e0"]
+    assert "turn index 0" in data.rejected[0].reason
+    assert len(data.sequences) == 2

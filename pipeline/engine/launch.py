@@ -1,0 +1,109 @@
+"""Which engine processes a config asks for, and the command line of each.
+
+- `embedded`: `python -m pipeline.engine.embedded.server --model DIR --weight-version V ...` per engine;
+- `sglang`: `python -m sglang.launch_server ...` (pipeline.engine.sglang builds the argv);
+- `external`: nothing to start, only URLs to talk to.
+
+Ports are fixed when the slots are planned (port 0 picks free ones once), so a restarted engine comes
+back on the URL its EngineClient already uses. The argv is rebuilt on every start: a restarted engine
+loads the latest published weights and announces their version.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.children import ChildSpec
+from pipeline.config import Config
+from pipeline.engine.sglang import SGLangLaunchSpec, build_sglang_command
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One engine the daemon talks to. `managed` = the daemon starts and restarts it."""
+
+    name: str
+    host: str
+    port: int
+    managed: bool
+    external_url: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.external_url or f"http://{self.host}:{self.port}"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def plan_engines(cfg: Config) -> list[EngineSlot]:
+    """The engine slots of `cfg`: the external URLs, or num_engines local ports from engine.port on."""
+    e = cfg.engine
+    if e.kind == "external":
+        return [
+            EngineSlot(name=f"engine{i}", host="", port=0, managed=False, external_url=url.rstrip("/"))
+            for i, url in enumerate(e.urls)
+        ]
+    ports = [free_port(e.host) if e.port == 0 else e.port + i for i in range(e.num_engines)]
+    return [EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True) for i, p in enumerate(ports)]
+
+
+def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int) -> list[str]:
+    """Command line that starts `slot` serving `model_dir` labelled as policy version `version`."""
+    e = cfg.engine
+    if e.kind == "embedded":
+        return [
+            sys.executable,
+            "-m",
+            "pipeline.engine.embedded.server",
+            "--model",
+            str(model_dir),
+            "--host",
+            slot.host,
+            "--port",
+            str(slot.port),
+            "--weight-version",
+            str(version),
+            "--max-batch",
+            str(e.max_batch),
+            "--batch-wait-ms",
+            str(e.batch_wait_ms),
+            "--threads",
+            str(e.threads),
+            "--seed",
+            str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
+            "--enable-metrics",
+        ]
+    if e.kind == "sglang":
+        spec = SGLangLaunchSpec(
+            model_path=str(model_dir),
+            host=slot.host,
+            port=slot.port,
+            mem_fraction_static=e.mem_fraction_static,
+            tp=e.tp,
+            dp=e.dp,
+            api_key=e.api_key,
+            weight_version=str(version),
+            extra_args=tuple(e.extra_args),
+        )
+        return build_sglang_command(spec)
+    raise ValueError(f"engine.kind = {e.kind!r} starts no process")
+
+
+def engine_child_spec(
+    cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, log_dir: Path
+) -> ChildSpec:
+    threads = str(cfg.engine.threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
+    return ChildSpec(
+        name=slot.name,
+        argv=engine_argv(cfg, slot, model_dir=model_dir, version=version),
+        log_path=log_dir / f"{slot.name}.log",
+        env=env,
+    )

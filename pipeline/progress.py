@@ -1,0 +1,229 @@
+"""What the daemon prints while it runs: a rich live view on a terminal, JSON lines otherwise.
+
+Both read the same numbers: learner step events as they arrive, and a periodic status computed from
+the Prometheus registry (counter deltas since the previous status, so rates and success rates describe
+the last interval, not the whole run). JSON lines go to stdout, one object per line:
+`{"event": "step", ...}` per learner step and `{"event": "status", ...}` every `interval_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, TextIO
+
+from pipeline import metrics
+
+
+def _sum_samples(family_name: str, sample_suffix: str) -> float:
+    """Sum of every sample `<family><suffix>` over all label values (0 when absent)."""
+    total = 0.0
+    for family in metrics.REGISTRY.collect():
+        if family.name != family_name:
+            continue
+        for sample in family.samples:
+            if sample.name == family_name + sample_suffix:
+                total += sample.value
+    return total
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Cumulative counters read from the registry at one moment."""
+
+    at: float
+    episodes: float
+    successes: float
+    staleness_sum: float
+    staleness_count: float
+
+    @staticmethod
+    def read() -> Totals:
+        return Totals(
+            at=time.monotonic(),
+            episodes=_sum_samples("rollwise_episodes", "_total"),
+            successes=_sum_samples("rollwise_episode_successes", "_total"),
+            staleness_sum=_sum_samples("rollwise_trained_token_staleness_versions", "_sum"),
+            staleness_count=_sum_samples("rollwise_trained_token_staleness_versions", "_count"),
+        )
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return None if den <= 0 else num / den
+
+
+@dataclass(frozen=True)
+class Status:
+    """One status line. Rates and means cover the interval since the previous status."""
+
+    elapsed_s: float
+    policy_version: int
+    learner_step: int
+    episodes: int
+    episodes_per_s: float
+    reward_mean: float | None
+    success_rate: float | None
+    staleness_mean: float | None
+    learner_step_time_s: float | None
+    spool_depth_groups: int
+    groups_running: int | None = None  # admitted, not yet written (the scheduler's view)
+    groups_accepted: int | None = None  # the staleness control's accepted count
+
+
+def status_between(
+    before: Totals,
+    after: Totals,
+    *,
+    elapsed_s: float,
+    version: int,
+    step: int,
+    step_time_s: float | None,
+    step_rewards: list[float],
+) -> Status:
+    """`step_rewards` = reward_mean of each learner step in the interval (the episode-reward histogram
+    has negative buckets, so prometheus_client exports no _sum to average)."""
+    dt = max(after.at - before.at, 1e-9)
+    episodes = after.episodes - before.episodes
+    return Status(
+        elapsed_s=round(elapsed_s, 1),
+        policy_version=version,
+        learner_step=step,
+        episodes=int(after.episodes),
+        episodes_per_s=round(episodes / dt, 3),
+        reward_mean=_round(_ratio(sum(step_rewards), len(step_rewards))),
+        success_rate=_round(_ratio(after.successes - before.successes, episodes)),
+        staleness_mean=_round(
+            _ratio(after.staleness_sum - before.staleness_sum, after.staleness_count - before.staleness_count)
+        ),
+        learner_step_time_s=_round(step_time_s),
+        spool_depth_groups=int(_sum_samples("rollwise_spool_depth_groups", "")),
+    )
+
+
+def _round(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+class Progress(Protocol):
+    def start(self) -> None: ...
+    def on_step(self, event: dict[str, Any]) -> None: ...
+    def on_status(self, status: Status) -> None: ...
+    def on_sync(self, sync: dict[str, Any]) -> None: ...
+    def message(self, text: str) -> None: ...
+    def stop(self) -> None: ...
+
+
+class JsonProgress:
+    """One JSON object per line on `out` (stdout by default): steps, statuses and messages."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+
+    def start(self) -> None:
+        pass
+
+    def _emit(self, obj: dict[str, Any]) -> None:
+        self.out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self.out.flush()
+
+    def on_step(self, event: dict[str, Any]) -> None:
+        self._emit({"event": "step", "time": round(time.time(), 3), **_without(event, "event")})
+
+    def on_status(self, status: Status) -> None:
+        self._emit({"event": "status", "time": round(time.time(), 3), **asdict(status)})
+
+    def on_sync(self, sync: dict[str, Any]) -> None:
+        self._emit({"event": "sync", "time": round(time.time(), 3), **sync})
+
+    def message(self, text: str) -> None:
+        self._emit({"event": "message", "time": round(time.time(), 3), "text": text})
+
+    def stop(self) -> None:
+        self.out.flush()
+
+
+def _without(event: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k != key}
+
+
+class RichProgress:
+    """A rich Live panel: the latest status plus the last learner step, refreshed in place."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(stderr=False)
+        self._live = Live(console=self.console, refresh_per_second=2, transient=False)
+        self._status: Status | None = None
+        self._step: dict[str, Any] = {}
+        self._sync: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._live.start()
+        self._render()
+
+    def on_step(self, event: dict[str, Any]) -> None:
+        self._step = event
+        self._render()
+
+    def on_status(self, status: Status) -> None:
+        self._status = status
+        self._render()
+
+    def on_sync(self, sync: dict[str, Any]) -> None:
+        self._sync = sync
+        self._render()
+
+    def message(self, text: str) -> None:
+        self._live.console.print(text)
+
+    def stop(self) -> None:
+        self._live.stop()
+
+    def _render(self) -> None:
+        from rich.table import Table
+
+        table = Table(title="rollwise", show_header=False, expand=False)
+        table.add_column(style="bold")
+        table.add_column()
+        s = self._status
+        rows: list[tuple[str, str]] = []
+        if s is not None:
+            rows += [
+                ("elapsed", f"{s.elapsed_s:.0f} s"),
+                ("policy version", str(s.policy_version)),
+                ("learner step", str(s.learner_step)),
+                ("episodes", f"{s.episodes} ({s.episodes_per_s:.2f}/s)"),
+                ("reward mean", _fmt(s.reward_mean)),
+                ("success rate", _fmt(s.success_rate, pct=True)),
+                ("staleness (versions)", _fmt(s.staleness_mean)),
+                ("learner step time", _fmt(s.learner_step_time_s, unit=" s")),
+                ("spool depth", f"{s.spool_depth_groups} groups"),
+            ]
+        for key in ("loss", "clip_fraction", "grad_norm", "entropy"):
+            if isinstance(self._step.get(key), (int, float)):
+                rows.append((f"last step {key}", f"{self._step[key]:.4g}"))
+        if "publish_to_served_s" in self._sync:
+            synced = (
+                f"v{self._sync['version']} served {self._sync['publish_to_served_s']:.3f} s after publish"
+            )
+            rows.append(("last weight sync", synced))
+        for k, v in rows:
+            table.add_row(k, v)
+        self._live.update(table)
+
+
+def _fmt(x: float | None, *, pct: bool = False, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f}%" if pct else f"{x:.3f}{unit}"
+
+
+def make_progress(log_format: str, out: TextIO | None = None) -> Progress:
+    """`auto` = rich on a terminal, JSON otherwise."""
+    stream = out or sys.stdout
+    use_rich = log_format == "rich" or (log_format == "auto" and stream.isatty())
+    return RichProgress() if use_rich else JsonProgress(stream)

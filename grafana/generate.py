@@ -114,9 +114,20 @@ def overview() -> DashboardSpec:
                 ),
                 PanelSpec(
                     "Episode reward (mean)",
-                    "rollwise_episode_reward histogram: rate(sum) / rate(count).",
+                    "(rate(rollwise_episode_reward_positive_total) - "
+                    "rate(rollwise_episode_reward_negative_total)) / rate(rollwise_episode_reward_count): "
+                    "the histogram has negative buckets, so no _sum.",
                     "none",
-                    (hist_mean("rollwise_episode_reward", SEL_ENV),),
+                    (
+                        q(
+                            "(sum by (env) (rate(rollwise_episode_reward_positive_total"
+                            f"{{{SEL_ENV}}}[{RI}])) - "
+                            "sum by (env) (rate(rollwise_episode_reward_negative_total"
+                            f"{{{SEL_ENV}}}[{RI}]))) / "
+                            f"sum by (env) (rate(rollwise_episode_reward_count{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}}",
+                        ),
+                    ),
                 ),
                 PanelSpec(
                     "Episodes per second",

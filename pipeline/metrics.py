@@ -44,6 +44,17 @@ EPISODE_REWARD = Histogram(
     buckets=_REWARD_BUCKETS,
     registry=REGISTRY,
 )
+# Histograms with negative buckets export no _sum (it would not be monotonic), so the mean episode
+# score comes from these two counters: mean = (rate(positive) - rate(negative)) / rate(count).
+EPISODE_REWARD_POSITIVE = Counter(
+    "rollwise_episode_reward_positive", "Sum of the positive episode scores.", ["env"], registry=REGISTRY
+)
+EPISODE_REWARD_NEGATIVE = Counter(
+    "rollwise_episode_reward_negative",
+    "Sum of |score| of the negative episode scores.",
+    ["env"],
+    registry=REGISTRY,
+)
 TURN_REWARD = Histogram(
     "rollwise_turn_reward", "Per-turn shaping reward.", ["env"], buckets=_REWARD_BUCKETS, registry=REGISTRY
 )
@@ -229,21 +240,29 @@ SUPERVISOR_UP = Gauge(
 # Known label values, initialised to zero at start-up so every dashboard query has a series before the
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
 FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
-ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "timeout")
-ENV_ERROR_KINDS = ("error", "timeout", "invalid")
-DROP_REASONS = ("stale", "too_few_members", "invalid_rows", "quarantined")
-SKIP_REASONS = ("zero_advantage_group", "nonfinite")
+ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
+ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close")
+DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update")
+QUARANTINE_KINDS = ("unreadable", "empty", "format", "schema")
+SKIP_REASONS = ("zero_advantage_groups", "nonfinite_updates")
 SYNC_PHASES = ("pause", "load", "continue")
 COMPONENTS = ("engine", "learner")
 
 
 def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, ...] | list[str]) -> None:
+    """Create every known label combination at zero. `engines`: client-side engine labels ("pool")."""
     for env in envs:
         for reason in FINISH_REASONS:
             EPISODES.labels(env=env, reason=reason)
         for kind in ENV_ERROR_KINDS:
             ENV_ERRORS.labels(env=env, kind=kind)
-        for metric in (EPISODE_SUCCESSES, TURNS, GENERATED_TOKENS):
+        for metric in (
+            EPISODE_SUCCESSES,
+            TURNS,
+            GENERATED_TOKENS,
+            EPISODE_REWARD_POSITIVE,
+            EPISODE_REWARD_NEGATIVE,
+        ):
             metric.labels(env=env)
         for hist in (
             EPISODE_REWARD,
@@ -256,12 +275,12 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
             hist.labels(env=env)
     for engine in engines:
         ENGINE_REQUEST_LATENCY.labels(engine=engine)
-        POLICY_VERSION_SERVED.labels(engine=engine)
         for kind in ENGINE_ERROR_KINDS:
             ENGINE_ERRORS.labels(engine=engine, kind=kind)
     for reason in DROP_REASONS:
         GROUPS_DROPPED.labels(reason=reason)
-        SPOOL_QUARANTINED.labels(reason=reason)
+    for kind in QUARANTINE_KINDS:
+        SPOOL_QUARANTINED.labels(reason=kind)
     for reason in SKIP_REASONS:
         LEARNER_SKIPPED.labels(reason=reason)
     for phase in SYNC_PHASES:

@@ -29,8 +29,9 @@ Scrape targets (see `grafana/prometheus.yml`):
   exports the same names), scraped as a separate job.
 
 Conventions: `rollwise_<area>_<what>_<unit>`, base units, counters end in `_total`, histograms expose
-`_bucket`, `_sum`, `_count`; labels are low-cardinality only (env, reason, kind, engine, component,
-phase) and known label values are initialised to zero so every query has a series from the start.
+`_bucket`, `_count` and, unless they have negative buckets, `_sum`; labels are low-cardinality only
+(env, reason, kind, engine, component, phase) and known label values are initialised to zero so every
+query has a series from the start.
 
 | metric | type | labels | meaning |
 |---|---|---|---|

@@ -462,6 +462,10 @@ def _record_episode(outcome: EpisodeOutcome) -> None:
     metrics.EPISODE_DURATION.labels(env=env).observe(outcome.duration_s)
     if outcome.trainable:
         metrics.EPISODE_REWARD.labels(env=env).observe(outcome.score)
+        if outcome.score >= 0:
+            metrics.EPISODE_REWARD_POSITIVE.labels(env=env).inc(outcome.score)
+        else:
+            metrics.EPISODE_REWARD_NEGATIVE.labels(env=env).inc(-outcome.score)
     if outcome.success:
         metrics.EPISODE_SUCCESSES.labels(env=env).inc()
 

@@ -36,6 +36,7 @@ from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
 from pipeline.engine.pool import EnginePool
 from pipeline.http_endpoints import HttpEndpoints
 from pipeline.progress import Progress, RichProgress, Totals, make_progress, status_between
+from pipeline.rollout import ENGINE_LABEL
 from pipeline.scheduler import Scheduler
 from pipeline.weightsync import sync_weights
 
@@ -62,6 +63,7 @@ class Supervisor:
         self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
         self.scheduler: Scheduler | None = None
         self.version = 0  # the policy version the engines serve
+        self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.step = 0
         self.last_step_time_s: float | None = None
         self.dropped_seqs: set[int] = set()
@@ -77,6 +79,8 @@ class Supervisor:
             await asyncio.to_thread(ensure_initial_model, cfg, self.run_dir)
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
+            metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
+            self.step_log = (self.run_dir / "logs" / "steps.jsonl").open("a", encoding="utf-8")
             await self.endpoints.start()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir}; metrics on {self.endpoints.url}/metrics")
@@ -103,6 +107,7 @@ class Supervisor:
                 await self.learner.stop(grace)
                 await self.engines.stop(grace)
                 self.progress.stop()
+                self.step_log.close()
                 await self.endpoints.stop()
         if self.fatal is not None:
             print(f"rollwise: {self.fatal}", file=sys.stderr)
@@ -116,7 +121,9 @@ class Supervisor:
         the engines load the learner's v before any work is admitted."""
         self.version = checkpointed_version(self.run_dir)
         ready, _ = await asyncio.gather(self.learner.start(), self.engines.start(self.version))
-        if ready.version != self.version:
+        # The learner may already have trained and published a newer version while the engines started;
+        # publish() ignores anything not newer than what the engines serve.
+        if ready.version > self.version:
             await self.publish(ready.version, ready.path, received_at=time.monotonic())
         metrics.POLICY_VERSION.set(ready.version)
         return ready
@@ -126,6 +133,9 @@ class Supervisor:
         kind = event.get("event")
         if kind == "step":
             record_step_metrics(event)
+            # The run's own learning curve: `rollwise report --run-dir` reads it without Prometheus.
+            self.step_log.write(json.dumps(event, separators=(",", ":")) + "\n")
+            self.step_log.flush()
             self.step = int(event.get("step", self.step + 1))
             self.last_step_time_s = _float(event.get("step_time_s"))
             if (reward := _float(event.get("reward_mean"))) is not None:
@@ -163,10 +173,18 @@ class Supervisor:
 
         sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
         that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
-        timings = await sync_weights(
-            self.engines.pool, model_path=str(path), version=version, mode=self.cfg.async_.weight_sync_mode
-        )
-        self.version = version
+        async with self.publish_lock:
+            if version <= self.version:
+                # Never move the engines backwards (a late "ready" after a newer publish, a replayed event).
+                log.info("version %d not newer than served version %d: not synced", version, self.version)
+                return
+            timings = await sync_weights(
+                self.engines.pool,
+                model_path=str(path),
+                version=version,
+                mode=self.cfg.async_.weight_sync_mode,
+            )
+            self.version = version
         metrics.POLICY_VERSION.set(version)
         if self.scheduler is not None:
             self.scheduler.on_version(version)
@@ -579,6 +597,9 @@ async def make_scheduler(sup: Supervisor, ready: LearnerReady) -> Any:
             max_context_tokens=cfg.env.max_context_tokens,
             tool_parser=cfg.env.tool_parser,
             system_prompt=cfg.env.system_prompt,
+            # abort-and-retry: an aborted turn is resubmitted with its partial output (AReaL-style), so the
+            # tokens already generated keep their old version and the rest comes from the new weights.
+            retry_aborted=cfg.async_.weight_sync_mode == "abort",
         ),
         group_size=cfg.env.group_size,
         admission=AdmissionController(

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_model
 
-from learner.model import fsync_dir, quiet_transformers, replace_dir_atomically, save_tokenizer
+from learner.durable import fsync_dir
+from learner.model import quiet_transformers, replace_dir_atomically, save_tokenizer
 from learner.trainer import Trainer
 
 FORMAT_VERSION = 1

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from learner.durable import fsync_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -79,15 +81,6 @@ def _fsync_tree(root: Path) -> None:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     fsync_dir(root)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (renames, new files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def replace_dir_atomically(staged: Path, target: Path) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from learner.durable import fsync_dir
 from learner.schema import check_schema
 from pipeline import metrics
 
@@ -46,15 +47,6 @@ def parse_seq(name: str) -> int | None:
     """Sequence number of a complete spool file name, or None for anything else."""
     match = _NAME.match(name)
     return int(match.group(1)) if match else None
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _listed(directory: Path) -> list[tuple[int, Path]]:

@@ -211,3 +211,29 @@ def test_sigterm_stops_gracefully_and_a_second_daemon_is_refused(
     last = run.steps()[-1]
     # The learner checkpointed on the way out: the resume point is the last step it reported.
     assert checkpoint_state(run_dir)["step"] == last
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_second_signal_exits_at_once_and_the_run_dir_still_resumes(
+    tmp_path: Path, tiny_model: Path, daemons: list[DaemonRun]
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"model.path={json.dumps(str(tiny_model))}"]
+    first = DaemonRun(run_dir, overrides)
+    daemons.append(first)
+    first.wait_steps(2)
+    first.signal(signal.SIGTERM)
+    time.sleep(0.2)
+    first.signal(signal.SIGTERM)
+    started = time.monotonic()
+    assert first.wait(timeout_s=15) == 128 + signal.SIGTERM, first.tail()
+    assert time.monotonic() - started < 10  # "at once": no drain, no final checkpoint wait
+    # Whatever the hard exit interrupted, the run directory resumes from its last complete checkpoint.
+    resumed_from = checkpoint_state(run_dir)["step"] if (run_dir / "checkpoints" / "latest").exists() else 0
+    second = DaemonRun(run_dir, overrides)
+    daemons.append(second)
+    second.wait_steps(1)
+    assert second.steps()[0] == resumed_from + 1, second.tail()
+    second.signal(signal.SIGTERM)
+    assert second.wait(timeout_s=60) == 0, second.tail()

@@ -47,6 +47,7 @@ class TrainerConfig(Protocol):
     clip_high: float
     loss_level: Level
     estimator: Estimator
+    entropy_coef: float
     gamma: float
     lam: float
 
@@ -162,6 +163,19 @@ class _UpdateStats:
         self.ratio_means.append(values["ratio_mean"])
         self.ratio_min = min(self.ratio_min, values["ratio_min"])
         self.ratio_max = max(self.ratio_max, values["ratio_max"])
+
+
+def generated_token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Differentiable mean entropy of softmax(logits / T) over the generated positions (mask > 0).
+
+    Only those positions are materialised in fp32 ((N, V) with N generated tokens), never (B, T, V).
+    """
+    keep = mask > 0
+    if not bool(keep.any()):
+        return logits.sum() * 0.0
+    selected = logits[keep].float() / temperature
+    logp = torch.log_softmax(selected, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1).mean()
 
 
 def episode_return(ep: Episode) -> float:
@@ -317,6 +331,9 @@ class Trainer:
             num_global_sequences=num_sequences,
         )
         entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
+        coef = float(getattr(self.cfg, "entropy_coef", 0.0))
+        if coef > 0.0:
+            loss = loss - coef * generated_token_entropy(logits, batch.loss_mask, self.temperature)
         return loss, loss_stats, entropy
 
     def _metrics(self, data: StepInput, stats: _UpdateStats, elapsed: float) -> dict[str, float]:

@@ -116,6 +116,11 @@ class LearnerConfig(_Section):
     loss_level: Literal["sequence_token", "sequence", "token"] = Field(
         "sequence_token", description="GSPO-token, GSPO, or the token-level GRPO/PPO baseline."
     )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Entropy bonus weight (0 = off): keeps exploring when the policy sharpens fast.",
+    )
     estimator: Literal["turn", "outcome"] = Field(
         "turn", description="Per-turn advantages or GRPO broadcast."
     )

@@ -441,3 +441,19 @@ def test_generated_tokens_of_a_turn_without_a_reward_reject_the_row(policy: tupl
     assert [r.episode_id for r in data.rejected] == ["g-e0"]
     assert "turn index 0" in data.rejected[0].reason
     assert len(data.sequences) == 2
+
+
+def test_generated_token_entropy_is_exact_and_ignores_masked_positions() -> None:
+    from learner.trainer import generated_token_entropy
+
+    vocab = 8
+    logits = torch.zeros(2, 3, vocab)  # uniform: entropy log(8) at temperature 1
+    logits[1, 2] = torch.tensor([50.0] + [0.0] * (vocab - 1))  # near one-hot, but masked out below
+    logits.requires_grad_(True)
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    ent = generated_token_entropy(logits, mask, temperature=1.0)
+    assert float(ent.detach()) == pytest.approx(math.log(vocab), abs=1e-6)
+    ent.backward()
+    assert logits.grad is not None and torch.all(logits.grad[1, 2] == 0) and torch.all(logits.grad[0, 0] == 0)
+    none = generated_token_entropy(logits, torch.zeros(2, 3), temperature=1.0)
+    assert float(none.detach()) == 0.0

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
 from learner.schema import Episode, validate_episode
 from pipeline.chat import ChatBuffer, SegmentBuffer
 
@@ -32,10 +31,8 @@ USER = [{"role": "user", "content": "Guess my number from 1 to 16."}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(build_tokenizer(vocab_hints()), out)
-    return out
+def tokenizer_dir(tiny_tokenizer_dir: Path) -> Path:
+    return tiny_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,23 +14,17 @@ from transformers import AutoModelForCausalLM
 
 from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore, save_checkpoint
 from learner.model import VERSION_FILE, export_weights, load_policy, resolve_device, save_hf
-from learner.model_init import PRESETS, build_model, init_model
+from learner.model_init import PRESETS, build_model
 from learner.schema import Episode, episodes_to_batch
 from learner.trainer import Trainer
 from pipeline.config import LearnerConfig
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 def _cfg() -> LearnerConfig:

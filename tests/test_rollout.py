@@ -12,7 +12,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task, ToolCall
-from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
 from learner.schema import batch_to_episodes, validate_episode
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
@@ -37,10 +36,8 @@ FIRST_USER = "Guess my number from 1 to 16."
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(build_tokenizer(vocab_hints()), out)
-    return out
+def tokenizer_dir(tiny_tokenizer_dir: Path) -> Path:
+    return tiny_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +14,6 @@ import torch
 import learner.trainer as trainer_module
 from learner.batching import TrainSequence, pack_sequences
 from learner.model import load_policy
-from learner.model_init import init_model
 from learner.schema import TRAJECTORY_SCHEMA, Episode, episodes_to_batch
 from learner.trainer import Trainer, build_step_input
 from pipeline.config import LearnerConfig
@@ -23,18 +21,12 @@ from pipeline.config import LearnerConfig
 PAD = 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls: extra intra-op threads only add contention (10x slower on a busy 2-core machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 @pytest.fixture

@@ -1,0 +1,37 @@
+"""Fixtures shared across test modules: the tiny preset is built once per session (read-only)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset (seed 0) in HF format. Tests read it; none may write into it."""
+    from learner.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Only the tiny preset's tokenizer files (fast: no model weights)."""
+    from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(build_tokenizer(vocab_hints()), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny matmuls: extra intra-op threads only add contention (10x slower on a busy 2-core machine)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

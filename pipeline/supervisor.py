@@ -67,6 +67,7 @@ class Supervisor:
         self.step = 0
         self.last_step_time_s: float | None = None
         self.dropped_seqs: set[int] = set()
+        self.drops_before_scheduler = 0  # dropped groups announced before the scheduler existed
         self.step_rewards: list[float] = []  # reward_mean of the steps since the last status
         self.started_at = time.monotonic()
 
@@ -167,6 +168,8 @@ class Supervisor:
         metrics.GROUPS_DROPPED.labels(reason=reason).inc(groups)
         if self.scheduler is not None:
             self.scheduler.on_dropped(groups)
+        else:
+            self.drops_before_scheduler += groups
 
     async def publish(self, version: int, path: Path, *, received_at: float) -> None:
         """Load a newly published version into every engine, then let the scheduler admit against it.
@@ -607,8 +610,12 @@ async def make_scheduler(sup: Supervisor, ready: LearnerReady) -> Any:
         ),
         spool=spool,
         tasks=tasks,
-        initial_version=ready.version,
-        initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed),
+        # The learner may already have trained the unconsumed groups, published newer versions and dropped
+        # some groups while the engines and this scheduler were starting: start from what the engines serve
+        # now, and do not count as accepted what the learner already announced it will never train.
+        initial_version=sup.version,
+        initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
+        - sup.drops_before_scheduler,
     )
 
 

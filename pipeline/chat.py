@@ -29,8 +29,10 @@ The environment's final reply (the one that ends the episode) is never appended:
 saw it, and the row holds exactly what the engine saw and produced.
 
 Cost: one full template render per turn (linear in the conversation so far). It is what makes the
-history-rewrite check exact for any template; `bench actors` shows it is the largest CPU item of a
-turn after HTTP.
+history-rewrite check exact for any template. For a Hugging Face tokenizer the render calls the
+compiled Jinja template directly (`_FastRenderer`), skipping the wrapper's per-call deep copies and
+template lookup; the fast render is checked against `apply_chat_template` on the first prompt and is
+used only for messages made of plain JSON values, else the wrapper renders.
 """
 
 from __future__ import annotations
@@ -120,6 +122,74 @@ def _verified_backend(tokenizer: ChatTokenizer, text: str, ids: list[int]) -> An
     return backend if same_ids and same_text else None
 
 
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _is_plain(value: Any) -> bool:
+    """True for values made only of exact JSON types (what the HF wrapper would pass through unchanged)."""
+    kind = type(value)
+    if value is None or kind in (str, int, float, bool):
+        return True
+    if kind is dict:
+        return all(type(k) is str and _is_plain(v) for k, v in value.items())
+    if kind is list:
+        return all(_is_plain(v) for v in value)
+    return False
+
+
+def _renderable_fast(message: Message) -> bool:
+    """A message the direct render treats exactly as `apply_chat_template` does: a plain dict with no
+    None values (the wrapper drops them) and no reasoning fields (the wrapper aliases them)."""
+    return (
+        type(message) is dict
+        and all(v is not None for v in message.values())
+        and not any(key in message for key in _REASONING_KEYS)
+        and _is_plain(message)
+    )
+
+
+class _FastRenderer:
+    """Renders `apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)`
+    by calling the compiled Jinja template that transformers caches, with the same variables."""
+
+    def __init__(self, template: Any, tools: list[dict[str, Any]] | None, variables: dict[str, Any]) -> None:
+        self._template = template
+        self._tools = tools
+        self._variables = variables
+
+    def render(self, messages: list[Message]) -> str:
+        return str(
+            self._template.render(
+                messages=messages,
+                tools=self._tools,
+                documents=None,
+                add_generation_prompt=True,
+                **self._variables,
+            )
+        )
+
+    @classmethod
+    def build(
+        cls, tokenizer: ChatTokenizer, tools: list[dict[str, Any]] | None, messages: list[Message], text: str
+    ) -> _FastRenderer | None:
+        """A renderer that reproduces `text` (the wrapper's render of `messages`), or None when the tokenizer
+        is not a Hugging Face one, the private API moved, or the renders differ."""
+        get_template = getattr(tokenizer, "get_chat_template", None)
+        special_tokens = getattr(tokenizer, "special_tokens_map", None)
+        if get_template is None or not isinstance(special_tokens, dict):
+            return None
+        if not (_is_plain(tools) and all(_renderable_fast(m) for m in messages)):
+            return None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            renderer = cls(_compile_jinja_template(get_template(None, tools)), tools, dict(special_tokens))
+            same = renderer.render(messages) == text
+        except Exception:  # a moved private API or an unexpected template: the wrapper is always right
+            return None
+        return renderer if same else None
+
+
 class ChatBuffer:
     """Token buffer of one conversation; `input_ids` is what the next /generate call sends.
 
@@ -140,9 +210,11 @@ class ChatBuffer:
         self.tools = list(tools) or None
         self.stop_token_ids = frozenset(stop_token_ids)
         self.messages: list[Message] = list(messages)
+        self._fast: _FastRenderer | None = None
         self._text = self._render(self.messages)
         prompt_ids = list(tokenizer.encode(self._text, add_special_tokens=False))
         self._backend = _verified_backend(tokenizer, self._text, prompt_ids)
+        self._fast = _FastRenderer.build(tokenizer, self.tools, self.messages, self._text)
         self.segments: list[SegmentBuffer] = [SegmentBuffer.from_prompt(prompt_ids)]
         self._turn_ids: list[int] = []
         self._turn_text: str | None = None
@@ -157,6 +229,8 @@ class ChatBuffer:
         return self.current.token_ids
 
     def _render(self, messages: list[Message]) -> str:
+        if self._fast is not None:
+            return self._fast.render(messages)
         text = self.tokenizer.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=True, tokenize=False
         )
@@ -205,6 +279,8 @@ class ChatBuffer:
         """
         if self._turn_text is None:
             raise RuntimeError("add_env_messages called before finish_turn")
+        if self._fast is not None and not all(_renderable_fast(m) for m in new_messages):
+            self._fast = None  # the wrapper normalises such messages; keep its exact behaviour
         conversation = [*self.messages, *new_messages]
         rendered = self._render(conversation)
         expected_prefix = self._text + self._turn_text

@@ -226,3 +226,75 @@ def test_generated_columns_must_have_equal_lengths() -> None:
     seg = SegmentBuffer.from_prompt([1, 2])
     with pytest.raises(ValueError, match=r"generated ids \(2\), logprobs \(1\) and versions \(2\)"):
         seg.append_generated([3, 4], [-0.1], [0, 0], 0)
+
+
+class CountingRenders:
+    """Wraps a tokenizer's apply_chat_template to count the calls that reach the HF wrapper."""
+
+    def __init__(self, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = tokenizer.apply_chat_template
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "apply_chat_template", counted)
+
+
+@pytest.mark.parametrize("fixture", ["tokenizer", "strip_tokenizer"])
+def test_turns_render_the_compiled_template_directly_with_the_wrappers_text(
+    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = request.getfixturevalue(fixture)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    conversation = [*USER, {"role": "assistant", "content": "8"}, {"role": "user", "content": "up"}]
+    expected_ids = encode(tok, render(tok, conversation, tools=tools))
+    counter = CountingRenders(tok, monkeypatch)
+    chat = ChatBuffer(tok, USER, tools=tools, stop_token_ids=[tok.eos_token_id])
+    generate(chat, [*encode(tok, "8"), tok.eos_token_id], 0)
+    chat.finish_turn()
+    assert chat.add_env_messages([conversation[-1]], 0, max_tokens=1000) == "appended"
+    assert counter.calls == 1  # only the first prompt, which the direct render is checked against
+    assert chat.input_ids == expected_ids
+
+
+def test_messages_the_wrapper_normalises_are_rendered_by_the_wrapper(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = CountingRenders(tokenizer, monkeypatch)
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
+    generate(chat, [*encode(tokenizer, "8"), tokenizer.eos_token_id], 0)
+    chat.finish_turn()
+    # The wrapper drops None-valued keys; the direct render would pass "None" to the template.
+    reply = {"role": "user", "content": "up", "name": None}
+    assert chat.add_env_messages([reply], 0, max_tokens=1000) == "appended"
+    assert counter.calls == 2
+    conversation = [*USER, {"role": "assistant", "content": "8"}, {"role": "user", "content": "up"}]
+    assert chat.input_ids == encode(tokenizer, render(tokenizer, conversation))
+
+
+def test_a_tokenizer_without_hf_template_api_renders_through_apply_chat_template() -> None:
+    class PlainTokenizer:
+        """Not a Hugging Face tokenizer: one character per id, a fixed ChatML-like template."""
+
+        def __init__(self) -> None:
+            self.renders = 0
+
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+            self.renders += 1
+            return "".join(f"<{m['role']}>{m['content']}|" for m in conversation) + "<assistant>"
+
+        def encode(self, text: str, **kwargs: Any) -> list[int]:
+            return [ord(c) for c in text]
+
+        def decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return "".join(chr(i) for i in token_ids)
+
+    tok = PlainTokenizer()
+    chat = ChatBuffer(tok, USER, stop_token_ids=[ord("|")])
+    generate(chat, [ord("8"), ord("|")], 0)
+    assert chat.finish_turn() == "8"
+    assert chat.add_env_messages([{"role": "user", "content": "up"}], 0, max_tokens=1000) == "appended"
+    assert tok.renders == 2
+    assert tok.decode(chat.input_ids) == f"<user>{USER[0]['content']}|<assistant>8|<user>up|<assistant>"

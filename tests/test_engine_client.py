@@ -340,6 +340,23 @@ async def test_generate_times_out_without_retry(fake: FakeSGLang) -> None:
     assert fake.count("/generate") == 1
 
 
+async def test_waiting_for_a_pooled_connection_does_not_count_as_a_connect_timeout(fake: FakeSGLang) -> None:
+    # One connection, three requests of ~0.2 s each: the last waits ~0.4 s for the pool, longer than the
+    # 0.1 s connect timeout. Only opening the socket is bounded by it, so all three succeed.
+    fake.token_delay_s = 0.05
+    fake.script = scripted([5, 6, 7, 8], [-0.1] * 4)
+    async with EngineClient(
+        fake.base_url, max_connections=1, connect_timeout_s=0.1, retries=0, **FAST_BACKOFF
+    ) as c:
+        started = time.monotonic()
+        results = await asyncio.gather(
+            *(c.generate([1, 2], SamplingParams(max_new_tokens=4), f"pool-{i}") for i in range(3))
+        )
+    assert time.monotonic() - started > 0.3  # the requests really were serialised on one connection
+    assert [r.output_ids for r in results] == [[5, 6, 7, 8]] * 3
+    assert fake.count("/generate") == 3
+
+
 async def test_connection_refused_is_retried_then_reported_as_not_sent() -> None:
     async with EngineClient(f"http://127.0.0.1:{free_port()}", retries=2, **FAST_BACKOFF) as c:
         with pytest.raises(EngineUnavailable, match="cannot connect") as info:

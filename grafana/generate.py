@@ -170,7 +170,8 @@ def overview() -> DashboardSpec:
                 ),
                 PanelSpec(
                     "In-flight episodes and queued groups",
-                    "rollwise_episodes_in_flight and rollwise_groups_queued gauges.",
+                    "rollwise_episodes_in_flight, and rollwise_groups_queued: groups staleness admission "
+                    "allows but that wait for a free actor slot (> 0: rollout is the bottleneck).",
                     "short",
                     (
                         q(f"sum(rollwise_episodes_in_flight{{{SEL}}})", "episodes in flight"),
@@ -493,7 +494,8 @@ def reliability() -> DashboardSpec:
                 ),
                 PanelSpec(
                     "Spool write and read latency",
-                    "rollwise_spool_write_duration_seconds (+fsync), rollwise_spool_read_duration_seconds",
+                    "p99 of rollwise_spool_write_duration_seconds (one group, + fsync) and "
+                    "rollwise_spool_read_duration_seconds (learner reading + decoding per step, no waiting).",
                     "s",
                     (
                         *quantiles("rollwise_spool_write_duration_seconds", SEL, qs=(0.99,)),

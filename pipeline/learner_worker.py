@@ -14,7 +14,13 @@ Events (stdout):
                                                       groups after its checkpoint)
     step        {step, version, groups, group_ids, consumed_seq, metrics: {...}, <the same metrics
                  flat>, staleness: {"<versions behind>": tokens}, dropped: {reason: n since the last
-                 step}, skipped: {...}, idle_s, busy_s, spool_depth_groups, spool_depth_bytes}
+                 step}, skipped: {...}, idle_s, busy_s, spool_read_s, spool_depth_groups,
+                 spool_depth_bytes}
+                idle_s        seconds spent waiting for spool files to appear since the last step
+                busy_s        seconds of this step: train, publish, checkpoint
+                spool_read_s  seconds spent reading the spool since the last step: listing it,
+                              reading + decoding + validating Arrow IPC files (SpoolReader.poll);
+                              waiting for files is idle_s, not this
     published   {version, path}
     checkpoint  {step, path, consumed_seq, duration_s, seconds}
     quarantined {seq, file, kind, reason}               (followed by its `dropped` event)
@@ -352,6 +358,7 @@ class LearnerWorker:
             },
             idle_s=self.idle_s,
             busy_s=busy_s,
+            spool_read_s=self.reader.take_read_seconds(),
             spool_depth_groups=depth_groups,
             spool_depth_bytes=depth_bytes,
         )

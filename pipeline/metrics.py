@@ -78,7 +78,8 @@ EPISODE_DURATION = Histogram(
 EPISODES_IN_FLIGHT = Gauge("rollwise_episodes_in_flight", "Episodes running now.", registry=REGISTRY)
 GROUPS_QUEUED = Gauge(
     "rollwise_groups_queued",
-    "Groups admitted but not yet started (waiting for an actor slot).",
+    "Groups staleness admission allows now but that wait for a free actor slot "
+    "(rollout.max_concurrent_groups); > 0 means rollout capacity, not the learner, is the bottleneck.",
     registry=REGISTRY,
 )
 ACTOR_IDLE = Counter(
@@ -150,7 +151,8 @@ SPOOL_WRITE_LATENCY = Histogram(
 )
 SPOOL_READ_LATENCY = Histogram(
     "rollwise_spool_read_duration_seconds",
-    "Read + validate of one group by the learner.",
+    "Learner time per step spent listing the spool and reading, decoding and validating its Arrow IPC "
+    "files (excludes waiting for files to appear: rollwise_learner_idle_seconds_total).",
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )

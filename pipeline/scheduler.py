@@ -27,6 +27,11 @@ Decisions:
 - Actor idle time (`actor_idle_s`, ACTOR_IDLE) is slot-weighted: while staleness (not concurrency)
   holds work back, each second counts `free slots / max_concurrent` seconds. Divided by wall time it
   is the average share of actor slots that staleness control kept empty.
+- `queued` (GROUPS_QUEUED) = groups staleness would admit now beyond the free actor slots:
+  staleness_room - capacity, i.e. demand waiting for `max_concurrent_groups`. It is the counterpart
+  of actor idle time (work held back by staleness): > 0 means rollout is the bottleneck. 0 once the
+  task stream ends or drain starts, since nothing more will be started. The learner-side backlog
+  (written, not yet trained) is a different gauge: rollwise_spool_depth_groups.
 - A group being written when drain cancels it finishes its write (the write is shielded): a group is
   either fully durable and counted, or lost before its write started; never half-written.
 """
@@ -120,6 +125,17 @@ class Scheduler:
     def capacity(self) -> int:
         return self.admission.capacity(self.version, self._accepted, self._running)
 
+    @property
+    def queued(self) -> int:
+        """Groups staleness admission allows now that wait for a free actor slot (module docstring)."""
+        if self._exhausted or self._draining:
+            return 0
+        room = self.admission.staleness_room(self.version, self._accepted, self._running)
+        return room - self.capacity()
+
+    def _publish_queued(self) -> None:
+        metrics.GROUPS_QUEUED.set(self.queued)
+
     # ------------------------------------------------------------------ inputs from the supervisor
     def on_version(self, version: int) -> None:
         """The engines now serve `version` (a weight sync completed)."""
@@ -145,6 +161,7 @@ class Scheduler:
                     for _ in range(self.capacity()):
                         if not self._start_group():
                             break
+                self._publish_queued()
                 if self._exhausted and self._running == 0:
                     return
                 held = (
@@ -170,6 +187,7 @@ class Scheduler:
                     metrics.ACTOR_IDLE.inc(idle)
         finally:
             stop_wait.cancel()
+            metrics.GROUPS_QUEUED.set(0)  # this loop starts nothing more
 
     def _start_group(self) -> bool:
         try:
@@ -266,6 +284,7 @@ class Scheduler:
         always complete. Returns (groups finished during the drain, groups cancelled)."""
         self._draining = True
         self._wake.set()
+        self._publish_queued()
         pending = set(self._group_tasks)
         written_before = self.written
         cancelled_before = self.cancelled

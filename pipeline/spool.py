@@ -22,6 +22,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,12 +221,27 @@ def read_group_file(path: Path) -> tuple[str, pa.RecordBatch]:
 
 
 class SpoolReader:
-    """Tails the spool in sequence order, from the first file after `after_seq`. Not thread-safe."""
+    """Tails the spool in sequence order, from the first file after `after_seq`. Not thread-safe.
 
-    def __init__(self, spool_dir: str | Path, *, after_seq: int) -> None:
+    `read_seconds` accumulates the time spent inside `poll()` (listing the directory, reading, decoding
+    and validating the Arrow IPC files, quarantining bad ones) - never the time a caller waits between
+    polls for files to appear. `take_read_seconds()` returns it and starts a new count. `clock` is
+    injectable for tests (seconds, monotonic).
+    """
+
+    def __init__(
+        self, spool_dir: str | Path, *, after_seq: int, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.spool_dir = Path(spool_dir)
         self.after_seq = after_seq
         self.quarantined: list[QuarantinedFile] = []
+        self.read_seconds = 0.0
+        self._clock = clock
+
+    def take_read_seconds(self) -> float:
+        """Seconds spent in `poll()` since the previous call (or since the reader was made)."""
+        seconds, self.read_seconds = self.read_seconds, 0.0
+        return seconds
 
     def depth(self, after_seq: int | None = None) -> tuple[int, int]:
         return spool_depth(self.spool_dir, self.after_seq if after_seq is None else after_seq)
@@ -238,6 +254,13 @@ class SpoolReader:
         groups or quarantines files that precede every good group it returns, so handling the returned
         items and then `quarantined` processes the spool in sequence order.
         """
+        started = self._clock()
+        try:
+            return self._poll(limit)
+        finally:
+            self.read_seconds += self._clock() - started
+
+    def _poll(self, limit: int | None) -> list[SpoolItem]:
         items: list[SpoolItem] = []
         for seq, path in _listed(self.spool_dir):
             if seq <= self.after_seq:

@@ -652,6 +652,8 @@ def record_step_metrics(event: dict[str, Any]) -> None:
         metrics.LEARNER_BUSY.inc(value)
     if (value := _float(event.get("idle_s"))) is not None:
         metrics.LEARNER_IDLE.inc(value)
+    if (value := _float(event.get("spool_read_s"))) is not None:
+        metrics.SPOOL_READ_LATENCY.observe(value)
     if (value := _float(event.get("tokens"))) is not None:
         metrics.LEARNER_TOKENS.inc(value)
     if (value := _float(event.get("groups"))) is not None:

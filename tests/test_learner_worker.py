@@ -238,6 +238,9 @@ def test_worker_trains_publishes_checkpoints_and_drops(
     assert step2["staleness"] == {"0": 2 * 3 * B}
     assert step2["metrics"]["optimizer_updates"] >= 1.0
     assert step2["loss"] == step2["metrics"]["loss"]
+    # reading + decoding the spool files is reported per step, apart from waiting for them (idle_s)
+    for step in (step1, step2):
+        assert isinstance(step["spool_read_s"], float) and 0.0 < step["spool_read_s"] < 10.0
     assert [(e["version"], e["path"]) for e in w.of("published")] == [
         (1, str(run_dir / "weights" / "v1")),
         (2, str(run_dir / "weights" / "v2")),

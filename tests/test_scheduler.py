@@ -15,6 +15,7 @@ from fakes.sglang_fake import FakeSGLang
 
 from envs.api import Environment, Task
 from learner.schema import batch_to_episodes
+from pipeline import metrics
 from pipeline.admission import AdmissionController
 from pipeline.bench.async_ import CharTokenizer, CoinEnv
 from pipeline.engine.client import EngineClient
@@ -138,6 +139,44 @@ async def test_concurrency_caps_running_groups_and_staleness_idle_is_counted(
     assert await sched.drain(0.0) == (0, 3)
     assert sched.running == 0
     assert os.listdir(tmp_path) == []
+
+
+def _queued_gauge() -> float | None:
+    return metrics.REGISTRY.get_sample_value("rollwise_groups_queued")
+
+
+async def test_groups_queued_counts_admissible_groups_waiting_for_a_slot(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    await pool.pause_all("in_place")  # groups run but cannot finish: all 3 slots stay taken
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=3, max_concurrent=3)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 3)
+    # staleness allows (η + v + 1)·B − (accepted + running) = (3 + 0 + 1)·4 − 3 = 13, no slot is free
+    await until(lambda: _queued_gauge() == 13)
+    assert sched.queued == 13
+    sched.on_version(1)  # one more version: B = 4 more groups admissible, still no slot
+    await until(lambda: _queued_gauge() == 17)
+    stop.set()
+    await runner
+    assert _queued_gauge() == 0  # the loop has ended: nothing waits to be started by it
+    await sched.drain(0.0)
+    assert sched.queued == 0
+
+
+async def test_groups_queued_is_zero_when_staleness_not_slots_holds_work(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    metrics.GROUPS_QUEUED.set(99)
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=4)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1 and sched.running == 0)
+    await until(lambda: _queued_gauge() == 0)
+    assert (sched.queued, sched.capacity()) == (0, 0)
+    stop.set()
+    await runner
 
 
 async def test_actor_idle_accumulates_while_staleness_holds_work(pool: EnginePool, tmp_path: Path) -> None:

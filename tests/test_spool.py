@@ -251,3 +251,43 @@ def test_writer_never_numbers_below_what_the_learner_will_read(tmp_path: Path) -
     assert writer.write_group(make_group("g"), group_id="g").seq == 501
     assert [i.seq for i in SpoolReader(tmp_path, after_seq=500).poll()] == [501]
     assert SpoolWriter(tmp_path, min_next_seq=10).next_seq == 502
+
+
+class _StepClock:
+    """A clock that advances `tick` seconds on every read: each poll() spans exactly one tick."""
+
+    def __init__(self, tick: float) -> None:
+        self.now = 100.0
+        self.tick = tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_reader_accumulates_time_spent_in_poll_and_take_resets_it(tmp_path: Path) -> None:
+    writer = SpoolWriter(tmp_path)
+    for k in range(3):
+        writer.write_group(make_group(f"g{k}"), group_id=f"g{k}")
+    reader = SpoolReader(tmp_path, after_seq=0, clock=_StepClock(0.25))
+    assert [item.group_id for item in reader.poll(limit=2)] == ["g0", "g1"]
+    assert [item.group_id for item in reader.poll()] == ["g2"]
+    assert reader.poll() == []  # an empty poll still lists the directory: counted too
+    assert reader.read_seconds == pytest.approx(0.75)
+    assert reader.take_read_seconds() == pytest.approx(0.75)
+    assert reader.take_read_seconds() == 0.0
+
+
+def test_reader_counts_poll_time_when_it_quarantines(tmp_path: Path) -> None:
+    (tmp_path / spool_name(1)).write_bytes(b"not arrow")
+    reader = SpoolReader(tmp_path, after_seq=0, clock=_StepClock(0.5))
+    assert reader.poll() == []
+    assert [bad.kind for bad in reader.drain_quarantined()] == ["unreadable"]
+    assert reader.take_read_seconds() == pytest.approx(0.5)
+
+
+def test_reader_read_seconds_with_the_real_clock_is_positive(tmp_path: Path) -> None:
+    SpoolWriter(tmp_path).write_group(make_group("g0"), group_id="g0")
+    reader = SpoolReader(tmp_path, after_seq=0)
+    assert len(reader.poll()) == 1
+    assert 0.0 < reader.take_read_seconds() < 5.0

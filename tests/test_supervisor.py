@@ -215,6 +215,26 @@ def test_step_event_lands_in_learner_metrics() -> None:
     assert count == staleness + 7
 
 
+def test_step_event_spool_read_seconds_are_observed_once_into_the_histogram() -> None:
+    def sample(suffix: str) -> float:
+        return metrics.REGISTRY.get_sample_value(f"rollwise_spool_read_duration_seconds_{suffix}") or 0.0
+
+    def bucket(le: str) -> float:
+        value = metrics.REGISTRY.get_sample_value("rollwise_spool_read_duration_seconds_bucket", {"le": le})
+        return value or 0.0
+
+    count, total, inf = sample("count"), sample("sum"), bucket("+Inf")
+    record_step_metrics({"event": "step", "step": 1, "spool_read_s": 0.125})
+    record_step_metrics({"event": "step", "step": 2, "spool_read_s": 0.375})
+    assert sample("count") == count + 2
+    assert sample("sum") == pytest.approx(total + 0.5)
+    assert bucket("+Inf") == inf + 2
+    # an older learner without the field, or a non-number, records nothing
+    record_step_metrics({"event": "step", "step": 3})
+    record_step_metrics({"event": "step", "step": 4, "spool_read_s": "0.1"})
+    assert sample("count") == count + 2
+
+
 async def test_http_endpoints_serve_metrics_health_and_readiness() -> None:
     waiting = ["learner", "engine0"]
     endpoints = HttpEndpoints("127.0.0.1", 0, lambda: list(waiting))

@@ -30,15 +30,18 @@ saw it, and the row holds exactly what the engine saw and produced.
 
 Cost: one full template render per turn (linear in the conversation so far). It is what makes the
 history-rewrite check exact for any template. For a Hugging Face tokenizer the render calls the
-compiled Jinja template directly (`_FastRenderer`), skipping the wrapper's per-call deep copies and
-template lookup; the fast render is checked against `apply_chat_template` on the first prompt and is
-used only for messages made of plain JSON values, else the wrapper renders.
+Jinja template directly (`_FastRenderer`), skipping the wrapper's per-call deep copies and template
+lookup, compiled in a sandbox whose `message.key` lookup on a plain dict skips the exception the stock
+sandbox raises and catches per lookup (`dict_fast_getattr`, same result); the fast render is checked
+against `apply_chat_template` on the first prompt and is used only for messages made of plain JSON
+values, else the wrapper renders.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal, Protocol
 
 Message = dict[str, Any]
@@ -148,9 +151,48 @@ def _renderable_fast(message: Message) -> bool:
     )
 
 
+# Every name `getattr(d, name)` resolves on a plain dict instance (methods and object's dunders).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+def dict_fast_getattr(base: type[Any]) -> type[Any]:
+    """A subclass of the sandboxed Jinja environment class `base` whose `getattr` (what `message.role`
+    compiles to) reads a plain dict's key at once.
+
+    The sandbox first tries `getattr(obj, name)`; on a dict that raises AttributeError unless `name` is
+    a dict attribute, and only then reads `obj[name]` (undefined when missing). Raising and catching
+    those exceptions is most of a chat-template render. For `type(obj) is dict` and a name that is not
+    a dict attribute the result is the same without the exception; everything else goes to `base`.
+    """
+
+    class DictFastSandbox(base):
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            if type(obj) is dict and type(attribute) is str and attribute not in _DICT_ATTRIBUTES:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    DictFastSandbox.__name__ = DictFastSandbox.__qualname__ = f"DictFast{base.__name__}"
+    return DictFastSandbox
+
+
+@lru_cache(maxsize=32)
+def _compile_dict_fast(source: str) -> Any:
+    """transformers' compiled template of `source`, recompiled in an overlay of its (sandboxed)
+    environment whose class has the dict fast path: same filters, globals, extensions and options."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    environment = _compile_jinja_template(source).environment.overlay()
+    environment.__class__ = dict_fast_getattr(type(environment))
+    return environment.from_string(source)
+
+
 class _FastRenderer:
     """Renders `apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)`
-    by calling the compiled Jinja template that transformers caches, with the same variables."""
+    by calling the chat template compiled the way transformers compiles it (plus the dict fast path of
+    `dict_fast_getattr`), with the same variables."""
 
     def __init__(self, template: Any, tools: list[dict[str, Any]] | None, variables: dict[str, Any]) -> None:
         self._template = template
@@ -181,9 +223,7 @@ class _FastRenderer:
         if not (_is_plain(tools) and all(_renderable_fast(m) for m in messages)):
             return None
         try:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            renderer = cls(_compile_jinja_template(get_template(None, tools)), tools, dict(special_tokens))
+            renderer = cls(_compile_dict_fast(get_template(None, tools)), tools, dict(special_tokens))
             same = renderer.render(messages) == text
         except Exception:  # a moved private API or an unexpected template: the wrapper is always right
             return None

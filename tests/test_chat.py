@@ -298,3 +298,61 @@ def test_a_tokenizer_without_hf_template_api_renders_through_apply_chat_template
     assert chat.add_env_messages([{"role": "user", "content": "up"}], 0, max_tokens=1000) == "appended"
     assert tok.renders == 2
     assert tok.decode(chat.input_ids) == f"<user>{USER[0]['content']}|<assistant>8|<user>up|<assistant>"
+
+
+def test_dict_fast_getattr_resolves_exactly_like_the_sandbox() -> None:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pipeline.chat import dict_fast_getattr
+
+    base = ImmutableSandboxedEnvironment()
+    fast = ImmutableSandboxedEnvironment()
+    fast.__class__ = dict_fast_getattr(ImmutableSandboxedEnvironment)
+
+    class Sub(dict[str, Any]):
+        pass
+
+    message = {"role": "user", "content": "hi", "_private": 1, "items": "shadowed"}
+    objects: list[Any] = [message, Sub(message), ["a"], "text"]
+    names = ["role", "content", "tool_calls", "_private", "items", "get", "__class__", "upper", "x"]
+    for obj in objects:
+        for name in names:
+            want, got = base.getattr(obj, name), fast.getattr(obj, name)
+            assert type(got) is type(want) and got == want, (obj, name)  # Undefined: equal by type
+    assert fast.getattr(message, "role") == "user"
+    assert fast.getattr(message, "items") == message.items  # a dict method wins over the key, as before
+    assert not fast.getattr(message, "tool_calls")  # missing key: undefined (falsy), no exception
+
+
+def test_dict_fast_render_keeps_the_sandbox() -> None:
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pipeline.chat import dict_fast_getattr
+
+    env = ImmutableSandboxedEnvironment()
+    env.__class__ = dict_fast_getattr(ImmutableSandboxedEnvironment)
+    template = env.from_string("{{ m.role }}|{{ m.missing }}|{{ m._x }}")
+    assert template.render(m={"role": "r", "_x": 1}) == "r||1"
+    with pytest.raises(SecurityError):
+        env.from_string("{{ m.pop('role') }}").render(m={"role": "r"})
+    assert env.from_string("{{ m.__class__ }}").render(m={}) == ""  # unsafe: undefined, as before
+
+
+def test_fast_render_matches_the_wrapper_on_tool_calls_and_system_messages(tokenizer: Any) -> None:
+    from pipeline.chat import _FastRenderer
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    conversation = [
+        {"role": "system", "content": "be brief"},
+        *USER,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "again"},
+    ]
+    for tool_list in (tools, None):
+        text = render(tokenizer, conversation, tools=tool_list)
+        renderer = _FastRenderer.build(tokenizer, tool_list, conversation, text)
+        assert renderer is not None and renderer.render(conversation) == text

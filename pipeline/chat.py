@@ -34,11 +34,15 @@ Jinja template directly (`_FastRenderer`), skipping the wrapper's per-call deep 
 lookup, compiled in a sandbox whose `message.key` lookup on a plain dict skips the exception the stock
 sandbox raises and catches per lookup (`dict_fast_getattr`, same result); the fast render is checked
 against `apply_chat_template` on the first prompt and is used only for messages made of plain JSON
-values, else the wrapper renders.
+values, else the wrapper renders. Results that are pure functions of the tokenizer and exact inputs
+are shared by the tokenizer's buffers (`_TokenizerMemo`): the first prompt of given messages (a
+group's G episodes start alike) and the ids of short appended texts (environment replies repeat).
 """
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -195,20 +199,30 @@ class _FastRenderer:
     `dict_fast_getattr`), with the same variables."""
 
     def __init__(self, template: Any, tools: list[dict[str, Any]] | None, variables: dict[str, Any]) -> None:
+        from jinja2.runtime import new_context
+
         self._template = template
-        self._tools = tools
-        self._variables = variables
+        self._new_context = new_context
+        # Template.render merges the template's globals (a ChainMap) into a new dict on every call and
+        # the context copies their names again; a plain snapshot merged once with the fixed variables
+        # gives the context the same names and values (variables win, as in render) for a dict copy.
+        self._globals = dict(template.globals)
+        self._parent = {
+            **self._globals,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": True,
+            **variables,
+        }
 
     def render(self, messages: list[Message]) -> str:
-        return str(
-            self._template.render(
-                messages=messages,
-                tools=self._tools,
-                documents=None,
-                add_generation_prompt=True,
-                **self._variables,
-            )
+        template = self._template
+        parent = self._parent.copy()
+        parent["messages"] = messages
+        context = self._new_context(
+            template.environment, template.name, template.blocks, parent, True, self._globals
         )
+        return str(template.environment.concat(template.root_render_func(context)))
 
     @classmethod
     def build(
@@ -228,6 +242,66 @@ class _FastRenderer:
         except Exception:  # a moved private API or an unexpected template: the wrapper is always right
             return None
         return renderer if same else None
+
+
+@dataclass(frozen=True)
+class _FirstPrompt:
+    """What a ChatBuffer derives from its first messages: the text, its ids and the verified fast paths."""
+
+    text: str
+    ids: tuple[int, ...]
+    backend: Any | None
+    fast: _FastRenderer | None
+
+
+class _TokenizerMemo:
+    """Results that are pure functions of one tokenizer and their exact inputs, shared by its buffers.
+
+    - first prompts by (chat template, tools, messages) as JSON: the G episodes of a group, and every
+      task with a fixed opening, start from the same messages;
+    - encodings of short texts (at most MAX_TEXT_CHARS), separately for the backend and the wrapper:
+      the text appended after a turn is template glue around the environment's reply, and replies
+      repeat ("higher", "lower", "invalid"). Both are bounded, oldest entry evicted first.
+    A tokenizer must not be changed (template, added tokens) while buffers use it.
+    """
+
+    MAX_PROMPTS = 256
+    MAX_TEXTS = 4096
+    MAX_TEXT_CHARS = 1024
+
+    def __init__(self) -> None:
+        self.prompts: dict[tuple[str, str, str], _FirstPrompt] = {}
+        self.encodings: tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]] = ({}, {})
+
+    def prompt_key(
+        self, tokenizer: ChatTokenizer, tools: list[dict[str, Any]] | None, messages: list[Message]
+    ) -> tuple[str, str, str] | None:
+        """The memo key, or None when the inputs are not plain JSON (no exact, cheap key) or the
+        tokenizer has no single template string."""
+        template = getattr(tokenizer, "chat_template", None)
+        if not isinstance(template, str) or not (_is_plain(tools) and _is_plain(messages)):
+            return None
+        # json.dumps is injective on plain values (1, 1.0 and true differ; key order is kept).
+        return template, json.dumps(tools), json.dumps(messages)
+
+    @staticmethod
+    def remember(memo: dict[Any, Any], key: Any, value: Any, limit: int) -> None:
+        if len(memo) >= limit:
+            del memo[next(iter(memo))]
+        memo[key] = value
+
+
+_MEMOS: weakref.WeakKeyDictionary[Any, _TokenizerMemo] = weakref.WeakKeyDictionary()
+
+
+def _memo_for(tokenizer: ChatTokenizer) -> _TokenizerMemo | None:
+    try:
+        memo = _MEMOS.get(tokenizer)
+        if memo is None:
+            memo = _MEMOS[tokenizer] = _TokenizerMemo()
+    except TypeError:  # not hashable or not weak-referenceable: no sharing
+        return None
+    return memo
 
 
 class ChatBuffer:
@@ -250,12 +324,18 @@ class ChatBuffer:
         self.tools = list(tools) or None
         self.stop_token_ids = frozenset(stop_token_ids)
         self.messages: list[Message] = list(messages)
-        self._fast: _FastRenderer | None = None
-        self._text = self._render(self.messages)
-        prompt_ids = list(tokenizer.encode(self._text, add_special_tokens=False))
-        self._backend = _verified_backend(tokenizer, self._text, prompt_ids)
-        self._fast = _FastRenderer.build(tokenizer, self.tools, self.messages, self._text)
-        self.segments: list[SegmentBuffer] = [SegmentBuffer.from_prompt(prompt_ids)]
+        self._memo = _memo_for(tokenizer)
+        key = self._memo.prompt_key(tokenizer, self.tools, self.messages) if self._memo is not None else None
+        first = self._memo.prompts.get(key) if self._memo is not None and key is not None else None
+        if first is None:
+            first = self._first_prompt()
+            if self._memo is not None and key is not None:
+                self._memo.remember(self._memo.prompts, key, first, _TokenizerMemo.MAX_PROMPTS)
+        self._text = first.text
+        self._backend = first.backend
+        self._fast = first.fast
+        self._encodings = self._memo.encodings[self._backend is not None] if self._memo is not None else None
+        self.segments: list[SegmentBuffer] = [SegmentBuffer.from_prompt(list(first.ids))]
         self._turn_ids: list[int] = []
         self._turn_text: str | None = None
 
@@ -278,7 +358,26 @@ class ChatBuffer:
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
         return text
 
+    def _first_prompt(self) -> _FirstPrompt:
+        """Render and encode the first messages through the wrapper; verify the fast paths against it."""
+        self._fast = None
+        text = self._render(self.messages)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        backend = _verified_backend(self.tokenizer, text, ids)
+        fast = _FastRenderer.build(self.tokenizer, self.tools, self.messages, text)
+        return _FirstPrompt(text, tuple(ids), backend, fast)
+
     def _encode(self, text: str) -> list[int]:
+        memo = self._encodings
+        if memo is None or len(text) > _TokenizerMemo.MAX_TEXT_CHARS:
+            return self._encode_uncached(text)
+        ids = memo.get(text)
+        if ids is None:
+            ids = tuple(self._encode_uncached(text))
+            _TokenizerMemo.remember(memo, text, ids, _TokenizerMemo.MAX_TEXTS)
+        return list(ids)
+
+    def _encode_uncached(self, text: str) -> list[int]:
         # The template already wrote every special token; adding BOS/EOS again would corrupt the prompt.
         if self._backend is not None:
             return list(self._backend.encode(text, add_special_tokens=False).ids)

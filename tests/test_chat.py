@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from learner.schema import Episode, validate_episode
+from pipeline import chat as chat_module
 from pipeline.chat import ChatBuffer, SegmentBuffer
 
 # Qwen3-style: reasoning inside <think></think> of earlier assistant turns is dropped when rendering.
@@ -233,6 +235,8 @@ class CountingRenders:
 
     def __init__(self, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
+        # Start from an empty memo: earlier tests' first prompts would otherwise skip the wrapper.
+        chat_module._MEMOS.pop(tokenizer, None)
         original = tokenizer.apply_chat_template
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -356,3 +360,87 @@ def test_fast_render_matches_the_wrapper_on_tool_calls_and_system_messages(token
         text = render(tokenizer, conversation, tools=tool_list)
         renderer = _FastRenderer.build(tokenizer, tool_list, conversation, text)
         assert renderer is not None and renderer.render(conversation) == text
+
+
+def test_buffers_with_the_same_first_messages_share_one_render(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = encode(tokenizer, render(tokenizer, USER))
+    counter = CountingRenders(tokenizer, monkeypatch)
+    first = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
+    second = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
+    assert counter.calls == 1
+    assert second.input_ids == first.input_ids == expected
+    assert second.input_ids is not first.input_ids
+    generate(first, [*encode(tokenizer, "8"), tokenizer.eos_token_id], 0)
+    assert len(second.input_ids) == second.current.prompt_len  # no shared state between buffers
+    # Other messages, tools or another template are other keys: each renders through the wrapper once.
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    ChatBuffer(tokenizer, [{"role": "user", "content": "Guess my number from 1 to 8."}])
+    ChatBuffer(tokenizer, USER, tools=[tool])
+    ChatBuffer(tokenizer, [{**USER[0], "n": 1}])  # 1 and 1.0 are different keys (the template may differ)
+    ChatBuffer(tokenizer, [{**USER[0], "n": 1.0}])
+    assert counter.calls == 5
+
+
+def test_first_prompt_memo_key_needs_plain_json_and_a_template_string(tokenizer: Any) -> None:
+    memo = chat_module._TokenizerMemo()
+    assert memo.prompt_key(tokenizer, None, USER) == (tokenizer.chat_template, "null", json.dumps(USER))
+    assert memo.prompt_key(tokenizer, None, [{"role": "user", "content": ("a",)}]) is None  # a tuple
+
+    class NoTemplate:
+        chat_template = None
+
+    assert memo.prompt_key(NoTemplate(), None, USER) is None  # type: ignore[arg-type]
+
+
+def test_repeated_env_replies_are_encoded_once_and_exactly(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    chat_module._MEMOS.pop(tokenizer, None)
+    suffix = "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    for episode in range(2):
+        chat = ChatBuffer(tokenizer, USER, stop_token_ids=[eos])
+        generate(chat, [*encode(tokenizer, "8"), eos], 0)
+        chat.finish_turn()
+        assert (
+            chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=1000) == "appended"
+        )
+        if episode == 0:
+            assert chat.input_ids[-len(encode(tokenizer, suffix)) :] == encode(tokenizer, suffix)
+            encodings = chat_module._MEMOS[tokenizer].encodings[True]
+            assert encodings == {suffix: tuple(encode(tokenizer, suffix))}
+            encodings[suffix] = (7, 7)  # a poisoned entry proves the second episode reads the memo
+    assert chat.input_ids[-2:] == [7, 7]
+
+
+def test_long_texts_are_not_memoised_and_the_memo_evicts_its_oldest_entry(tokenizer: Any) -> None:
+    chat_module._MEMOS.pop(tokenizer, None)
+    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
+    long_text = "a" * (chat_module._TokenizerMemo.MAX_TEXT_CHARS + 1)
+    assert chat._encode(long_text) == encode(tokenizer, long_text)
+    assert long_text not in chat_module._MEMOS[tokenizer].encodings[True]
+    memo: dict[str, int] = {}
+    for key in "abc":
+        chat_module._TokenizerMemo.remember(memo, key, ord(key), limit=2)
+    assert memo == {"b": ord("b"), "c": ord("c")}
+
+
+def test_an_unhashable_tokenizer_works_without_a_memo() -> None:
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+            return "".join(f"<{m['role']}>{m['content']}|" for m in conversation) + "<assistant>"
+
+        def encode(self, text: str, **kwargs: Any) -> list[int]:
+            return [ord(c) for c in text]
+
+        def decode(self, token_ids: Any, **kwargs: Any) -> str:
+            return "".join(chr(i) for i in token_ids)
+
+    tok = Unhashable()
+    chat = ChatBuffer(tok, USER, stop_token_ids=[ord("|")])
+    generate(chat, [ord("8"), ord("|")], 0)
+    chat.finish_turn()
+    assert chat.add_env_messages([{"role": "user", "content": "up"}], 0, max_tokens=1000) == "appended"
+    assert tok.decode(chat.input_ids) == f"<user>{USER[0]['content']}|<assistant>8|<user>up|<assistant>"

@@ -179,6 +179,66 @@ def test_parse_accepts_integer_logprobs_as_floats() -> None:
     assert all(type(lp) is float for lp in result.logprobs)
 
 
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: None,  # the common reply: the one-pass path
+        lambda o: o["meta_info"].__setitem__("finish_reason", {"type": "length"}),
+        lambda o: o["meta_info"].pop("weight_version"),
+        lambda o: o["meta_info"].pop("cached_tokens"),
+        lambda o: o.pop("output_ids"),  # ids from the log-prob entries: the checked path
+        lambda o: o["meta_info"].__setitem__("output_token_weight_versions", None),
+        lambda o: o["meta_info"]["output_token_logprobs"][0].__setitem__(0, 0),  # int log-prob
+    ],
+)
+def test_one_pass_and_checked_parse_agree_on_valid_replies(mutate: Any) -> None:
+    from pipeline.engine import protocol
+
+    obj = valid_response()
+    mutate(obj)
+    fast = protocol._parse_complete_fast(obj, "r1")
+    checked = parse_generate_response(obj, expected_rid="r1")
+    assert fast is None or fast == checked
+    assert (
+        checked.output_ids == [12366, 13, 151645] and checked.token_versions == [checked.weight_version] * 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("mutate", "defect"),
+    [
+        (lambda o: o.__setitem__("output_ids", [12366, True, 151645]), "output_ids is not a list of ints"),
+        (lambda o: o.__setitem__("output_ids", [12366, 13.0, 151645]), "output_ids is not a list of ints"),
+        (lambda o: o.__setitem__("output_ids", [12366, 14, 151645]), r"output_ids\[1\]=14 but"),
+        (lambda o: o["meta_info"].__setitem__("completion_tokens", 2), "completion_tokens=2 but 3"),
+        (lambda o: o["meta_info"].__setitem__("completion_tokens", 3.0), "completion_tokens is 3.0"),
+        (lambda o: o["meta_info"].__setitem__("cached_tokens", None), "cached_tokens is None"),
+        (lambda o: o["meta_info"].__setitem__("id", "r2"), "differs from the request's rid"),
+        (
+            lambda o: o["meta_info"]["output_token_logprobs"][0].__setitem__(0, math.nan),
+            "not a finite number",
+        ),
+    ],
+)
+def test_replies_the_one_pass_parse_declines_still_raise_their_defect(mutate: Any, defect: str) -> None:
+    from pipeline.engine import protocol
+
+    obj = valid_response()
+    mutate(obj)
+    assert protocol._parse_complete_fast(obj, "r1") is None
+    with pytest.raises(EngineProtocolError, match=defect):
+        parse_generate_response(obj, expected_rid="r1")
+
+
+def test_client_reuses_its_request_timeout_and_follows_changed_settings() -> None:
+    c = EngineClient("http://127.0.0.1:9", request_timeout_s=7.0, connect_timeout_s=2.0)
+    first = c._timeout(7.0)
+    assert (first.total, first.sock_connect) == (7.0, 2.0) and c._timeout(7.0) is first
+    assert c._timeout(25.0).total == 25.0 and c._timeout(7.0) is first  # a health probe's own limit
+    c.request_timeout_s, c.connect_timeout_s = 0.5, 1.0
+    assert (c._timeout(0.5).total, c._timeout(0.5).sock_connect) == (0.5, 1.0)
+
+
 def test_parse_rejects_a_json_array() -> None:
     with pytest.raises(EngineProtocolError, match="JSON list, expected an object"):
         parse_generate_response([valid_response()], expected_rid="r1")

@@ -261,3 +261,19 @@ def test_pool_rejects_empty_and_duplicate_members() -> None:
         EnginePool([EngineClient("http://a:1"), EngineClient("http://a:1/")])
     with pytest.raises(ValueError, match="eject_after_failures >= 1"):
         EnginePool([EngineClient("http://a:1")], eject_after_failures=0)
+
+
+def test_a_single_healthy_member_is_chosen_without_hashing_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.engine import pool as pool_module
+
+    def no_hashing(key: str, url: str) -> int:
+        raise AssertionError("rendezvous_score called with one healthy member")
+
+    a, b = EngineClient("http://127.0.0.1:1"), EngineClient("http://127.0.0.1:2")
+    pool = EnginePool([a, b])
+    pool._members[0].ejected = True
+    monkeypatch.setattr(pool_module, "rendezvous_score", no_hashing)
+    assert pool.member_for("episode-1") is b
+    pool._members[1].ejected = True
+    with pytest.raises(EngineUnavailable, match="all 2 pool members are ejected"):
+        pool.member_for("episode-1")

@@ -48,11 +48,10 @@ _CONNECT_ERRORS: tuple[type[BaseException], ...] = (
 HEALTH_TIMEOUT_S = 25.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Reply:
     status: int
     body: bytes
-    content_type: str
 
 
 class CircuitBreaker:
@@ -154,6 +153,7 @@ class EngineClient:
         self.breaker = CircuitBreaker(circuit_failures, circuit_reset_s)
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self._limits: aiohttp.ClientTimeout | None = None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
@@ -187,7 +187,12 @@ class EngineClient:
 
     def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
         # sock_connect, not connect: waiting for a free pooled connection is not a connection failure.
-        return aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_timeout_s)
+        limits = self._limits
+        if limits is None or limits.total != total_s or limits.sock_connect != self.connect_timeout_s:
+            limits = aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_timeout_s)
+            if total_s == self.request_timeout_s:  # the one every /generate uses: keep it (immutable)
+                self._limits = limits
+        return limits
 
     def _backoff_s(self, attempt: int) -> float:
         cap = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
@@ -199,7 +204,7 @@ class EngineClient:
         session = self._get_session()
         async with session.request(method, url, json=body, timeout=limits) as resp:
             data = await resp.read()
-            return _Reply(resp.status, data, resp.content_type)
+            return _Reply(resp.status, data)
 
     async def _call(
         self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True

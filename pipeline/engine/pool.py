@@ -107,6 +107,8 @@ class EnginePool:
 
     def _ranked(self, affinity_key: str) -> list[_Member]:
         healthy = [m for m in self._members if not m.ejected]
+        if len(healthy) < 2:  # nothing to rank: skip hashing the key
+            return healthy
         return sorted(healthy, key=lambda m: rendezvous_score(affinity_key, m.client.base_url), reverse=True)
 
     def _describe(self) -> str:

@@ -212,12 +212,68 @@ def _int_field(meta: dict[str, Any], key: str, rid: str, default: int | None = N
     return cast(int, value)
 
 
+def _parse_complete_fast(obj: object, expected_rid: str | None) -> GenerateResult | None:
+    """The common reply (a finished stop/length generation, every field valid) in one pass.
+
+    Returns exactly what the checked path returns for such a reply, or None for anything else (an
+    abort, a missing or odd field), which then goes through the checked path for its defect.
+    """
+    if type(obj) is not dict:
+        return None
+    meta = obj.get("meta_info")
+    if type(meta) is not dict:
+        return None
+    rid = meta.get("id")
+    finish = meta.get("finish_reason")
+    if type(rid) is not str or (expected_rid is not None and rid != expected_rid) or type(finish) is not dict:
+        return None
+    kind = finish.get("type")
+    if kind != "stop" and kind != "length":
+        return None
+    fast = _parse_logprob_entries_fast(meta.get("output_token_logprobs"))
+    raw_ids = obj.get("output_ids")
+    if fast is None or type(raw_ids) is not list:
+        return None
+    logprobs, ids = fast
+    n = len(ids)
+    # ids holds exact ints, so equal lists whose items are exact ints are the same ids.
+    if raw_ids != ids or not all(type(t) is int for t in raw_ids):
+        return None
+    weight_version = meta.get("weight_version", "default")
+    completion_tokens = meta.get("completion_tokens")
+    prompt_tokens = meta.get("prompt_tokens")
+    cached_tokens = meta.get("cached_tokens", 0)
+    if (
+        type(weight_version) is not str
+        or "output_token_weight_versions" in meta
+        or type(completion_tokens) is not int
+        or completion_tokens != n
+        or type(prompt_tokens) is not int
+        or type(cached_tokens) is not int
+    ):
+        return None
+    return GenerateResult(
+        rid=rid,
+        output_ids=ids,
+        logprobs=logprobs,
+        finish_reason=kind,
+        weight_version=weight_version,
+        token_versions=[weight_version] * n,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+    )
+
+
 def parse_generate_response(obj: object, *, expected_rid: str | None) -> GenerateResult:
     """Validate one non-streaming `/generate` response object (sent with return_logprob=true).
 
     Unknown fields are ignored. Every breach raises EngineProtocolError naming the field. An abort with
     no tokens (a request aborted in the waiting queue) may omit `output_token_logprobs`.
     """
+    fast = _parse_complete_fast(obj, expected_rid)
+    if fast is not None:
+        return fast
     rid = expected_rid or "?"
     if not isinstance(obj, dict):
         raise EngineProtocolError(f"response is a JSON {type(obj).__name__}, expected an object", rid=rid)

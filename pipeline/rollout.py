@@ -47,9 +47,10 @@ import dataclasses
 import math
 import numbers
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from types import CoroutineType
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -187,6 +188,12 @@ class _EnvMetrics:
     turn_tokens: Any
     turn_reward: Any
     step_latency: Any
+    episode_turns: Any
+    episode_duration: Any
+    episode_reward: Any
+    reward_positive: Any
+    reward_negative: Any
+    successes: Any
     env_name: str
 
 
@@ -198,11 +205,81 @@ def _env_metrics(env_name: str) -> _EnvMetrics:
         turn_tokens=metrics.TURN_TOKENS.labels(env=env_name),
         turn_reward=metrics.TURN_REWARD.labels(env=env_name),
         step_latency=metrics.ENV_STEP_LATENCY.labels(env=env_name),
+        episode_turns=metrics.EPISODE_TURNS.labels(env=env_name),
+        episode_duration=metrics.EPISODE_DURATION.labels(env=env_name),
+        episode_reward=metrics.EPISODE_REWARD.labels(env=env_name),
+        reward_positive=metrics.EPISODE_REWARD_POSITIVE.labels(env=env_name),
+        reward_negative=metrics.EPISODE_REWARD_NEGATIVE.labels(env=env_name),
+        successes=metrics.EPISODE_SUCCESSES.labels(env=env_name),
         env_name=env_name,
     )
 
 
+@lru_cache(maxsize=1024)
+def _episodes_counter(env_name: str, finish_reason: str) -> Any:
+    return metrics.EPISODES.labels(env=env_name, reason=finish_reason)
+
+
 _ENGINE_LATENCY = metrics.ENGINE_REQUEST_LATENCY.labels(engine=ENGINE_LABEL)
+
+
+class _Started:
+    """Awaiting this finishes a coroutine that was already advanced to its first suspension, where it
+    handed `pending` to the event loop: the same as awaiting the coroutine from there (`yield from`)."""
+
+    __slots__ = ("_coro", "_pending")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
+        self._coro = coro
+        self._pending = pending
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, value = self._coro, self._pending
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # a cancellation (the timeout) or anything thrown into the task
+                try:
+                    value = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    value = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+
+class _DeadlinePassed(TimeoutError):
+    """`_within`'s bound was exceeded (unlike a TimeoutError the awaited call raised itself)."""
+
+
+async def _within(call: Awaitable[Any], timeout_s: float) -> Any:
+    """`await call` bounded by `timeout_s` seconds from now; _DeadlinePassed when exceeded.
+
+    A coroutine is first run up to its first suspension: most environment calls never suspend, and
+    one that returns before yielding to the event loop cannot be timed out by asyncio anyway (the
+    timer only fires from the loop), so it needs no timer. One that suspends finishes under a
+    deadline taken before it started, as `asyncio.timeout(timeout_s)` around the whole call would.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    if isinstance(call, CoroutineType):
+        try:
+            pending = call.send(None)
+        except StopIteration as done:
+            return done.value
+        call = _Started(call, pending)
+    bound = asyncio.timeout_at(deadline)
+    try:
+        async with bound:
+            return await call
+    except TimeoutError as exc:
+        if bound.expired():
+            raise _DeadlinePassed(f"not done within {timeout_s} s") from exc
+        raise
 
 
 def _engine_error_kind(exc: EngineError) -> str:
@@ -269,17 +346,11 @@ class _Episode:
         """Await an env coroutine under the step timeout; failures become _EpisodeEnded."""
         env_name = self.metrics.env_name
         try:
-            async with asyncio.timeout(self.step_timeout_s) as deadline:
-                return await call
-        except TimeoutError as exc:
-            if deadline.expired():
-                raise _env_failure(
-                    env_name,
-                    "timeout",
-                    "timeout",
-                    f"env.{what} exceeded step_timeout_s={self.step_timeout_s}",
-                ) from exc
-            raise _env_failure(env_name, "error", "env_error", f"env.{what} raised {exc!r}") from exc
+            return await _within(call, self.step_timeout_s)
+        except _DeadlinePassed as exc:
+            raise _env_failure(
+                env_name, "timeout", "timeout", f"env.{what} exceeded step_timeout_s={self.step_timeout_s}"
+            ) from exc
         except Exception as exc:
             raise _env_failure(env_name, "error", "env_error", f"env.{what} raised {exc!r}") from exc
 
@@ -349,6 +420,12 @@ class _Episode:
     def _versions(self, token_versions: list[str]) -> list[int]:
         """Policy version of every token; a response carries few distinct strings, so parse each once."""
         cache = self._version_ints
+        n = len(token_versions)
+        if n and token_versions.count(token_versions[0]) == n:  # one version for all: the usual reply
+            number = cache.get(token_versions[0])
+            if number is None:
+                number = cache[token_versions[0]] = version_to_int(token_versions[0])
+            return [number] * n
         out: list[int] = []
         for v in token_versions:
             number = cache.get(v)
@@ -431,6 +508,8 @@ class _Episode:
 
 
 def _is_finite_number(value: object) -> bool:
+    if type(value) is float or type(value) is int:  # the usual case, without the ABC check
+        return math.isfinite(value)
     if isinstance(value, bool):
         return False
     return isinstance(value, numbers.Real) and math.isfinite(value)
@@ -447,8 +526,7 @@ def _finish_after_step(step: StepResult, engine_finish: str) -> str | None:
 async def _close_env(env: Environment, env_name: str) -> str | None:
     """Await env.close() (bounded by the step timeout); a failure is counted and reported, not raised."""
     try:
-        async with asyncio.timeout(env.spec.step_timeout_s):
-            await env.close()
+        await _within(env.close(), env.spec.step_timeout_s)
     except Exception as exc:
         metrics.ENV_ERRORS.labels(env=env_name, kind="close").inc()
         return f"env.close raised {exc!r}"
@@ -456,18 +534,19 @@ async def _close_env(env: Environment, env_name: str) -> str | None:
 
 
 def _record_episode(outcome: EpisodeOutcome) -> None:
-    env = outcome.env
-    metrics.EPISODES.labels(env=env, reason=outcome.finish_reason).inc()
-    metrics.EPISODE_TURNS.labels(env=env).observe(outcome.num_turns)
-    metrics.EPISODE_DURATION.labels(env=env).observe(outcome.duration_s)
+    children = _env_metrics(outcome.env)
+    _episodes_counter(outcome.env, outcome.finish_reason).inc()
+    children.episode_turns.observe(outcome.num_turns)
+    children.episode_duration.observe(outcome.duration_s)
     if outcome.trainable:
-        metrics.EPISODE_REWARD.labels(env=env).observe(outcome.score)
-        if outcome.score >= 0:
-            metrics.EPISODE_REWARD_POSITIVE.labels(env=env).inc(outcome.score)
+        score = outcome.score
+        children.episode_reward.observe(score)
+        if score >= 0:
+            children.reward_positive.inc(score)
         else:
-            metrics.EPISODE_REWARD_NEGATIVE.labels(env=env).inc(-outcome.score)
+            children.reward_negative.inc(-score)
     if outcome.success:
-        metrics.EPISODE_SUCCESSES.labels(env=env).inc()
+        children.successes.inc()
 
 
 async def run_episode(

@@ -4,6 +4,7 @@ with the real tiny ChatML tokenizer."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -604,3 +605,134 @@ async def test_group_member_whose_factory_fails_is_an_env_error(
     assert [e.finish_reason for e in group.episodes] == ["stop", "env_error", "stop"]
     assert "no sandbox left" in (group.episodes[1].error or "")
     assert group.to_record_batch().num_rows == 2
+
+
+# ---------------------------------------------------------------------------- bounded env calls
+
+
+async def test_bounded_call_that_never_suspends_returns_without_a_timer() -> None:
+    from pipeline.rollout import _within
+
+    async def instant() -> int:
+        return 42
+
+    loop = asyncio.get_running_loop()
+    scheduled = len(loop._scheduled)  # type: ignore[attr-defined]
+    assert await _within(instant(), 0.0) == 42  # asyncio.timeout(0) around it would not fire either
+    assert len(loop._scheduled) == scheduled  # type: ignore[attr-defined]
+
+
+async def test_bounded_call_passes_values_and_exceptions_through_its_suspensions() -> None:
+    from pipeline.rollout import _within
+
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[str] = loop.create_future()
+    loop.call_later(0.01, future.set_result, "sent")
+    seen: list[str] = []
+
+    async def waits() -> str:
+        await asyncio.sleep(0)
+        value = await future
+        try:
+            await asyncio.wait_for(asyncio.sleep(5), 0.01)
+        except TimeoutError:
+            seen.append("inner timeout")
+        return value + "!"
+
+    assert await _within(waits(), 5.0) == "sent!"
+    assert seen == ["inner timeout"]
+
+    async def raises() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        await _within(raises(), 5.0)
+    done: asyncio.Future[int] = loop.create_future()
+    done.set_result(7)
+    assert await _within(done, 5.0) == 7  # any awaitable, not only coroutines
+
+
+async def test_bounded_call_past_its_deadline_is_cancelled_and_its_own_timeout_error_is_not_ours() -> None:
+    from pipeline.rollout import _DeadlinePassed, _within
+
+    cleaned: list[str] = []
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(5)
+        finally:
+            cleaned.append("finally")
+
+    with pytest.raises(_DeadlinePassed):
+        await _within(slow(), 0.02)
+    assert cleaned == ["finally"]
+
+    async def busy_then_wait() -> None:
+        deadline = time.monotonic() + 0.05  # a synchronous start counts against the bound too
+        while time.monotonic() < deadline:
+            pass
+        await asyncio.sleep(0)
+
+    with pytest.raises(_DeadlinePassed):
+        await _within(busy_then_wait(), 0.02)
+
+    async def own_timeout() -> None:
+        await asyncio.sleep(0)
+        raise TimeoutError("the env's own")
+
+    with pytest.raises(TimeoutError, match="the env's own") as info:
+        await _within(own_timeout(), 5.0)
+    assert not isinstance(info.value, _DeadlinePassed)
+
+
+async def test_cancelling_a_bounded_call_cancels_the_coroutine_inside() -> None:
+    from pipeline.rollout import _within
+
+    cancelled = asyncio.Event()
+
+    async def waits() -> None:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    task = asyncio.create_task(_within(waits(), 5.0))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cancelled.is_set()
+
+
+class OwnTimeoutEnv(ScriptedEnv):
+    async def step(self, action: Action) -> StepResult:
+        await asyncio.sleep(0)
+        raise TimeoutError("the backend timed out")
+
+
+async def test_env_raising_its_own_timeout_error_is_an_env_error(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), tok.eos_token_id])})
+    env = OwnTimeoutEnv(["higher"])
+    before = env_errors("scripted-own-timeout", "error")
+    result = await play(pool, tok, env, settings(tok), env_name="scripted-own-timeout")
+    assert result.finish_reason == "env_error" and "the backend timed out" in (result.error or "")
+    assert env_errors("scripted-own-timeout", "error") == before + 1 and env.closed == 1
+
+
+def test_token_versions_map_to_ints_uniform_or_mixed() -> None:
+    from types import SimpleNamespace
+
+    from pipeline.engine.protocol import EngineProtocolError
+    from pipeline.rollout import _Episode
+
+    state = SimpleNamespace(_version_ints={})
+    assert _Episode._versions(state, ["default"] * 3) == [0, 0, 0]  # type: ignore[arg-type]
+    assert _Episode._versions(state, ["3", "3", "4"]) == [3, 3, 4]  # type: ignore[arg-type]
+    assert _Episode._versions(state, []) == []  # type: ignore[arg-type]
+    assert state._version_ints == {"default": 0, "3": 3, "4": 4}
+    with pytest.raises(EngineProtocolError, match="'v2' is neither"):
+        _Episode._versions(state, ["v2", "v2"])  # type: ignore[arg-type]

@@ -15,9 +15,15 @@ Three importance-ratio levels share one clipped surrogate and one aggregation:
 
 with log s_i = (1/|y_i|) * sum_t mask_{i,t} (lp_{i,t} - old_{i,t}).
 
-Aggregation is seq-mean-token-mean: each sequence's masked token mean, then the mean over sequences with
-at least one unmasked token, so every episode weighs the same regardless of its length (the paper's
-(1/G) sum_i; avoids the length weighting of §6.1).
+Aggregation (verl's ``loss_agg_mode``):
+
+- ``"seq_mean_token_mean"`` (default): each sequence's masked token mean, then the mean over sequences
+  with at least one unmasked token, so every episode weighs the same regardless of its length (the
+  paper's (1/G) sum_i; avoids the length weighting of §6.1).
+- ``"token_mean"``: the mean over every unmasked token of the batch, so every generated token (with
+  per-turn advantages: every turn of a short-answer task) weighs the same. A 5-turn episode then carries
+  5x the weight of a 1-turn one instead of each of its turns getting 1/5: the late turns of long
+  episodes, where a multi-turn policy has the most to learn, are not diluted.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from torch import Tensor
 
 Level = Literal["sequence_token", "sequence", "token"]
 LEVELS: tuple[str, ...] = get_args(Level)
+Aggregation = Literal["seq_mean_token_mean", "token_mean"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 # Upper clamp of the log ratio before exp, as verl does. A stale or corrupt behaviour log-prob can give a
 # log ratio of hundreds; exp() of that overflows fp32 (above ~88.7) to inf, and inf * A turns the loss and
@@ -88,6 +96,8 @@ def gspo_token_loss(
     clip_high: float = 4e-4,
     level: Level = "sequence_token",
     num_global_sequences: int | None = None,
+    aggregation: Aggregation = "seq_mean_token_mean",
+    num_global_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GSPO-token (or GSPO / token-PPO) loss to minimise, and detached statistics.
 
@@ -103,12 +113,16 @@ def gspo_token_loss(
             losses (and gradients) of shards that together hold N non-empty sequences reproduces the
             full-batch loss exactly, however unevenly the sequences are spread (verl's
             global_batch_size scaling; with DDP's gradient *averaging* multiply the loss by world size).
+            Used by "seq_mean_token_mean" only.
+        aggregation: "seq_mean_token_mean" (default) or "token_mean" (see the module docstring).
+        num_global_tokens: the same scaling for "token_mean": None divides by this call's unmasked tokens,
+            an int N by N (the unmasked tokens of all shards together).
 
     Returns:
         (loss, stats). ``loss`` is a 0-dim tensor in fp32 (fp64 if inputs are fp64). Per token:
-        max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)); per sequence: masked token mean; batch:
-        mean over non-empty sequences. Rows with no unmasked token contribute nothing (no NaN); an
-        all-empty batch gives loss 0.0 with zero gradient.
+        max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)); then aggregated as ``aggregation`` says.
+        Rows with no unmasked token contribute nothing (no NaN); an all-empty batch gives loss 0.0 with
+        zero gradient.
 
         ``stats`` (all detached 0-dim tensors):
         - clip_fraction: share of non-empty sequences where the clipped branch is strictly active on at
@@ -132,6 +146,10 @@ def gspo_token_loss(
         raise ValueError(f"clip_high must be >= 0, got {clip_high}")
     if num_global_sequences is not None and num_global_sequences < 1:
         raise ValueError(f"num_global_sequences must be >= 1 when given, got {num_global_sequences}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if num_global_tokens is not None and num_global_tokens < 1:
+        raise ValueError(f"num_global_tokens must be >= 1 when given, got {num_global_tokens}")
     _check_inputs(
         {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "mask": mask}
     )
@@ -157,15 +175,18 @@ def gspo_token_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     token_loss = torch.where(keep, torch.maximum(unclipped, clipped), torch.zeros_like(unclipped))
-    seq_loss = token_loss.sum(dim=-1) / seq_denominator
-
-    num_sequences = non_empty.sum()
-    denominator = (
-        num_sequences.to(dtype).clamp(min=1.0)
-        if num_global_sequences is None
-        else torch.tensor(float(num_global_sequences), dtype=dtype, device=lp.device)
-    )
-    loss = torch.where(non_empty, seq_loss, torch.zeros_like(seq_loss)).sum() / denominator
+    if aggregation == "token_mean":
+        global_count = num_global_tokens
+        denominator = keep.sum().to(dtype).clamp(min=1.0)
+        loss = token_loss.sum()
+    else:
+        global_count = num_global_sequences
+        denominator = non_empty.sum().to(dtype).clamp(min=1.0)
+        seq_loss = token_loss.sum(dim=-1) / seq_denominator
+        loss = torch.where(non_empty, seq_loss, torch.zeros_like(seq_loss)).sum()
+    if global_count is not None:
+        denominator = torch.tensor(float(global_count), dtype=dtype, device=lp.device)
+    loss = loss / denominator
 
     with torch.no_grad():
         stats = _stats(

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import pyarrow as pa
 import torch
 
-from learner.advantages import Estimator, token_advantages, turn_advantages
+from learner.advantages import Estimator, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, pack_sequences
-from learner.gspo import Level, gspo_token_loss
+from learner.gspo import Aggregation, Level, gspo_token_loss
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
 from learner.schema import Episode, RejectedRow, batch_to_episodes
 
@@ -46,6 +46,7 @@ class TrainerConfig(Protocol):
     clip_low: float
     clip_high: float
     loss_level: Level
+    loss_agg: Aggregation
     estimator: Estimator
     entropy_coef: float
     gamma: float
@@ -80,6 +81,17 @@ def _group_segments(rows: Sequence[Episode]) -> dict[str, dict[str, list[Episode
     return groups
 
 
+def _episode_anchors(group: dict[str, list[Episode]]) -> list[list[bytes | None]]:
+    """[episode][turn] history digests of a group (segments of one episode merged; None if unknown)."""
+    result = []
+    for segments in group.values():
+        anchors: dict[int, bytes] = {}
+        for seg in segments:
+            anchors.update(history_anchors(seg.token_ids, seg.turn_index, seg.loss_mask))
+        result.append([anchors.get(k) for k in range(len(segments[0].turn_rewards))])
+    return result
+
+
 def build_step_input(
     batches: Sequence[pa.RecordBatch], *, estimator: Estimator, gamma: float, lam: float
 ) -> StepInput:
@@ -110,6 +122,7 @@ def build_step_input(
         gamma=gamma,
         lam=lam,
         estimator=estimator,
+        anchors=[_episode_anchors(group) for group in groups] if estimator == "anchor" else None,
     )
     for group, group_adv in zip(groups, advantages, strict=True):
         if all(abs(a) <= ZERO_ADVANTAGE for episode_adv in group_adv for a in episode_adv):
@@ -280,11 +293,12 @@ class Trainer:
         """Accumulate gradients over `window` (seq-mean over all its sequences), then one AdamW update."""
         self.optimizer.zero_grad(set_to_none=True)
         num_sequences = sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window)
+        num_tokens = sum(b.num_loss_tokens for b in window)
         window_loss = 0.0
         finite = True
         for packed in window:
             batch = packed.to(self.device)
-            loss, loss_stats, entropy = self._forward_loss(batch, num_sequences)
+            loss, loss_stats, entropy = self._forward_loss(batch, num_sequences, num_tokens)
             stats.add(loss_stats, entropy)
             stats.tokens += packed.num_tokens
             stats.loss_tokens += packed.num_loss_tokens
@@ -313,7 +327,7 @@ class Trainer:
         stats.grad_norms.append(grad_norm)
 
     def _forward_loss(
-        self, batch: PackedBatch, num_sequences: int
+        self, batch: PackedBatch, num_sequences: int, num_tokens: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         # use_cache=False: a training forward has no use for a KV cache and would allocate one per layer.
         logits = self.model(
@@ -329,6 +343,8 @@ class Trainer:
             clip_high=self.cfg.clip_high,
             level=self.cfg.loss_level,
             num_global_sequences=num_sequences,
+            aggregation=self.cfg.loss_agg,
+            num_global_tokens=max(num_tokens, 1),
         )
         entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
         coef = float(getattr(self.cfg, "entropy_coef", 0.0))

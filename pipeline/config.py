@@ -116,13 +116,24 @@ class LearnerConfig(_Section):
     loss_level: Literal["sequence_token", "sequence", "token"] = Field(
         "sequence_token", description="GSPO-token, GSPO, or the token-level GRPO/PPO baseline."
     )
+    loss_agg: Literal["seq_mean_token_mean", "token_mean"] = Field(
+        "seq_mean_token_mean",
+        description=(
+            "Loss aggregation: every episode weighs the same (seq_mean_token_mean), or every generated "
+            "token does (token_mean: each turn of a multi-turn episode keeps its full weight)."
+        ),
+    )
     entropy_coef: float = Field(
         0.0,
         ge=0,
         description="Entropy bonus weight (0 = off): keeps exploring when the policy sharpens fast.",
     )
-    estimator: Literal["turn", "outcome"] = Field(
-        "turn", description="Per-turn advantages or GRPO broadcast."
+    estimator: Literal["turn", "outcome", "anchor"] = Field(
+        "turn",
+        description=(
+            "Per-turn advantages (turn), GRPO broadcast (outcome), or per-turn advantages whose baselines "
+            "are the group's episodes that saw the same history before the turn (anchor, GiGPO-style)."
+        ),
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the turn-reward return-to-go.")
     lam: float = Field(1.0, ge=0, description="Weight of the shaping (turn reward) channel.")

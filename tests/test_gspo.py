@@ -587,6 +587,67 @@ def test_t10_a_shard_without_any_trainable_token_adds_zero() -> None:
     assert torch.equal(_grad(loss, lp), torch.zeros(2, 3))
 
 
+# ----------------------------------------------------------------------------- token-mean aggregation
+
+
+@pytest.mark.parametrize("level", ["sequence_token", "token"])  # per-token gradients (GSPO's is per sequence)
+def test_token_mean_weighs_every_token_the_same_not_every_sequence(level: Level) -> None:
+    # On-policy (ratio 1): a 1-token row with A = 1 and a 3-token row with A = -1, 2, 3 per token.
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    lp = _leaf(torch.tensor([[-0.5, 0.0, 0.0], [-1.0, -2.0, -0.25]]))
+    adv = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 2.0, 3.0]])
+    loss, stats = gspo_token_loss(
+        lp, lp.detach(), adv, mask, level=level, aggregation="token_mean", **WIDE_CLIP
+    )
+    assert loss.item() == pytest.approx(-(1.0 - 1.0 + 2.0 + 3.0) / 4)
+    assert stats["num_tokens"].item() == 4
+    # d loss / d lp = -A / (unmasked tokens of the batch), whatever the row's length.
+    expected = torch.tensor([[-1.0, 0.0, 0.0], [1.0, -2.0, -3.0]]) / 4
+    torch.testing.assert_close(_grad(loss, lp), expected)
+    seq_mean, _ = gspo_token_loss(lp, lp.detach(), adv, mask, level=level, **WIDE_CLIP)
+    assert seq_mean.item() == pytest.approx(-(1.0 + (-1.0 + 2.0 + 3.0) / 3) / 2)
+
+
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_token_mean_shards_with_the_global_token_count_reproduce_the_full_batch(level: Level) -> None:
+    gen = torch.Generator().manual_seed(7)
+    lengths = [3, 7, 0, 1, 5, 6]
+    mask = (torch.arange(8).unsqueeze(0) < torch.tensor(lengths).unsqueeze(-1)).int()
+    lp_values = -torch.rand(6, 8, generator=gen) * 2
+    old = lp_values + (torch.rand(6, 8, generator=gen) - 0.5) * 2e-3
+    adv = torch.randn(6, 8, generator=gen)
+    lp_full = _leaf(lp_values)
+    loss_full, _ = gspo_token_loss(
+        lp_full, old, adv, mask, level=level, aggregation="token_mean", **PAPER_CLIP
+    )
+    grad_full = _grad(loss_full, lp_full)
+
+    summed, grads = torch.zeros(()), []
+    for rows in (slice(0, 2), slice(2, 5), slice(5, 6)):
+        lp = _leaf(lp_values[rows])
+        loss, _ = gspo_token_loss(
+            lp,
+            old[rows],
+            adv[rows],
+            mask[rows],
+            level=level,
+            aggregation="token_mean",
+            num_global_tokens=sum(lengths),
+            **PAPER_CLIP,
+        )
+        grads.append(_grad(loss, lp))
+        summed += loss.detach()
+    assert summed.item() == pytest.approx(loss_full.item(), abs=1e-7)
+    torch.testing.assert_close(torch.cat(grads), grad_full, atol=1e-7, rtol=0)
+
+
+def test_token_mean_all_masked_batch_gives_zero_loss_and_zero_grad() -> None:
+    lp = _leaf(torch.full((2, 3), float("nan")))
+    loss, _ = gspo_token_loss(lp, lp.detach(), torch.ones(2, 3), torch.zeros(2, 3), aggregation="token_mean")
+    assert loss.item() == 0.0
+    assert torch.equal(_grad(loss, lp), torch.zeros(2, 3))
+
+
 # ---------------------------------------------------------------------------------------- errors
 
 
@@ -602,6 +663,10 @@ def test_rejects_unknown_level_and_mismatched_shapes() -> None:
         gspo_token_loss(lp, lp, lp, lp, clip_low=1.0)
     with pytest.raises(ValueError, match="num_global_sequences"):
         gspo_token_loss(lp, lp, lp, lp, num_global_sequences=0)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        gspo_token_loss(lp, lp, lp, lp, aggregation="token_sum")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_global_tokens"):
+        gspo_token_loss(lp, lp, lp, lp, aggregation="token_mean", num_global_tokens=0)
 
 
 def test_bf16_inputs_are_upcast_and_loss_is_fp32() -> None:

@@ -27,21 +27,34 @@ outcome (or the sum of turn rewards), the same value on every turn. std is the *
 one-episode group gives 0, not NaN); verl and TRL use the Bessel-corrected std, which differs by the
 constant factor sqrt((G - 1) / G).
 
+Estimator ``"anchor"`` (GiGPO's anchor-state groups, arXiv 2505.10978, applied to both C.2 channels):
+every turn k of episode i gets its own outcome term A^o_{i,k} = o_i - mean of o_j and shaping term
+A^s_{i,k} = S_{i,k} - mean of S_{j,k}, both over the peers j != i of its group that saw exactly the same
+history before turn k (the same ``anchors[g][i][k]``; the pipeline uses a digest of the token ids the
+engine was given). Those peers had the same information as episode i when it chose its turn-k action, so
+the baseline is a Monte-Carlo estimate of that state's value: each turn is credited against what other
+actions from the *same* state earned, not against episodes that were elsewhere. Turns with no such peer
+(or no anchor) fall back to the peers that reached turn k. The baseline never uses episode i itself, so
+it stays unbiased. Scaling as for "turn", with sigma_o over every (i, k) outcome term.
+
 Sums use math.fsum, which is exactly rounded, so results do not depend on episode order, not even in
 the last bit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 Episode = tuple[Sequence[float], float | None]
 Group = Sequence[Episode]
-Estimator = Literal["turn", "outcome"]
-ESTIMATORS: tuple[str, ...] = ("turn", "outcome")
+Estimator = Literal["turn", "outcome", "anchor"]
+ESTIMATORS: tuple[str, ...] = ("turn", "outcome", "anchor")
+# anchors[g][i][k]: what episode i of group g had seen before its turn k (None: unknown).
+Anchors = Sequence[Sequence[Sequence[Hashable | None]]]
 STD_EPS = 1e-6
 
 
@@ -151,14 +164,18 @@ def turn_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     estimator: Estimator = "turn",
+    anchors: Anchors | None = None,
 ) -> list[list[list[float]]]:
     """One advantage per turn, indexed [group][episode][turn], for every episode of every group.
 
     Args:
         groups: each group a sequence of ``(turn_rewards, outcome)`` episodes (outcome may be None).
         gamma: discount of the shaping return-to-go, in [0, 1].
-        lam: weight of the shaping channel relative to the outcome channel (turn estimator only).
-        estimator: "turn" (C.2, default) or "outcome" (GRPO broadcast of the group-normalised outcome).
+        lam: weight of the shaping channel relative to the outcome channel ("turn" and "anchor").
+        estimator: "turn" (C.2, default), "outcome" (GRPO broadcast of the group-normalised outcome) or
+            "anchor" (C.2 with same-history baselines per turn; see the module docstring).
+        anchors: for "anchor", ``anchors[g][i][k]`` identifies the history episode i of group g had
+            seen before its turn k (any hashable; None = unknown). Missing anchors fall back as None.
 
     Raises:
         ValueError: naming the group/episode/turn of a non-finite reward, or an unknown estimator.
@@ -169,6 +186,8 @@ def turn_advantages(
         raise ValueError(f"lam must be finite, got {lam}")
     if estimator == "outcome":
         return _grpo_broadcast(_validated(groups))
+    if estimator == "anchor":
+        return _anchored(_validated(groups), anchors, gamma=gamma, lam=lam)
 
     raw = raw_channels(groups, gamma=gamma)
     sigma_outcome = _population_std([a for group in raw.outcome for a in group]) + STD_EPS
@@ -187,6 +206,78 @@ def turn_advantages(
         ]
         for group_outcome, group_shaping in zip(raw.outcome, raw.shaping, strict=True)
     ]
+
+
+def _anchor(anchors: Anchors | None, g: int, i: int, k: int) -> Hashable | None:
+    try:
+        return anchors[g][i][k] if anchors is not None else None
+    except IndexError:
+        return None
+
+
+def _anchored(
+    groups: list[list[tuple[list[float], float | None]]],
+    anchors: Anchors | None,
+    *,
+    gamma: float,
+    lam: float,
+) -> list[list[list[float]]]:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    outcome: list[list[list[float]]] = []
+    shaping: list[list[list[float]]] = []
+    shaping_values: list[float] = []
+    for g, episodes in enumerate(groups):
+        outcomes = [_outcome_value(rewards, o) for rewards, o in episodes]
+        shaped = [o is not None for _, o in episodes]
+        returns = [_returns_to_go(rewards, gamma) for rewards, _ in episodes]
+        group_outcome, group_shaping = [], []
+        for i, episode_returns in enumerate(returns):
+            episode_outcome, episode_shaping = [], []
+            for k, value in enumerate(episode_returns):
+                reached = [j for j in range(len(episodes)) if j != i and len(returns[j]) > k]
+                key = _anchor(anchors, g, i, k)
+                same = [j for j in reached if key is not None and _anchor(anchors, g, j, k) == key]
+                peers = same or reached
+                episode_outcome.append(outcomes[i] - _mean([outcomes[j] for j in peers]) if peers else 0.0)
+                shaping_peers = [j for j in peers if shaped[j]]
+                if shaped[i]:
+                    a_s = value - _mean([returns[j][k] for j in shaping_peers]) if shaping_peers else 0.0
+                    shaping_values.append(a_s)
+                else:
+                    a_s = 0.0
+                episode_shaping.append(a_s)
+            group_outcome.append(episode_outcome)
+            group_shaping.append(episode_shaping)
+        outcome.append(group_outcome)
+        shaping.append(group_shaping)
+    sigma_outcome = _population_std([a for group in outcome for ep in group for a in ep]) + STD_EPS
+    sigma_shaping = _population_std(shaping_values) + STD_EPS
+    return [
+        [
+            [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_o, a_s in zip(ep_o, ep_s, strict=True)]
+            for ep_o, ep_s in zip(group_outcome, group_shaping, strict=True)
+        ]
+        for group_outcome, group_shaping in zip(outcome, shaping, strict=True)
+    ]
+
+
+def history_anchors(
+    token_ids: Sequence[int], turn_index: Sequence[int], loss_mask: Sequence[int]
+) -> dict[int, bytes]:
+    """Turn → digest of the token ids before that turn's first generated token (one trajectory row).
+
+    Two rows of a group with the same digest for turn k had the engine see exactly the same tokens before
+    it produced their turn-k action: the same history, hence the same state for the policy. Turns
+    without a generated token in this row are absent.
+    """
+    anchors: dict[int, bytes] = {}
+    digest = hashlib.blake2b(digest_size=16)
+    for token, turn, generated in zip(token_ids, turn_index, loss_mask, strict=True):
+        if generated and turn not in anchors:
+            anchors[turn] = digest.copy().digest()
+        digest.update(int(token).to_bytes(4, "little", signed=True))
+    return anchors
 
 
 def _grpo_broadcast(groups: list[list[tuple[list[float], float | None]]]) -> list[list[list[float]]]:

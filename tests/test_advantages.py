@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from learner.advantages import Estimator, raw_channels, token_advantages, turn_advantages
+from learner.advantages import Estimator, history_anchors, raw_channels, token_advantages, turn_advantages
 
 # Episodes of 1, 2 and 3 turns: (turn_rewards, outcome).
 K123 = [
@@ -80,7 +80,7 @@ def _random_groups(seed: int) -> list[list[tuple[list[float], float | None]]]:
     return groups
 
 
-@pytest.mark.parametrize("estimator", ["turn", "outcome"])
+@pytest.mark.parametrize("estimator", ["turn", "outcome", "anchor"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_permuting_episodes_permutes_advantages_identically(estimator: str, seed: int) -> None:
     groups = _random_groups(seed)
@@ -218,3 +218,72 @@ def test_token_advantages_reject_bad_turn_indices() -> None:
         token_advantages([0.5], [-2])
     with pytest.raises(ValueError, match="loss_mask has 1 entries"):
         token_advantages([0.5], [0, 0], [1])
+
+
+# --- anchor estimator -------------------------------------------------------------------------------
+
+# Three episodes of one group; all start from the same prompt (anchor "p"). e0 and e1 guessed the same
+# first number and so saw the same history "h" before turn 1; e2 guessed right at once.
+ANCHORED_GROUP = [([0.0, 0.0], 1.0), ([0.0, 0.0], 0.0), ([0.0], 1.0)]
+ANCHORS = [[["p", "h"], ["p", "h"], ["p"]]]
+
+
+def test_anchor_estimator_hand_computed() -> None:
+    (result,) = turn_advantages([ANCHORED_GROUP], estimator="anchor", anchors=ANCHORS)
+    # Turn 0, peers = everyone else:  e0: 1 - (0+1)/2 = 0.5;  e1: 0 - (1+1)/2 = -1;  e2: 1 - (1+0)/2 = 0.5.
+    # Turn 1, peers with history "h": e0: 1 - 0 = 1;  e1: 0 - 1 = -1.  No shaping signal (all zero).
+    terms = [0.5, 1.0, -1.0, -1.0, 0.5]
+    sigma = statistics.pstdev(terms) + 1e-6
+    expected = [[0.5 / sigma, 1.0 / sigma], [-1.0 / sigma, -1.0 / sigma], [0.5 / sigma]]
+    for got, want in zip(result, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_anchor_estimator_ignores_peers_that_saw_another_history() -> None:
+    base = [([0.0, 0.0], 1.0), ([0.0, 0.0], 0.0), ([0.0, 0.0], 0.0)]
+    anchors = [[["p", "h"], ["p", "h"], ["p", "other"]]]
+    changed = [*base[:2], ([0.0, 0.0], 1.0)]  # e2's outcome moves; it is not e0's turn-1 peer
+    raw_before = turn_advantages([base], estimator="anchor", anchors=anchors, lam=0.0)
+    raw_after = turn_advantages([changed], estimator="anchor", anchors=anchors, lam=0.0)
+    # Undo the batch scale (it changes with e2) and compare e0's turn-1 term: 1 - o(e1) both times.
+    scale_before = raw_before[0][1][1] / -1.0
+    scale_after = raw_after[0][1][1] / -1.0
+    assert raw_before[0][0][1] / scale_before == pytest.approx(1.0)
+    assert raw_after[0][0][1] / scale_after == pytest.approx(1.0)
+
+
+def test_anchor_estimator_falls_back_to_the_peers_that_reached_the_turn() -> None:
+    unique = [[["p", "a"], ["p", "b"], ["p"]]]  # nobody shares e0's or e1's turn-1 history
+    anchored = turn_advantages([ANCHORED_GROUP], estimator="anchor", anchors=unique)
+    no_anchors = turn_advantages([ANCHORED_GROUP], estimator="anchor")
+    assert anchored == no_anchors
+    # Turn 1 falls back to e0 vs e1 (the only ones that reached it): the same terms as with "h".
+    assert anchored == turn_advantages([ANCHORED_GROUP], estimator="anchor", anchors=ANCHORS)
+
+
+def test_anchor_estimator_shaping_baseline_uses_same_history_peers() -> None:
+    group = [([0.3, 0.4], 0.0), ([0.1, 0.0], 0.0), ([0.2, 0.1], 0.0), ([0.0, 0.3], 0.0)]
+    anchors = [[["p", "x"], ["p", "x"], ["p", "y"], ["p", "y"]]]
+    (result,) = turn_advantages([group], estimator="anchor", anchors=anchors, gamma=0.0)
+    # gamma 0: S = the turn's own reward; equal outcomes: the outcome terms are 0.
+    # Turn 0, everyone shares "p": 0.3 - 0.3/3, 0.1 - 0.5/3, 0.2 - 0.4/3, 0.0 - 0.6/3.
+    # Turn 1, pairs by history:    0.4 - 0.0,   0.0 - 0.4,   0.1 - 0.3,   0.3 - 0.1.
+    turn0 = [0.3 - 0.1, 0.1 - 0.5 / 3, 0.2 - 0.4 / 3, 0.0 - 0.2]
+    turn1 = [0.4, -0.4, -0.2, 0.2]
+    sigma = statistics.pstdev(turn0 + turn1) + 1e-6
+    assert [ep[0] for ep in result] == pytest.approx([t / sigma for t in turn0], rel=1e-9)
+    assert [ep[1] for ep in result] == pytest.approx([t / sigma for t in turn1], rel=1e-9)
+
+
+def test_history_anchors_digest_the_tokens_before_each_turn() -> None:
+    # prompt p1 p2 | turn 0: g0 then context c1 c2 | turn 1: g1
+    tokens = [11, 12, 5, 21, 22, 6]
+    turns = [-1, -1, 0, 0, 0, 1]
+    mask = [0, 0, 1, 0, 0, 1]
+    anchors = history_anchors(tokens, turns, mask)
+    assert sorted(anchors) == [0, 1]
+    other = history_anchors([11, 12, 5, 21, 22, 7], turns, mask)  # same history, another turn-1 action
+    assert other == anchors
+    diverged = history_anchors([11, 12, 9, 21, 22, 6], turns, mask)  # another turn-0 action
+    assert diverged[0] == anchors[0] and diverged[1] != anchors[1]
+    assert history_anchors([11, 12], [-1, -1], [0, 0]) == {}

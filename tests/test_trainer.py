@@ -449,3 +449,43 @@ def test_generated_token_entropy_is_exact_and_ignores_masked_positions() -> None
     assert logits.grad is not None and torch.all(logits.grad[1, 2] == 0) and torch.all(logits.grad[0, 0] == 0)
     none = generated_token_entropy(logits, torch.zeros(2, 3), temperature=1.0)
     assert float(none.detach()) == 0.0
+
+
+def _two_turn(
+    first: int, second: int, *, index: int, outcome: float, rewards: tuple[float, float]
+) -> Episode:
+    """A two-turn guess-number row from token ids alone (the anchor estimator needs no log-probs)."""
+    prompt, context = [1, 2, 3], [7, 8]
+    tokens = [*prompt, first, *context, second]
+    return Episode(
+        episode_id=f"g-e{index}",
+        group_id="g",
+        task_id="task-g",
+        env="guess-number",
+        token_ids=tokens,
+        prompt_len=3,
+        loss_mask=[0, 0, 0, 1, 0, 0, 1],
+        logprobs=[0.0, 0.0, 0.0, -1.0, 0.0, 0.0, -1.0],
+        turn_index=[-1, -1, -1, 0, 0, 0, 1],
+        versions=[-1, -1, -1, 0, -1, -1, 0],
+        turn_rewards=list(rewards),
+        outcome=outcome,
+        num_turns=2,
+        finish_reason="stop",
+    )
+
+
+def test_anchor_estimator_compares_second_turns_only_with_rows_of_the_same_history() -> None:
+    # e0/e1 opened with token 40, e2/e3 with 50; only the second turn's reward differs within each pair.
+    rows = [
+        _two_turn(40, 60, index=0, outcome=0.0, rewards=(0.0, 0.2)),
+        _two_turn(40, 61, index=1, outcome=0.0, rewards=(0.0, 0.0)),
+        _two_turn(50, 60, index=2, outcome=0.0, rewards=(0.0, 0.9)),
+        _two_turn(50, 61, index=3, outcome=0.0, rewards=(0.0, 0.7)),
+    ]
+    data = build_step_input([episodes_to_batch(rows)], estimator="anchor", gamma=0.0, lam=1.0)
+    second_turn = [seq.advantages[-1] for seq in data.sequences]
+    # Same-history pairs: +0.2 / -0.2 and +0.2 / -0.2 (a batch-wide baseline would make e0, e1 negative).
+    assert second_turn[0] == pytest.approx(second_turn[2]) and second_turn[0] > 0
+    assert second_turn[1] == pytest.approx(second_turn[3]) == pytest.approx(-second_turn[0])
+    assert all(seq.advantages[3] == 0.0 for seq in data.sequences)  # first turns: nothing to tell apart

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import string
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from envs.api import Action, Environment, Task, ToolCall
 from envs.calculator import CalculatorEnv, CalculatorError, evaluate, format_value
 from envs.checker import parse_tool_calls, random_action
 from envs.grid_nav import GridNavEnv
-from envs.guess_number import GuessNumberEnv, first_integer
+from envs.guess_number import GuessNumberEnv, expected_information_bits, first_integer
 from envs.word_guess import WORDS, WordGuessEnv, feedback
 
 Policy = Callable[[Environment, random.Random], Action]
@@ -39,19 +40,63 @@ async def test_guess_number_feedback_sequence() -> None:
     for text in ("8", "  14\n", "no idea", "12 or 13"):
         result = await env.step(Action(text))
         replies.append((result.messages[0]["content"], result.reward, result.done, result.outcome))
+    # Turn rewards: 0.1 x the entropy (bits) of the answer, the secret uniform over what is still possible.
     assert replies == [
-        ("higher", 0.0, False, None),
-        ("lower", 0.0, False, None),
+        ("higher", pytest.approx(0.1 * _bits(7, 1, 8)), False, None),  # 8 in 1..16
+        ("lower", pytest.approx(0.1 * _bits(5, 1, 2)), False, None),  # 14 in 9..16
         ("invalid", -0.1, False, None),
-        ("lower", 0.0, False, None),
+        ("lower", pytest.approx(0.1 * _bits(3, 1, 1)), False, None),  # 12 in 9..13
     ]
-    last = await env.step(Action("11"))
+    last = await env.step(Action("11"))  # 11 in 9..11
     assert (last.messages[0]["content"], last.done, last.truncated, last.outcome) == (
         "correct",
         True,
         False,
         1.0,
     )
+    assert last.reward == pytest.approx(0.1 * _bits(2, 1, 0))
+
+
+def _bits(*counts: int) -> float:
+    total = sum(counts)
+    return -sum(c / total * math.log2(c / total) for c in counts if c)
+
+
+def test_expected_information_bits_values() -> None:
+    assert expected_information_bits(8, 1, 16) == pytest.approx(_bits(7, 1, 8))
+    assert expected_information_bits(2, 1, 3) == pytest.approx(math.log2(3))
+    assert expected_information_bits(1, 1, 2) == pytest.approx(1.0)
+    assert expected_information_bits(0, 1, 16) == 0.0  # outside what is still possible
+    assert expected_information_bits(17, 1, 16) == 0.0
+    assert expected_information_bits(5, 5, 5) == 0.0  # the answer is already known
+
+
+def test_expected_information_is_largest_at_the_midpoints() -> None:
+    values = {g: expected_information_bits(g, 1, 16) for g in range(1, 17)}
+    assert max(values, key=values.__getitem__) in (8, 9)
+    assert values[8] == pytest.approx(values[9])  # mirror images
+    assert values[1] < values[4] < values[8]
+
+
+async def test_guess_number_repeated_or_outside_guess_earns_no_information() -> None:
+    env = GuessNumberEnv()
+    await env.reset(Task("t", 0, {"secret": 3, "low": 1, "high": 16}))
+    await env.step(Action("8"))  # lower: 1..7 remain
+    again = await env.step(Action("8"))
+    assert (again.messages[0]["content"], again.reward) == ("lower", 0.0)
+
+
+async def test_guess_number_info_reward_zero_gives_only_the_format_penalty() -> None:
+    env = GuessNumberEnv(info_reward=0.0)
+    await env.reset(Task("t", 0, {"secret": 3, "low": 1, "high": 16}))
+    assert (await env.step(Action("8"))).reward == 0.0
+    assert (await env.step(Action("what"))).reward == -0.1
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.inf, math.nan])
+def test_guess_number_rejects_bad_info_reward(bad: float) -> None:
+    with pytest.raises(ValueError, match="info_reward"):
+        GuessNumberEnv(info_reward=bad)
 
 
 async def test_guess_number_truncates_after_max_turns_with_outcome_zero() -> None:

@@ -93,13 +93,23 @@ def _episode_anchors(group: dict[str, list[Episode]]) -> list[list[bytes | None]
 
 
 def build_step_input(
-    batches: Sequence[pa.RecordBatch], *, estimator: Estimator, gamma: float, lam: float
+    batches: Sequence[pa.RecordBatch],
+    *,
+    estimator: Estimator,
+    gamma: float,
+    lam: float,
+    keep_zero_advantage: bool = False,
 ) -> StepInput:
     """Decode, filter and annotate rows with per-token advantages (pure; no model involved).
 
     Segments of one episode share its turn_rewards and outcome, so advantages are computed once per
     episode and every segment maps its tokens through its own turn_index. A batch whose schema is not
     the trajectory schema raises InvalidEpisodeError (the spool quarantines such files before this).
+
+    Groups whose advantages are all zero carry no policy-gradient signal and are counted in
+    ``skipped_zero_adv_groups``; they are left out unless ``keep_zero_advantage`` (the trainer sets it
+    when an entropy bonus is on: a policy whose groups all play alike is exactly the one the bonus must
+    reach, and their tokens also dilute the remaining signal under token-mean aggregation).
     """
     result = StepInput()
     rows: list[Episode] = []
@@ -127,8 +137,11 @@ def build_step_input(
     for group, group_adv in zip(groups, advantages, strict=True):
         if all(abs(a) <= ZERO_ADVANTAGE for episode_adv in group_adv for a in episode_adv):
             result.skipped_zero_adv_groups += 1
-            continue
-        result.trained_groups += 1
+            if not keep_zero_advantage:
+                continue
+            group_adv = [[0.0] * len(episode_adv) for episode_adv in group_adv]
+        else:
+            result.trained_groups += 1
         for segments, episode_adv in zip(group.values(), group_adv, strict=True):
             for seg in segments:
                 if sum(seg.loss_mask[1:]) == 0:
@@ -263,7 +276,13 @@ class Trainer:
     def step(self, batches: Sequence[pa.RecordBatch]) -> dict[str, float]:
         """Train on the trajectory rows of `batches`; returns the step's metrics (see module docstring)."""
         started = time.perf_counter()
-        data = build_step_input(batches, estimator=self.cfg.estimator, gamma=self.cfg.gamma, lam=self.cfg.lam)
+        data = build_step_input(
+            batches,
+            estimator=self.cfg.estimator,
+            gamma=self.cfg.gamma,
+            lam=self.cfg.lam,
+            keep_zero_advantage=self.cfg.entropy_coef > 0.0,
+        )
         self.last_rejected = data.rejected
         stats = _UpdateStats()
         if data.sequences:
@@ -347,7 +366,7 @@ class Trainer:
             num_global_tokens=max(num_tokens, 1),
         )
         entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
-        coef = float(getattr(self.cfg, "entropy_coef", 0.0))
+        coef = self.cfg.entropy_coef
         if coef > 0.0:
             loss = loss - coef * generated_token_entropy(logits, batch.loss_mask, self.temperature)
         return loss, loss_stats, entropy

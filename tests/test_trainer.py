@@ -289,6 +289,29 @@ def test_all_zero_advantage_group_is_skipped_and_counted(policy: tuple[Any, Any]
     assert metrics["success_rate"] == 1.0  # accounting still sees the episodes
 
 
+def test_entropy_bonus_still_reaches_a_group_whose_episodes_all_scored_the_same(
+    policy: tuple[Any, Any],
+) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    solved = [
+        _episode(model, prompt, [_ids(tokenizer, "12"), end], group="same", index=i, outcome=1.0)
+        for i in range(3)
+    ]
+    data = build_step_input(
+        [episodes_to_batch(solved)], estimator="turn", gamma=1.0, lam=1.0, keep_zero_advantage=True
+    )
+    assert (data.skipped_zero_adv_groups, data.trained_groups, len(data.sequences)) == (1, 0, 3)
+    assert all(a == 0.0 for seq in data.sequences for a in seq.advantages)
+
+    trainer = Trainer(model, _cfg(entropy_coef=0.1, mini_batches=1), temperature=1.0)
+    before = _weights(model)
+    metrics = trainer.step([episodes_to_batch(solved)])
+    assert metrics["skipped_zero_adv_groups"] == 1.0 and metrics["optimizer_updates"] == 1.0
+    assert not _same_weights(before, _weights(model))  # the entropy gradient alone moved the policy
+    assert trainer.policy_version == 1
+
+
 def test_untrainable_rows_are_dropped_and_small_groups_with_them(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id

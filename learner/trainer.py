@@ -49,6 +49,7 @@ class TrainerConfig(Protocol):
     loss_agg: Aggregation
     estimator: Estimator
     entropy_coef: float
+    entropy_decay_steps: int
     gamma: float
     lam: float
 
@@ -260,6 +261,16 @@ class Trainer:
     def policy_version(self) -> int:
         return self._policy_version
 
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus weight of the next update: ``entropy_coef``, falling linearly to 0 over the
+        first ``entropy_decay_steps`` optimizer updates (constant when that is 0). It follows the restored
+        update counter, so a resumed run continues the same schedule."""
+        coef, decay = self.cfg.entropy_coef, self.cfg.entropy_decay_steps
+        if decay <= 0:
+            return coef
+        return coef * max(0.0, 1.0 - self.optimizer_updates / decay)
+
     def counters(self) -> dict[str, int]:
         """Everything besides tensors that a checkpoint must restore for an identical next step."""
         return {
@@ -281,7 +292,7 @@ class Trainer:
             estimator=self.cfg.estimator,
             gamma=self.cfg.gamma,
             lam=self.cfg.lam,
-            keep_zero_advantage=self.cfg.entropy_coef > 0.0,
+            keep_zero_advantage=self.entropy_coef > 0.0,
         )
         self.last_rejected = data.rejected
         stats = _UpdateStats()
@@ -366,7 +377,7 @@ class Trainer:
             num_global_tokens=max(num_tokens, 1),
         )
         entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
-        coef = self.cfg.entropy_coef
+        coef = self.entropy_coef
         if coef > 0.0:
             loss = loss - coef * generated_token_entropy(logits, batch.loss_mask, self.temperature)
         return loss, loss_stats, entropy
@@ -385,6 +396,7 @@ class Trainer:
             "mismatch_abs_mean": stats.first.get("mismatch_abs_mean", 0.0),
             "mismatch_k3": stats.first.get("mismatch_k3", 0.0),
             "entropy": _mean(stats.entropies),
+            "entropy_coef": self.entropy_coef,
             "grad_norm": _mean(stats.grad_norms),
             "lr": stats.lr if stats.applied else float(self.optimizer.param_groups[0]["lr"]),
             "tokens": float(stats.tokens),

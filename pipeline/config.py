@@ -128,6 +128,14 @@ class LearnerConfig(_Section):
         ge=0,
         description="Entropy bonus weight (0 = off): keeps exploring when the policy sharpens fast.",
     )
+    entropy_decay_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Optimizer updates over which entropy_coef falls linearly to 0 (0 = constant): explore while "
+            "learning, then let the policy settle on what it found."
+        ),
+    )
     estimator: Literal["turn", "outcome", "anchor"] = Field(
         "turn",
         description=(

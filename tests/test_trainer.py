@@ -512,3 +512,21 @@ def test_anchor_estimator_compares_second_turns_only_with_rows_of_the_same_histo
     assert second_turn[0] == pytest.approx(second_turn[2]) and second_turn[0] > 0
     assert second_turn[1] == pytest.approx(second_turn[3]) == pytest.approx(-second_turn[0])
     assert all(seq.advantages[3] == 0.0 for seq in data.sequences)  # first turns: nothing to tell apart
+
+
+def test_entropy_coef_falls_linearly_over_decay_steps_and_follows_restored_counters(
+    policy: tuple[Any, Any],
+) -> None:
+    model, _ = policy
+    trainer = Trainer(model, _cfg(entropy_coef=0.08, entropy_decay_steps=4), temperature=1.0)
+    coefs = []
+    for updates in range(6):
+        trainer.optimizer_updates = updates
+        coefs.append(trainer.entropy_coef)
+    assert coefs == pytest.approx([0.08, 0.06, 0.04, 0.02, 0.0, 0.0])
+    resumed = Trainer(model, _cfg(entropy_coef=0.08, entropy_decay_steps=4), temperature=1.0)
+    resumed.load_counters({"steps": 3, "optimizer_updates": 3, "policy_version": 3})
+    assert resumed.entropy_coef == pytest.approx(0.02)
+    constant = Trainer(model, _cfg(entropy_coef=0.08), temperature=1.0)
+    constant.optimizer_updates = 10_000
+    assert constant.entropy_coef == 0.08

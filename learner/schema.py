@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 
 import pyarrow as pa
 
@@ -115,6 +117,40 @@ def validate_episode(ep: Episode) -> str | None:
             return f"turn_rewards[{k}]={r} is not finite"
     if ep.outcome is not None and not math.isfinite(ep.outcome):
         return f"outcome={ep.outcome} is not finite"
+    if _tokens_valid(ep):
+        return None
+    return _first_token_violation(ep)
+
+
+def _tokens_valid(ep: Episode) -> bool:
+    """The per-token invariants of `_first_token_violation`, checked with C-level passes (list.count,
+    min/max, itertools.compress): rows are validated on every write and read, and a Python loop over
+    every token was a measurable share of the actors' per-turn cost. True means valid; False means
+    `_first_token_violation` finds the first broken position and says why."""
+    mask, turns, versions, logprobs = ep.loss_mask, ep.turn_index, ep.versions, ep.logprobs
+    n, prompt = len(mask), ep.prompt_len
+    generated = mask.count(1)
+    if generated + mask.count(0) != n:
+        return False
+    if any(mask[:prompt]) or turns[:prompt].count(-1) != prompt:
+        return False
+    if min(turns) < -1 or max(turns) >= max(ep.num_turns, 1):
+        return False
+    if generated:
+        if min(compress(turns, mask)) < 0 or min(compress(versions, mask)) < 0:
+            return False
+        gen_logprobs = list(compress(logprobs, mask))
+        if not all(map(math.isfinite, gen_logprobs)) or max(gen_logprobs) > 0.0:
+            return False
+    # Generated versions are >= 0 (above), so exactly n - generated entries of -1 means every
+    # non-generated token has version -1.
+    if versions.count(-1) != n - generated:
+        return False
+    return not any(compress(logprobs, map(not_, mask)))  # NaN is truthy: caught too
+
+
+def _first_token_violation(ep: Episode) -> str | None:
+    n = len(ep.token_ids)
     for t in range(n):
         m = ep.loss_mask[t]
         if m not in (0, 1):

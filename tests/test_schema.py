@@ -112,3 +112,31 @@ def test_foreign_schema_is_refused() -> None:
     old = old.replace_schema_metadata({SCHEMA_VERSION_KEY: b"0"})
     with pytest.raises(InvalidEpisodeError, match="schema version '0'"):
         batch_to_episodes(old)
+
+
+def test_fast_token_check_agrees_with_the_per_token_loop_on_random_corruptions() -> None:
+    import random
+
+    from learner.schema import _first_token_violation, _tokens_valid
+
+    rng = random.Random(0)
+    values = {
+        "loss_mask": [0, 1, 2, -1],
+        "turn_index": [-2, -1, 0, 1, 2],
+        "versions": [-2, -1, 0, 3],
+        "logprobs": [0.0, -0.5, 0.5, -math.inf, math.nan, math.inf],
+    }
+    seen_valid = seen_invalid = 0
+    for _ in range(3000):
+        ep = make_episode()
+        for _ in range(rng.randint(0, 2)):
+            name = rng.choice(list(values))
+            column = list(getattr(ep, name))
+            column[rng.randrange(len(column))] = rng.choice(values[name])
+            setattr(ep, name, column)
+        slow = _first_token_violation(ep)
+        assert _tokens_valid(ep) == (slow is None), (ep, slow)
+        assert validate_episode(ep) == slow
+        seen_valid += slow is None
+        seen_invalid += slow is not None
+    assert seen_valid > 100 and seen_invalid > 1000

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task
 
 INVALID_PENALTY = -0.1
-INFO_REWARD = 0.1  # per expected bit: a bisection episode on 1..16 earns about 0.35, below the outcome's 1.0
+INFO_REWARD = 0.1  # per expected bit: an episode that finds the secret in 1..16 earns 0.4 on average (4 bits)
 _INTEGER = re.compile(r"-?\d+")
 
 VOCAB_HINTS: list[str] = [

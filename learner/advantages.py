@@ -20,12 +20,16 @@ Default estimator ``"turn"``, two channels:
 Each channel is divided by its own batch-level population std (+1e-6) over every value it has in the call
 (one A^o per episode, one A^s per turn of the episodes that have shaping), so a dense shaping reward
 cannot swamp the outcome, and tiny groups do not blow up: A_{i,k} = A^o_i / sigma_o + lam * A^s_{i,k} /
-sigma_s.
+sigma_s. With ``norm="none"`` (Dr. GRPO, verl's ``norm_adv_by_std_in_grpo=False``) sigma_o = sigma_s = 1:
+the channels keep their reward units, so lam must bring them to one scale, and a batch whose groups have
+little left to learn yields small advantages instead of being rescaled to unit spread. Under Adam that
+rescaling is what lets a few remaining differences drive full-size steps while the entropy bonus stays
+fixed; without it the bonus gains weight as the signal thins out.
 
 Estimator ``"outcome"``: classic GRPO broadcast, per group (r_i - mean) / (std + 1e-6) with r_i the
 outcome (or the sum of turn rewards), the same value on every turn. std is the *population* std (so a
 one-episode group gives 0, not NaN); verl and TRL use the Bessel-corrected std, which differs by the
-constant factor sqrt((G - 1) / G).
+constant factor sqrt((G - 1) / G). ``norm="none"``: r_i - mean.
 
 Estimator ``"anchor"`` (GiGPO's anchor-state groups, arXiv 2505.10978, applied to both C.2 channels):
 every turn k of episode i gets its own outcome term A^o_{i,k} = o_i - mean of o_j and shaping term
@@ -45,7 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +57,8 @@ Episode = tuple[Sequence[float], float | None]
 Group = Sequence[Episode]
 Estimator = Literal["turn", "outcome", "anchor"]
 ESTIMATORS: tuple[str, ...] = ("turn", "outcome", "anchor")
+Norm = Literal["std", "none"]
+NORMS: tuple[str, ...] = ("std", "none")
 # anchors[g][i][k]: what episode i of group g had seen before its turn k (None: unknown).
 Anchors = Sequence[Sequence[Sequence[Hashable | None]]]
 STD_EPS = 1e-6
@@ -105,6 +111,16 @@ def _population_std(values: Sequence[float]) -> float:
 
 def _outcome_value(rewards: Sequence[float], outcome: float | None) -> float:
     return math.fsum(rewards) if outcome is None else outcome
+
+
+def _std_scale(values: Sequence[float]) -> float:
+    """Divisor of ``norm="std"``: the population std plus STD_EPS (never 0)."""
+    return _population_std(values) + STD_EPS
+
+
+def _unit_scale(values: Sequence[float]) -> float:
+    """Divisor of ``norm="none"``: advantages keep their reward units."""
+    return 1.0
 
 
 def _returns_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -165,6 +181,7 @@ def turn_advantages(
     lam: float = 1.0,
     estimator: Estimator = "turn",
     anchors: Anchors | None = None,
+    norm: Norm = "std",
 ) -> list[list[list[float]]]:
     """One advantage per turn, indexed [group][episode][turn], for every episode of every group.
 
@@ -176,21 +193,26 @@ def turn_advantages(
             "anchor" (C.2 with same-history baselines per turn; see the module docstring).
         anchors: for "anchor", ``anchors[g][i][k]`` identifies the history episode i of group g had
             seen before its turn k (any hashable; None = unknown). Missing anchors fall back as None.
+        norm: "std" divides each channel by its batch-level population std (GRPO-style); "none" keeps
+            reward units (Dr. GRPO).
 
     Raises:
-        ValueError: naming the group/episode/turn of a non-finite reward, or an unknown estimator.
+        ValueError: naming the group/episode/turn of a non-finite reward, or an unknown estimator or norm.
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    scale = _std_scale if norm == "std" else _unit_scale
     if not math.isfinite(lam):
         raise ValueError(f"lam must be finite, got {lam}")
     if estimator == "outcome":
-        return _grpo_broadcast(_validated(groups))
+        return _grpo_broadcast(_validated(groups), scale)
     if estimator == "anchor":
-        return _anchored(_validated(groups), anchors, gamma=gamma, lam=lam)
+        return _anchored(_validated(groups), anchors, gamma=gamma, lam=lam, scale=scale)
 
     raw = raw_channels(groups, gamma=gamma)
-    sigma_outcome = _population_std([a for group in raw.outcome for a in group]) + STD_EPS
+    sigma_outcome = scale([a for group in raw.outcome for a in group])
     shaping_values = [
         a
         for group, shaped in zip(raw.shaping, raw.has_shaping, strict=True)
@@ -198,7 +220,7 @@ def turn_advantages(
         if has
         for a in episode
     ]
-    sigma_shaping = _population_std(shaping_values) + STD_EPS
+    sigma_shaping = scale(shaping_values)
     return [
         [
             [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_s in episode_shaping]
@@ -221,6 +243,7 @@ def _anchored(
     *,
     gamma: float,
     lam: float,
+    scale: Callable[[Sequence[float]], float],
 ) -> list[list[list[float]]]:
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
@@ -251,8 +274,8 @@ def _anchored(
             group_shaping.append(episode_shaping)
         outcome.append(group_outcome)
         shaping.append(group_shaping)
-    sigma_outcome = _population_std([a for group in outcome for ep in group for a in ep]) + STD_EPS
-    sigma_shaping = _population_std(shaping_values) + STD_EPS
+    sigma_outcome = scale([a for group in outcome for ep in group for a in ep])
+    sigma_shaping = scale(shaping_values)
     return [
         [
             [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_o, a_s in zip(ep_o, ep_s, strict=True)]
@@ -280,19 +303,18 @@ def history_anchors(
     return anchors
 
 
-def _grpo_broadcast(groups: list[list[tuple[list[float], float | None]]]) -> list[list[list[float]]]:
+def _grpo_broadcast(
+    groups: list[list[tuple[list[float], float | None]]], scale: Callable[[Sequence[float]], float]
+) -> list[list[list[float]]]:
     result: list[list[list[float]]] = []
     for episodes in groups:
         returns = [_outcome_value(rewards, o) for rewards, o in episodes]
         if not returns:
             result.append([])
             continue
-        mean, std = _mean(returns), _population_std(returns)
+        mean, divisor = _mean(returns), scale(returns)
         result.append(
-            [
-                [(r - mean) / (std + STD_EPS)] * len(rewards)
-                for r, (rewards, _) in zip(returns, episodes, strict=True)
-            ]
+            [[(r - mean) / divisor] * len(rewards) for r, (rewards, _) in zip(returns, episodes, strict=True)]
         )
     return result
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 import torch
 
-from learner.advantages import Estimator, history_anchors, token_advantages, turn_advantages
+from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, pack_sequences
 from learner.gspo import Aggregation, Level, gspo_token_loss
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
@@ -48,6 +48,7 @@ class TrainerConfig(Protocol):
     loss_level: Level
     loss_agg: Aggregation
     estimator: Estimator
+    advantage_norm: Norm
     entropy_coef: float
     entropy_decay_steps: int
     gamma: float
@@ -100,6 +101,7 @@ def build_step_input(
     gamma: float,
     lam: float,
     keep_zero_advantage: bool = False,
+    norm: Norm = "std",
 ) -> StepInput:
     """Decode, filter and annotate rows with per-token advantages (pure; no model involved).
 
@@ -134,6 +136,7 @@ def build_step_input(
         lam=lam,
         estimator=estimator,
         anchors=[_episode_anchors(group) for group in groups] if estimator == "anchor" else None,
+        norm=norm,
     )
     for group, group_adv in zip(groups, advantages, strict=True):
         if all(abs(a) <= ZERO_ADVANTAGE for episode_adv in group_adv for a in episode_adv):
@@ -293,6 +296,7 @@ class Trainer:
             gamma=self.cfg.gamma,
             lam=self.cfg.lam,
             keep_zero_advantage=self.entropy_coef > 0.0,
+            norm=self.cfg.advantage_norm,
         )
         self.last_rejected = data.rejected
         stats = _UpdateStats()

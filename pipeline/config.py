@@ -143,6 +143,13 @@ class LearnerConfig(_Section):
             "are the group's episodes that saw the same history before the turn (anchor, GiGPO-style)."
         ),
     )
+    advantage_norm: Literal["std", "none"] = Field(
+        "std",
+        description=(
+            "Divide each advantage channel by its batch std (std, GRPO-style) or keep reward units (none, "
+            "Dr. GRPO; lam then balances the channels' units)."
+        ),
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the turn-reward return-to-go.")
     lam: float = Field(1.0, ge=0, description="Weight of the shaping (turn reward) channel.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Learner device.")

@@ -287,3 +287,45 @@ def test_history_anchors_digest_the_tokens_before_each_turn() -> None:
     diverged = history_anchors([11, 12, 9, 21, 22, 6], turns, mask)  # another turn-0 action
     assert diverged[0] == anchors[0] and diverged[1] != anchors[1]
     assert history_anchors([11, 12], [-1, -1], [0, 0]) == {}
+
+
+# --- norm="none" (Dr. GRPO: advantages keep reward units) -------------------------------------------
+
+
+def test_norm_none_turn_estimator_is_the_raw_channels_weighted_by_lam() -> None:
+    raw = raw_channels([K123])
+    (result,) = turn_advantages([K123], lam=2.0, norm="none")
+    pairs = zip(raw.outcome[0], raw.shaping[0], strict=True)
+    expected = [[a_o + 2.0 * a_s for a_s in shaping] for a_o, shaping in pairs]
+    assert result == expected  # no division at all: exactly the raw sums
+    assert result == [[0.5 - 2.0], [-1.0 + 1.0, -1.0 + 2.0], [0.5 + 1.0, 0.5 - 2.0, 0.5]]
+
+
+def test_norm_none_outcome_estimator_is_the_group_mean_difference() -> None:
+    (result,) = turn_advantages([K123], estimator="outcome", norm="none")
+    # Outcomes 1, 0, 1 (mean 2/3), broadcast over each episode's turns.
+    assert [len(ep) for ep in result] == [1, 2, 3]
+    flat = [a for ep in result for a in ep]
+    assert flat == pytest.approx([1 / 3, -2 / 3, -2 / 3, 1 / 3, 1 / 3, 1 / 3], abs=1e-15)
+
+
+def test_norm_none_anchor_estimator_keeps_the_hand_computed_terms() -> None:
+    (result,) = turn_advantages([ANCHORED_GROUP], estimator="anchor", anchors=ANCHORS, norm="none")
+    assert result == [[0.5, 1.0], [-1.0, -1.0], [0.5]]
+
+
+def test_norm_none_does_not_rescale_a_batch_with_little_signal() -> None:
+    # A group with a small spread next to groups with none: GRPO's std blows it up to unit spread, "none"
+    # leaves it small (the entropy bonus then outweighs it).
+    faint = [([0.0], 0.51), ([0.0], 0.49)]
+    flat = [([0.0], 1.0), ([0.0], 1.0)]
+    std = turn_advantages([faint, flat, flat], estimator="outcome")
+    none = turn_advantages([faint, flat, flat], estimator="outcome", norm="none")
+    assert [ep[0] for ep in std[0]] == pytest.approx([1.0, -1.0], rel=1e-3)
+    assert [ep[0] for ep in none[0]] == pytest.approx([0.01, -0.01], rel=1e-9)
+    assert none[1] == none[2] == [[0.0], [0.0]]
+
+
+def test_unknown_norm_is_rejected_by_name() -> None:
+    with pytest.raises(ValueError, match="norm must be one of"):
+        turn_advantages([K123], norm="batch")  # type: ignore[arg-type]

@@ -312,6 +312,20 @@ def test_entropy_bonus_still_reaches_a_group_whose_episodes_all_scored_the_same(
     assert trainer.policy_version == 1
 
 
+def test_advantage_norm_none_passes_reward_units_to_the_tokens(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    rows = [
+        _episode(model, prompt, [_ids(tokenizer, "12"), end], group="g", index=i, outcome=outcome)
+        for i, outcome in enumerate((1.0, 0.0, 0.0, 0.0))
+    ]
+    data = build_step_input([episodes_to_batch(rows)], estimator="outcome", gamma=1.0, lam=1.0, norm="none")
+    # Group mean 0.25: the winner gets 0.75, each loser -0.25, on every generated token, and 0 elsewhere.
+    for seq, want in zip(data.sequences, (0.75, -0.25, -0.25, -0.25), strict=True):
+        assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if m} == {want}
+        assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if not m} == {0.0}
+
+
 def test_untrainable_rows_are_dropped_and_small_groups_with_them(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id

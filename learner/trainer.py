@@ -39,6 +39,7 @@ class TrainerConfig(Protocol):
     mini_batches: int
     lr: float
     weight_decay: float
+    embedding_weight_decay: float | None
     betas: tuple[float, float]
     grad_clip: float
     grad_accum: int
@@ -208,6 +209,26 @@ def generated_token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperatur
     return -(logp.exp() * logp).sum(dim=-1).mean()
 
 
+def _param_groups(
+    model: Any, weight_decay: float, embedding_weight_decay: float | None
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups: one, or the token embeddings and output layer (tied or not) apart when
+    they decay differently. One group otherwise, so checkpoints of earlier runs keep loading."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if embedding_weight_decay is None or embedding_weight_decay == weight_decay:
+        return [{"params": params}]
+    embedding_ids = {
+        id(p)
+        for module in (model.get_input_embeddings(), model.get_output_embeddings())
+        if module is not None
+        for p in module.parameters()
+    }
+    return [
+        {"params": [p for p in params if id(p) in embedding_ids], "weight_decay": embedding_weight_decay},
+        {"params": [p for p in params if id(p) not in embedding_ids], "weight_decay": weight_decay},
+    ]
+
+
 def episode_return(ep: Episode) -> float:
     """Total reward of an episode: its turn rewards plus its outcome (0 when the env set none)."""
     return sum(ep.turn_rewards) + (ep.outcome if ep.outcome is not None else 0.0)
@@ -246,7 +267,7 @@ class Trainer:
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
+            _param_groups(model, cfg.weight_decay, cfg.embedding_weight_decay),
             lr=cfg.lr,
             betas=(float(cfg.betas[0]), float(cfg.betas[1])),
             weight_decay=cfg.weight_decay,

@@ -107,6 +107,15 @@ class LearnerConfig(_Section):
     mini_batches: int = Field(4, ge=1, description="Mini-batches per rollout batch (paper: 4).")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    embedding_weight_decay: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "AdamW weight decay of the token embeddings and the output layer (None = weight_decay). Decay "
+            "there keeps tokens the policy stopped sampling within reach instead of letting their logits "
+            "sink without bound."
+        ),
+    )
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     grad_accum: int = Field(1, ge=1, description="Mini-batches accumulated per optimizer update.")

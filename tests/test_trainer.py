@@ -544,3 +544,34 @@ def test_entropy_coef_falls_linearly_over_decay_steps_and_follows_restored_count
     constant = Trainer(model, _cfg(entropy_coef=0.08), temperature=1.0)
     constant.optimizer_updates = 10_000
     assert constant.entropy_coef == 0.08
+
+
+def test_embedding_weight_decay_gets_its_own_group_and_only_then(policy: tuple[Any, Any]) -> None:
+    model, _ = policy
+    embedding = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embedding  # the tiny preset ties them
+    trainer = Trainer(model, _cfg(weight_decay=0.01, embedding_weight_decay=1.0), temperature=1.0)
+    first, rest = trainer.optimizer.param_groups
+    assert [p is embedding for p in first["params"]] == [True] and first["weight_decay"] == 1.0
+    assert rest["weight_decay"] == 0.01 and all(p is not embedding for p in rest["params"])
+    assert len(first["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    # Unset or equal: one group, the layout of checkpoints written before the option existed.
+    for value in (None, 0.01):
+        (group,) = Trainer(
+            model, _cfg(weight_decay=0.01, embedding_weight_decay=value), temperature=1.0
+        ).optimizer.param_groups
+        assert group["weight_decay"] == 0.01
+
+
+def test_embedding_weight_decay_shrinks_only_the_embeddings(policy: tuple[Any, Any]) -> None:
+    model, _ = policy
+    trainer = Trainer(model, _cfg(lr=0.1, embedding_weight_decay=0.5), temperature=1.0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # no gradient: whatever moves is the decay
+    trainer.optimizer.step()
+    for name, p in model.named_parameters():
+        if p is model.get_input_embeddings().weight:
+            torch.testing.assert_close(p.detach(), before[name] * (1 - 0.1 * 0.5))
+        else:
+            assert torch.equal(p.detach(), before[name]), name

@@ -189,6 +189,21 @@ def load_latest_checkpoint(checkpoints_dir: str | Path) -> Checkpoint | None:
     return _read(dirs[-1][1]) if dirs else None
 
 
+def _check_optimizer_layout(
+    ckpt: Checkpoint, saved: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    """Raise naming the config key when the saved parameter groups differ from the trainer's (torch's own
+    error names neither the key nor the checkpoint)."""
+    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise ValueError(
+            f"checkpoint {ckpt.path} holds optimizer parameter groups of sizes {saved_sizes}, this learner "
+            f"has {sizes}: learner.embedding_weight_decay gives the embeddings their own group when it "
+            f"differs from learner.weight_decay; resume with the values the run was started with"
+        )
+
+
 def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
     """Load weights, optimizer, scheduler, RNG states and counters of `ckpt` into `trainer` in place."""
     weights = ckpt.model_dir / "model.safetensors"
@@ -197,6 +212,7 @@ def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
     # strict: a key mismatch raises naming the keys; tied embeddings are saved once and matched by storage.
     load_model(trainer.model, weights, strict=True, device=str(trainer.device))
     tensors = torch.load(ckpt.path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    _check_optimizer_layout(ckpt, tensors["optimizer"], trainer.optimizer)
     trainer.optimizer.load_state_dict(tensors["optimizer"])
     trainer.scheduler.load_state_dict(tensors["scheduler"])
     trainer.generator.set_state(tensors["generator"])

@@ -155,6 +155,17 @@ def test_restore_rejects_a_checkpoint_of_another_shape(model_dir: Path, tmp_path
         restore(Trainer(other, _cfg(), temperature=1.0), ckpt)
 
 
+def test_restore_names_the_key_when_the_embedding_decay_changed(model_dir: Path, tmp_path: Path) -> None:
+    trainer, _ = _fresh_trainer(model_dir)  # one optimizer group: embedding_weight_decay unset
+    save_checkpoint(tmp_path / "c", trainer, consumed=ConsumedState())
+    ckpt = load_latest_checkpoint(tmp_path / "c")
+    assert ckpt is not None
+    model, _ = load_policy(model_dir)
+    split = LearnerConfig(lr=1e-3, mini_batches=3, warmup_steps=2, device="cpu", embedding_weight_decay=1.0)
+    with pytest.raises(ValueError, match=r"sizes \[\d+\].*learner.embedding_weight_decay"):
+        restore(Trainer(model, split, temperature=1.0), ckpt)
+
+
 def test_export_weights_writes_a_loadable_versioned_hf_dir(model_dir: Path, tmp_path: Path) -> None:
     trainer, tokenizer = _fresh_trainer(model_dir)
     with torch.no_grad():

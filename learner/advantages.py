@@ -203,9 +203,9 @@ def turn_advantages(
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
-    scale = _std_scale if norm == "std" else _unit_scale
     if not math.isfinite(lam):
         raise ValueError(f"lam must be finite, got {lam}")
+    scale = _std_scale if norm == "std" else _unit_scale
     if estimator == "outcome":
         return _grpo_broadcast(_validated(groups), scale)
     if estimator == "anchor":
@@ -220,13 +220,31 @@ def turn_advantages(
         if has
         for a in episode
     ]
-    sigma_shaping = scale(shaping_values)
-    return [
+    # One outcome term per episode: every turn of the episode gets it.
+    per_turn_outcome = [
         [
-            [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_s in episode_shaping]
+            [a_o] * len(episode_shaping)
             for a_o, episode_shaping in zip(group_outcome, group_shaping, strict=True)
         ]
         for group_outcome, group_shaping in zip(raw.outcome, raw.shaping, strict=True)
+    ]
+    return _combine(per_turn_outcome, raw.shaping, sigma_outcome, scale(shaping_values), lam)
+
+
+def _combine(
+    outcome: list[list[list[float]]],
+    shaping: list[list[list[float]]],
+    sigma_outcome: float,
+    sigma_shaping: float,
+    lam: float,
+) -> list[list[list[float]]]:
+    """A_{i,k} = A^o_{i,k} / sigma_o + lam * A^s_{i,k} / sigma_s, both indexed [group][episode][turn]."""
+    return [
+        [
+            [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_o, a_s in zip(ep_o, ep_s, strict=True)]
+            for ep_o, ep_s in zip(group_outcome, group_shaping, strict=True)
+        ]
+        for group_outcome, group_shaping in zip(outcome, shaping, strict=True)
     ]
 
 
@@ -275,14 +293,7 @@ def _anchored(
         outcome.append(group_outcome)
         shaping.append(group_shaping)
     sigma_outcome = scale([a for group in outcome for ep in group for a in ep])
-    sigma_shaping = scale(shaping_values)
-    return [
-        [
-            [a_o / sigma_outcome + lam * a_s / sigma_shaping for a_o, a_s in zip(ep_o, ep_s, strict=True)]
-            for ep_o, ep_s in zip(group_outcome, group_shaping, strict=True)
-        ]
-        for group_outcome, group_shaping in zip(outcome, shaping, strict=True)
-    ]
+    return _combine(outcome, shaping, sigma_outcome, scale(shaping_values), lam)
 
 
 def history_anchors(

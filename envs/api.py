@@ -90,6 +90,9 @@ class EnvSpec:
     ``max_turns``: the environment ends every episode (done or truncated) within this many steps.
     ``step_timeout_s`` / ``episode_timeout_s``: wall-clock limits the runner enforces (seconds).
     ``tools``: OpenAI function schemas, ``{"type": "function", "function": {"name", "parameters"}}``.
+    ``action_hints``: the complete answers the environment accepts, when they are few enough to list
+    (guess-number: the numbers low..high). Optional; the learner's action prior
+    (``learner.action_prior_coef``) keeps a floor of probability on their first tokens.
 
     Construction raises ``ValueError`` naming the field for values that can never work;
     ``validate()`` additionally reports softer problems (tool schema shape, name characters).
@@ -101,6 +104,7 @@ class EnvSpec:
     step_timeout_s: float = 10.0
     episode_timeout_s: float = 120.0
     tools: tuple[dict[str, Any], ...] = ()
+    action_hints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = self._field_problems()
@@ -124,6 +128,13 @@ class EnvSpec:
         tools: Any = self.tools  # typed as a tuple, but plugins may pass anything at runtime
         if not isinstance(tools, tuple):
             problems.append(f"tools must be a tuple of dicts, got {type(tools).__name__}")
+        hints: Any = self.action_hints
+        if not isinstance(hints, tuple):
+            problems.append(f"action_hints must be a tuple of strings, got {type(hints).__name__}")
+        else:
+            bad = [h for h in hints if not isinstance(h, str) or not h.strip()]
+            if bad:
+                problems.append(f"action_hints must be non-empty strings, got {bad[:3]!r}")
         return problems
 
     def validate(self) -> list[str]:

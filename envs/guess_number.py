@@ -78,7 +78,9 @@ class GuessNumberEnv(Environment):
         self.low = low
         self.high = high
         self.info_reward = info_reward
-        self.spec = EnvSpec(name="guess-number", version="1", max_turns=max_turns)
+        # Every valid answer is a number in range: few enough for the learner's action prior to cover.
+        hints = tuple(str(n) for n in range(low, high + 1)) if high - low < 1024 else ()
+        self.spec = EnvSpec(name="guess-number", version="1", max_turns=max_turns, action_hints=hints)
         self._secret: int | None = None
         self._bounds = (low, high)  # what the feedback so far says the secret can be
         self._turns = 0

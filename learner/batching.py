@@ -12,7 +12,7 @@ position can attend to a later pad, so padded columns only need to be masked out
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -69,10 +69,7 @@ class PackedBatch:
         return int(self.loss_mask.sum().item())
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(
-            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets)),
-            *(t.to(device) for t in (self.loss_mask, self.old_logprobs, self.advantages)),
-        )
+        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def pack_sequences(sequences: Sequence[TrainSequence], *, pad_id: int) -> PackedBatch:

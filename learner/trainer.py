@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 import torch
 
+from learner.action_prior import action_prior_loss
 from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, pack_sequences
 from learner.gspo import Aggregation, Level, gspo_token_loss
@@ -52,6 +53,8 @@ class TrainerConfig(Protocol):
     advantage_norm: Norm
     entropy_coef: float
     entropy_decay_steps: int
+    action_prior_coef: float
+    action_prior_decay_steps: int
     gamma: float
     lam: float
 
@@ -112,8 +115,8 @@ def build_step_input(
 
     Groups whose advantages are all zero carry no policy-gradient signal and are counted in
     ``skipped_zero_adv_groups``; they are left out unless ``keep_zero_advantage`` (the trainer sets it
-    when an entropy bonus is on: a policy whose groups all play alike is exactly the one the bonus must
-    reach, and their tokens also dilute the remaining signal under token-mean aggregation).
+    when an entropy bonus or the action prior is on: a policy whose groups all play alike is exactly the
+    one they must reach, and their tokens also dilute the remaining signal under token-mean aggregation).
     """
     result = StepInput()
     rows: list[Episode] = []
@@ -244,6 +247,8 @@ class Trainer:
     `model` is a causal LM (HF PreTrainedModel) already in its training dtype; `temperature` must equal
     the sampling temperature of the rollouts (the engine's log-probs are of softmax(logits / T)). `device`
     defaults to where the model's parameters are; `pad_token_id` to the model config's.
+    `action_token_ids` are the environment's answer tokens (learner.action_prior.action_token_ids); the
+    action prior needs them when ``cfg.action_prior_coef > 0``.
     """
 
     def __init__(
@@ -255,11 +260,17 @@ class Trainer:
         seed: int | None = None,
         device: torch.device | str | None = None,
         pad_token_id: int | None = None,
+        action_token_ids: Sequence[int] = (),
     ) -> None:
         if not (math.isfinite(temperature) and temperature > 0.0):
             raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
+        if cfg.action_prior_coef > 0.0 and not action_token_ids:
+            raise ValueError(
+                "action_prior_coef > 0 needs the environment's action tokens (action_token_ids), got none"
+            )
         self.model = model
         self.cfg = cfg
+        self.action_ids = torch.tensor(sorted(set(action_token_ids)), dtype=torch.long)
         self.temperature = float(temperature)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model.to(self.device)
@@ -295,6 +306,15 @@ class Trainer:
             return coef
         return coef * max(0.0, 1.0 - self.optimizer_updates / decay)
 
+    @property
+    def action_prior_coef(self) -> float:
+        """The action prior's weight for the next update, on the same linear schedule as the entropy
+        bonus (``action_prior_decay_steps``; 0 = constant)."""
+        coef, decay = self.cfg.action_prior_coef, self.cfg.action_prior_decay_steps
+        if decay <= 0:
+            return coef
+        return coef * max(0.0, 1.0 - self.optimizer_updates / decay)
+
     def counters(self) -> dict[str, int]:
         """Everything besides tensors that a checkpoint must restore for an identical next step."""
         return {
@@ -316,7 +336,9 @@ class Trainer:
             estimator=self.cfg.estimator,
             gamma=self.cfg.gamma,
             lam=self.cfg.lam,
-            keep_zero_advantage=self.entropy_coef > 0.0,
+            # A group without signal still trains the entropy bonus and the action prior: its failed
+            # states are exactly where a rarely sampled answer has to be kept alive.
+            keep_zero_advantage=self.entropy_coef > 0.0 or self.action_prior_coef > 0.0,
             norm=self.cfg.advantage_norm,
         )
         self.last_rejected = data.rejected
@@ -405,6 +427,10 @@ class Trainer:
         coef = self.entropy_coef
         if coef > 0.0:
             loss = loss - coef * generated_token_entropy(logits, batch.loss_mask, self.temperature)
+        prior = self.action_prior_coef
+        if prior > 0.0:
+            floor = action_prior_loss(logits, batch.loss_mask, self.action_ids, self.temperature)
+            loss = loss + prior * floor
         return loss, loss_stats, entropy
 
     def _metrics(self, data: StepInput, stats: _UpdateStats, elapsed: float) -> dict[str, float]:
@@ -422,6 +448,7 @@ class Trainer:
             "mismatch_k3": stats.first.get("mismatch_k3", 0.0),
             "entropy": _mean(stats.entropies),
             "entropy_coef": self.entropy_coef,
+            "action_prior_coef": self.action_prior_coef,
             "grad_norm": _mean(stats.grad_norms),
             "lr": stats.lr if stats.applied else float(self.optimizer.param_groups[0]["lr"]),
             "tokens": float(stats.tokens),

@@ -145,6 +145,20 @@ class LearnerConfig(_Section):
             "learning, then let the policy settle on what it found."
         ),
     )
+    action_prior_coef: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the action prior (0 = off): cross-entropy of a uniform distribution over the env's "
+            "action_hints against the policy's first token of each turn, so no valid answer is lost "
+            "before it is tried where it is right. Needs an env that declares action_hints."
+        ),
+    )
+    action_prior_decay_steps: int = Field(
+        0,
+        ge=0,
+        description="Optimizer updates over which action_prior_coef falls linearly to 0 (0 = constant).",
+    )
     estimator: Literal["turn", "outcome", "anchor"] = Field(
         "turn",
         description=(

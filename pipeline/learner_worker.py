@@ -124,6 +124,23 @@ def watch_stdin(stream: TextIO, stop: StopFlag, events: Events) -> None:
     stop.set("stdin closed (parent exited)")
 
 
+def env_action_token_ids(cfg: Config, tokenizer: Any) -> list[int]:
+    """The env's answer tokens for the action prior (learner.action_prior); [] when the prior is off.
+
+    resolve_config already refused a prior for an env without action_hints; an env that lost them since
+    (a changed plugin on resume) raises ValueError naming the key rather than training without the prior.
+    """
+    if cfg.learner.action_prior_coef <= 0.0:
+        return []
+    from envs.discovery import resolve_env
+    from learner.action_prior import action_token_ids
+
+    hints = resolve_env(cfg.env.name)(**cfg.env.options).spec.action_hints
+    if not hints:
+        raise ValueError(f"learner.action_prior_coef > 0 but env {cfg.env.name!r} declares no action_hints")
+    return action_token_ids(tokenizer, hints)
+
+
 def group_drop_reason(
     episodes: Sequence[Episode], learner_version: int, max_staleness: int, vocab_size: int | None = None
 ) -> str | None:
@@ -212,7 +229,13 @@ class LearnerWorker:
         model, self.tokenizer = load_policy(model_dir, device=device, dtype=self.cfg.learner.dtype)
         seed = getattr(self.cfg.learner, "seed", self.cfg.run.seed)
         settings: Any = SimpleNamespace(**self.cfg.learner.model_dump(), seed=seed)
-        self.trainer = Trainer(model, settings, temperature=self.cfg.sampling.temperature, device=device)
+        self.trainer = Trainer(
+            model,
+            settings,
+            temperature=self.cfg.sampling.temperature,
+            device=device,
+            action_token_ids=env_action_token_ids(self.cfg, self.tokenizer),
+        )
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
         self.initial_model_dir = model_dir

@@ -714,9 +714,14 @@ def resolve_config(ns: argparse.Namespace) -> Config:
     except EnvDiscoveryError as exc:
         raise ConfigError(f"env.name: {exc}") from None
     try:
-        factory(**cfg.env.options)
+        env = factory(**cfg.env.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
+    if cfg.learner.action_prior_coef > 0.0 and not getattr(env.spec, "action_hints", ()):
+        raise ConfigError(
+            f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
+            f"action_hints, and {cfg.env.name} declares none (set it to 0)"
+        )
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
     return cfg

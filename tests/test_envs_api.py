@@ -28,6 +28,7 @@ def test_env_spec_defaults_are_valid() -> None:
     assert spec.step_timeout_s == 10.0
     assert spec.episode_timeout_s == 120.0
     assert spec.tools == ()
+    assert spec.action_hints == ()
     assert spec.validate() == []
 
 
@@ -44,6 +45,8 @@ def test_env_spec_defaults_are_valid() -> None:
         ({"name": ""}, "name"),
         ({"version": "  "}, "version"),
         ({"tools": [CALC_TOOL]}, "tools"),
+        ({"action_hints": ["1", "2"]}, "action_hints"),
+        ({"action_hints": ("1", " ")}, "action_hints"),
     ],
 )
 def test_env_spec_rejects_nonsense_naming_the_field(overrides: dict[str, object], field_name: str) -> None:

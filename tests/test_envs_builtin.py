@@ -31,6 +31,11 @@ def _texts(messages: list[dict[str, object]]) -> list[object]:
 # --- guess-number ---------------------------------------------------------------------------------
 
 
+def test_guess_number_declares_every_number_in_range_as_an_action_hint() -> None:
+    assert GuessNumberEnv(low=3, high=6).spec.action_hints == ("3", "4", "5", "6")
+    assert len(GuessNumberEnv().spec.action_hints) == 16
+
+
 async def test_guess_number_feedback_sequence() -> None:
     env = GuessNumberEnv()
     assert await env.reset(Task("t", 0, {"secret": 11, "low": 1, "high": 16})) == [

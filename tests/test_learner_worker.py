@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 
 from learner.schema import Episode, episodes_to_batch
-from pipeline.learner_worker import acquire_lock, group_drop_reason, prune_weights, token_staleness
+from pipeline.config import load_config
+from pipeline.learner_worker import (
+    acquire_lock,
+    env_action_token_ids,
+    group_drop_reason,
+    prune_weights,
+    token_staleness,
+)
 from pipeline.spool import SpoolWriter, spool_name
 
 B = 2
@@ -72,6 +79,20 @@ def test_drop_reason_rules() -> None:
     # an untrainable old episode does not make the group stale
     mixed = [*ok, episode("g", 2, 0, finish="timeout")]
     assert group_drop_reason(mixed, learner_version=3, max_staleness=0) is None
+
+
+def test_env_action_token_ids_come_from_the_env_spec_only_when_the_prior_is_on(tiny_model_dir: Path) -> None:
+    from learner.model import load_policy
+
+    _, tokenizer = load_policy(tiny_model_dir)
+    off = load_config(None, [])
+    assert env_action_token_ids(off, tokenizer) == []
+    narrow = load_config(None, ["learner.action_prior_coef=0.2", "env.options={low = 1, high = 4}"])
+    ids = env_action_token_ids(narrow, tokenizer)
+    assert sorted(str(tokenizer.decode([t])).strip() for t in ids) == ["1", "1", "2", "2", "3", "3", "4", "4"]
+    no_hints = load_config(None, ["learner.action_prior_coef=0.2", "env.name='word-guess'"])
+    with pytest.raises(ValueError, match="declares no action_hints"):
+        env_action_token_ids(no_hints, tokenizer)
 
 
 def test_token_staleness_counts_generated_tokens_of_trainable_rows() -> None:

@@ -156,6 +156,8 @@ def test_run_flags_override_the_config(tmp_path: Path) -> None:
         (["env.name=no-such-env"], "env.name"),
         (["env.options={low = 9, high = 3}"], "env.options"),
         (["model.path='/nonexistent/model'"], "model.path"),
+        (["learner.action_prior_coef=-0.1"], "learner.action_prior_coef"),
+        (["env.name='word-guess'", "learner.action_prior_coef=0.1"], "learner.action_prior_coef"),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:

@@ -546,6 +546,49 @@ def test_entropy_coef_falls_linearly_over_decay_steps_and_follows_restored_count
     assert constant.entropy_coef == 0.08
 
 
+def test_action_prior_needs_action_tokens_and_decays_like_the_entropy_bonus(policy: tuple[Any, Any]) -> None:
+    model, _ = policy
+    with pytest.raises(ValueError, match="action_prior_coef"):
+        Trainer(model, _cfg(action_prior_coef=0.2), temperature=1.0)
+    trainer = Trainer(
+        model, _cfg(action_prior_coef=0.2, action_prior_decay_steps=4), temperature=1.0, action_token_ids=[5]
+    )
+    coefs = []
+    for updates in range(6):
+        trainer.optimizer_updates = updates
+        coefs.append(trainer.action_prior_coef)
+    assert coefs == pytest.approx([0.2, 0.15, 0.1, 0.05, 0.0, 0.0])
+    off = Trainer(model, _cfg(), temperature=1.0)
+    assert off.action_prior_coef == 0.0 and off.step([])["action_prior_coef"] == 0.0
+
+
+def test_action_prior_raises_every_answer_in_a_group_without_signal(policy: tuple[Any, Any]) -> None:
+    from learner.action_prior import action_token_ids
+
+    model, tokenizer = policy
+    prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
+    answers = action_token_ids(tokenizer, [str(n) for n in range(1, 17)])
+    failed = [
+        _episode(model, prompt, [_ids(tokenizer, "12"), end], group="same", index=i, outcome=0.0)
+        for i in range(4)
+    ]
+
+    @torch.no_grad()
+    def answer_logprobs() -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        return torch.log_softmax(logits, dim=-1)[answers]
+
+    before = answer_logprobs()
+    cfg = _cfg(action_prior_coef=1.0, mini_batches=1, lr=1e-3)
+    trainer = Trainer(model, cfg, temperature=1.0, action_token_ids=answers)
+    metrics = trainer.step([episodes_to_batch(failed)])
+    # All four failed alike: no policy-gradient signal, yet the group stays for the prior and moves it.
+    assert metrics["skipped_zero_adv_groups"] == 1.0 and metrics["optimizer_updates"] == 1.0
+    after = answer_logprobs()
+    assert float(after.mean()) > float(before.mean())
+    assert float(after.exp().sum()) > float(before.exp().sum())  # mass moved onto the answers
+
+
 def test_embedding_weight_decay_gets_its_own_group_and_only_then(policy: tuple[Any, Any]) -> None:
     model, _ = policy
     embedding = model.get_input_embeddings().weight

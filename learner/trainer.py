@@ -199,6 +199,13 @@ class _UpdateStats:
         self.ratio_max = max(self.ratio_max, values["ratio_max"])
 
 
+def _linear_decay(coef: float, decay_steps: int, updates: int) -> float:
+    """``coef`` falling linearly to 0 over ``decay_steps`` updates; constant when decay_steps is 0."""
+    if decay_steps <= 0:
+        return coef
+    return coef * max(0.0, 1.0 - updates / decay_steps)
+
+
 def generated_token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
     """Differentiable mean entropy of softmax(logits / T) over the generated positions (mask > 0).
 
@@ -301,19 +308,14 @@ class Trainer:
         """The entropy bonus weight of the next update: ``entropy_coef``, falling linearly to 0 over the
         first ``entropy_decay_steps`` optimizer updates (constant when that is 0). It follows the restored
         update counter, so a resumed run continues the same schedule."""
-        coef, decay = self.cfg.entropy_coef, self.cfg.entropy_decay_steps
-        if decay <= 0:
-            return coef
-        return coef * max(0.0, 1.0 - self.optimizer_updates / decay)
+        return _linear_decay(self.cfg.entropy_coef, self.cfg.entropy_decay_steps, self.optimizer_updates)
 
     @property
     def action_prior_coef(self) -> float:
         """The action prior's weight for the next update, on the same linear schedule as the entropy
         bonus (``action_prior_decay_steps``; 0 = constant)."""
-        coef, decay = self.cfg.action_prior_coef, self.cfg.action_prior_decay_steps
-        if decay <= 0:
-            return coef
-        return coef * max(0.0, 1.0 - self.optimizer_updates / decay)
+        cfg = self.cfg
+        return _linear_decay(cfg.action_prior_coef, cfg.action_prior_decay_steps, self.optimizer_updates)
 
     def counters(self) -> dict[str, int]:
         """Everything besides tensors that a checkpoint must restore for an identical next step."""

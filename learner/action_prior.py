@@ -72,4 +72,4 @@ def action_prior_loss(logits: Tensor, loss_mask: Tensor, action_ids: Tensor, tem
     if not bool(starts.any()):
         return logits.sum() * 0.0
     logp = torch.log_softmax(logits[starts].float() / temperature, dim=-1)
-    return -logp.index_select(-1, action_ids.to(logp.device)).mean()
+    return -logp.index_select(-1, action_ids.to(logp.device)).mean()  # no copy when already there

@@ -277,9 +277,10 @@ class Trainer:
             )
         self.model = model
         self.cfg = cfg
-        self.action_ids = torch.tensor(sorted(set(action_token_ids)), dtype=torch.long)
         self.temperature = float(temperature)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        # On the device once: the prior indexes the logits with them in every forward.
+        self.action_ids = torch.tensor(sorted(set(action_token_ids)), dtype=torch.long, device=self.device)
         self.model.to(self.device)
         self.model.train()
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)

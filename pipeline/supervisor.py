@@ -717,7 +717,7 @@ def resolve_config(ns: argparse.Namespace) -> Config:
         env = factory(**cfg.env.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
-    if cfg.learner.action_prior_coef > 0.0 and not getattr(env.spec, "action_hints", ()):
+    if cfg.learner.action_prior_coef > 0.0 and not env.spec.action_hints:
         raise ConfigError(
             f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
             f"action_hints, and {cfg.env.name} declares none (set it to 0)"

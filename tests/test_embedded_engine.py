@@ -404,6 +404,44 @@ async def test_scheduler_stops_on_eos_unless_ignore_eos(model_dirs: tuple[Path, 
         eos.stop()
 
 
+async def test_a_request_is_announced_finished_only_after_the_gauges_drop_it(
+    model_dirs: tuple[Path, Path],
+) -> None:
+    # A client that reads /metrics right after its response must not see its request still running
+    # (CI once read num_running_reqs == 3 after all three responses had arrived).
+    model = load_model(str(model_dirs[0]), "cpu", "float32")
+    metrics = EngineMetrics("t")
+    scheduler = Scheduler(
+        model, weight_version="0", eos_token_ids=frozenset(), context_length=512, metrics=metrics
+    )
+    seen: list[tuple[float, float]] = []
+    done = threading.Event()
+
+    def notify(request: EngineRequest, is_finished: bool) -> None:
+        if is_finished:
+            seen.append((metrics.num_running_reqs._value.get(), metrics.num_queue_reqs._value.get()))
+            if len(seen) == 3:
+                done.set()
+
+    # Three requests of different lengths: the first two finish while others still run.
+    requests = [
+        EngineRequest(
+            rid=f"r{n}",
+            prompt_ids=[5, 6],
+            sampling=RequestSampling(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+            notify=notify,
+        )
+        for n in (2, 4, 6)
+    ]
+    scheduler.start()
+    try:
+        scheduler.submit(requests)
+        assert done.wait(30)
+    finally:
+        scheduler.stop()
+    assert seen == [(2.0, 0.0), (1.0, 0.0), (0.0, 0.0)]
+
+
 # ---- bad requests ------------------------------------------------------------------------------------
 
 

@@ -261,6 +261,9 @@ class Scheduler:
         self._batch: RunningBatch | None = None
         self._paused = False
         self._stopping = False
+        # Finished requests are announced only after the gauges stop counting them, so a client that
+        # reads /metrics right after its response never sees its own request as still running.
+        self._finished: list[EngineRequest] = []
         self.peak_batch = 0  # most rows ever decoded in one step (diagnostics, tests)
         self._thread = threading.Thread(target=self._run, name="rollwise-engine-worker", daemon=True)
         metrics.weight_version.set(version_value(weight_version))
@@ -366,7 +369,7 @@ class Scheduler:
                 idle = self._paused or (self._batch is None and not self._waiting)
                 self._drain_commands(block=idle)
                 if self._stopping or self._paused:
-                    self._publish_gauges()
+                    self._publish()
                     continue
                 if idle and self._waiting:
                     self._collect_arrivals()
@@ -377,7 +380,7 @@ class Scheduler:
                 except Exception as exc:  # a failing step must not kill the engine: fail its requests
                     log.exception("engine step failed")
                     self._abort_matching(None, f"engine step failed: {type(exc).__name__}: {exc}")
-                self._publish_gauges()
+                self._publish()
 
     def _drain_commands(self, *, block: bool) -> None:
         if block:
@@ -410,9 +413,13 @@ class Scheduler:
                 return
             self._execute(command)
 
-    def _publish_gauges(self) -> None:
+    def _publish(self) -> None:
+        """Update the gauges, then notify the requests finished since the last call."""
         self._metrics.num_running_reqs.set(self.num_running())
         self._metrics.num_queue_reqs.set(self.num_waiting())
+        finished, self._finished = self._finished, []
+        for request in finished:
+            request.notify(request, True)
 
     def _finish(self, request: EngineRequest, reason: dict[str, Any]) -> None:
         if request.finished:
@@ -424,7 +431,7 @@ class Scheduler:
         if reason["type"] == "abort":
             self._metrics.num_aborted_requests.inc()
         self._metrics.e2e_latency.observe(request.finish_time - request.arrival)
-        request.notify(request, True)
+        self._finished.append(request)
 
     def _abort_matching(self, rid: str | None, message: str) -> None:
         for request in [r for r in self._waiting if rid is None or r.rid == rid]:

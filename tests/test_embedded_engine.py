@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -38,6 +39,7 @@ from pipeline.engine.embedded.batcher import (
     Scheduler,
     architecture_mismatch,
     growable_cache,
+    prefill_buckets,
 )
 from pipeline.engine.embedded.metrics import EngineMetrics
 from pipeline.engine.embedded.sampling import RequestSampling
@@ -302,6 +304,73 @@ async def test_logprob_parity_in_a_batch_of_different_lengths_joining_mid_decode
     for prompt, obj, temperature in cases:
         reference = recompute_logprobs(learner_models["0"], prompt, obj["output_ids"], temperature)
         assert_parity(logprobs_of(obj), reference)
+
+
+async def test_far_apart_prompt_lengths_are_prefilled_in_separate_forwards_with_unchanged_numbers(
+    server: RunningServer, http: aiohttp.ClientSession, learner_models: dict[str, Any]
+) -> None:
+    scheduler = server.state.require_scheduler()
+    real_model = scheduler.model
+    widths: list[tuple[int, int]] = []
+
+    class RecordingModel:
+        config = real_model.config
+
+        def __call__(self, **kwargs: Any) -> Any:
+            widths.append(tuple(kwargs["input_ids"].shape))
+            return real_model(**kwargs)
+
+    scheduler.model = RecordingModel()
+    prompts = [[3, 4], list(range(10, 190)), [5, 6, 7], list(range(20, 200))]
+    body = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.9, "ignore_eos": True},
+        "return_logprob": True,
+    }
+    try:
+        status, objs = await post(http, server.url + "/generate", body)
+    finally:
+        scheduler.model = real_model
+    assert status == 200
+    # 4 rows x 180 in one forward would cost 720 token slots; 2 x 3 + 2 x 180 + one more call is less.
+    assert sorted(w for w in widths if w[1] > 1) == [(2, 3), (2, 180)]
+    for prompt, obj in zip(prompts, objs, strict=True):
+        reference = recompute_logprobs(learner_models["0"], prompt, obj["output_ids"], 0.9)
+        assert_parity(logprobs_of(obj), reference)
+
+
+def _brute_force_cost(lengths: list[int], cost: int) -> int:
+    distinct = sorted(set(lengths))
+    rows = {n: lengths.count(n) for n in distinct}
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(distinct) - 1):
+        total, group = 0, [distinct[0]]
+        for n, cut in zip(distinct[1:], cuts, strict=True):
+            if cut:
+                total += sum(rows[m] for m in group) * group[-1] + cost
+                group = []
+            group.append(n)
+        total += sum(rows[m] for m in group) * group[-1] + cost
+        best = total if best is None else min(best, total)
+    assert best is not None
+    return best
+
+
+def test_prefill_buckets_split_multi_turn_lengths_and_are_optimal() -> None:
+    turns = [19, 31, 43, 55, 67] * 12 + [19, 31, 43, 55]
+    groups = prefill_buckets(turns, 128)
+    assert [sorted({turns[i] for i in g}) for g in groups] == [[19], [31], [43], [55], [67]]
+    assert sorted(i for g in groups for i in g) == list(range(len(turns)))
+    assert prefill_buckets([19, 20, 21, 22], 128) == [[0, 1, 2, 3]], "a few tokens of padding: one call"
+    assert prefill_buckets([300, 5, 5, 5], 128) == [[1, 2, 3], [0]]
+    assert prefill_buckets([], 128) == []
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 120) for _ in range(rng.randint(1, 9))]
+        groups = prefill_buckets(lengths, 40)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        cost = sum(len(g) * max(lengths[i] for i in g) + 40 for g in groups)
+        assert cost == _brute_force_cost(lengths, 40), lengths
 
 
 # ---- seeds, stops, lengths ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from pipeline.engine.embedded.batcher import cache_kwarg
 from pipeline.engine.embedded.sampling import RequestSampling, batch_sampling, sample_next_tokens
 from pipeline.engine.embedded.server import ServerConfig, load_model, start_server
 
@@ -51,11 +52,12 @@ def sequential_generate(model: Any, prompts: list[list[int]], max_new_tokens: in
     generator = torch.Generator().manual_seed(0)
     tokens = 0
     start = time.perf_counter()
+    kwarg = cache_kwarg(model)
     for prompt in prompts:
         cache = DynamicCache()
         ids = torch.tensor([prompt])
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache}).logits
             uniform = torch.rand(1, generator=generator, dtype=torch.float64)
             next_id, _ = sample_next_tokens(logits[:, -1, :], settings, uniform)
             ids = next_id.unsqueeze(0)

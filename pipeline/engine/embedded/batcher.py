@@ -27,6 +27,7 @@ retracted rows recompute their KV with whatever weights are active when they are
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 import queue
 import random
@@ -60,6 +61,13 @@ GROW_MIN = 64  # spare KV positions added at least when a GrowableLayer is (re)a
 # ms; B=64 x 40: 43 ms). On a GPU the fixed cost is larger in tokens, so this errs towards fewer splits.
 PREFILL_CALL_COST_TOKENS = 128
 _ARCH_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size")
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name under which ``model.forward`` takes its KV cache: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` and warns on the old name (an error under the test suite's filters),
+    while the releases the package still supports (>= 4.51) only know the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def abort_reason(message: str) -> dict[str, Any]:
@@ -295,6 +303,7 @@ class Scheduler:
         self._batch_wait_s = batch_wait_s
         self._max_prefill_tokens = max_prefill_tokens
         self._device = next(model.parameters()).device
+        self._cache_kwarg = cache_kwarg(model)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._waiting: deque[EngineRequest] = deque()
         self._batch: RunningBatch | None = None
@@ -358,6 +367,7 @@ class Scheduler:
             if abort_all:
                 self._abort_matching(None, "Aborted by weight update (abort_all_requests)")
             self.model = model
+            self._cache_kwarg = cache_kwarg(model)
             if weight_version is not None:
                 self.weight_version = weight_version
                 self._metrics.weight_version.set(version_value(weight_version))
@@ -541,9 +551,9 @@ class Scheduler:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: cache},
         )
         self._metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self._device)
@@ -570,8 +580,8 @@ class Scheduler:
             input_ids=batch.last_tokens.unsqueeze(1),
             attention_mask=mask,
             position_ids=batch.next_pos.unsqueeze(1),
-            past_key_values=batch.cache,
             use_cache=True,
+            **{self._cache_kwarg: batch.cache},
         )
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1

@@ -54,12 +54,13 @@ log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
-# Shape-defining config fields: weights whose config differs here cannot reuse the running KV cache.
 GROW_MIN = 64  # spare KV positions added at least when a GrowableLayer is (re)allocated
 # One more prefill forward costs about as much as this many more prompt tokens: the tiny preset on one
 # CPU thread runs ~1.4 ms of fixed work per forward and ~60-75k prompt tokens/s (B=1 x 40 tokens: 1.95
-# ms; B=64 x 40: 43 ms). On a GPU the fixed cost is larger in tokens, so this errs towards fewer splits.
+# ms; B=64 x 40: 43 ms). On a GPU a forward's fixed cost is worth far more tokens, so there it splits
+# more than it should; the embedded engine is the CPU stand-in for SGLang, not a GPU server.
 PREFILL_CALL_COST_TOKENS = 128
+# Shape-defining config fields: weights whose config differs here cannot reuse the running KV cache.
 _ARCH_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size")
 
 
@@ -531,8 +532,9 @@ class Scheduler:
             for bucket in prefill_buckets(lengths, PREFILL_CALL_COST_TOKENS):
                 self._prefill([admitted[i] for i in bucket])
         except Exception as exc:
-            # Admitted requests are in neither the queue nor the batch: finish them here.
-            for request in admitted:  # a no-op for those an earlier bucket already finished
+            # The failed bucket and those after it are in neither the queue nor the batch: finish them
+            # here. Rows of earlier buckets may be in the batch; finished too, the caller then drops them.
+            for request in admitted:
                 self._finish(request, abort_reason(f"prefill failed: {type(exc).__name__}: {exc}"))
             raise
 

@@ -367,8 +367,7 @@ class Scheduler:
                 raise ValueError(f"cannot swap weights: {mismatch}")
             if abort_all:
                 self._abort_matching(None, "Aborted by weight update (abort_all_requests)")
-            self.model = model
-            self._cache_kwarg = cache_kwarg(model)
+            self.model = model  # same architecture, same loader: the cache keyword stays
             if weight_version is not None:
                 self.weight_version = weight_version
                 self._metrics.weight_version.set(version_value(weight_version))
@@ -512,6 +511,7 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         admitted: list[EngineRequest] = []
+        lengths: list[int] = []
         longest = 0
         while self._waiting and self.num_running() + len(admitted) < self._max_batch:
             request = self._waiting[0]
@@ -525,9 +525,9 @@ class Scheduler:
                 break
             longest = max(longest, length)
             admitted.append(self._waiting.popleft())
+            lengths.append(length)
         if not admitted:
             return
-        lengths = [len(r.prompt_ids) + len(r.output_ids) for r in admitted]
         try:
             for bucket in prefill_buckets(lengths, PREFILL_CALL_COST_TOKENS):
                 self._prefill([admitted[i] for i in bucket])

@@ -27,7 +27,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "actors"): ("pipeline.bench.actors", "main", "episode runner turns/s vs a bare aiohttp loop"),
     ("bench", "async"): ("pipeline.bench.async_", "main", "learner steps/hour, eta=2 vs eta=0"),
     ("bench", "sync"): ("pipeline.bench.weight_sync", "main", "weight publish -> version served latency"),
-    ("report",): ("pipeline.report", "main", "render key metrics of a run to PNG (no Grafana needed)"),
+    ("report",): (
+        "pipeline.observability.report",
+        "main",
+        "render key metrics of a run to PNG (no Grafana needed)",
+    ),
 }
 
 
@@ -101,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     ns = parser.parse_args(args)
     if ns.command == "run":
-        from pipeline.supervisor import main_run
+        from pipeline.daemon.supervisor import main_run
 
         return int(main_run(ns))
     if ns.command == "config" and ns.config_command == "show":

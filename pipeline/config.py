@@ -84,7 +84,7 @@ class EnvConfig(_Section):
     max_context_tokens: int = Field(
         512, ge=16, description="Token budget of one episode; over it = truncated."
     )
-    tool_parser: str = Field("hermes", description="Tool-call parser name (pipeline.toolcalls).")
+    tool_parser: str = Field("hermes", description="Tool-call parser name (envs.toolcalls).")
     system_prompt: str | None = Field(None, description="Optional system message before the env's messages.")
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pipeline.admission import AdmissionController, is_stale
+from pipeline.actors.admission import AdmissionController, is_stale
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from learner.schema import Episode, validate_episode
-from pipeline import chat as chat_module
-from pipeline.chat import ChatBuffer, SegmentBuffer
+from pipeline.actors import chat as chat_module
+from pipeline.actors.chat import ChatBuffer, SegmentBuffer
 
 # Qwen3-style: reasoning inside <think></think> of earlier assistant turns is dropped when rendering.
 STRIP_THINK_TEMPLATE = (
@@ -307,7 +307,7 @@ def test_a_tokenizer_without_hf_template_api_renders_through_apply_chat_template
 def test_dict_fast_getattr_resolves_exactly_like_the_sandbox() -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from pipeline.chat import dict_fast_getattr
+    from pipeline.actors.chat import dict_fast_getattr
 
     base = ImmutableSandboxedEnvironment()
     fast = ImmutableSandboxedEnvironment()
@@ -332,7 +332,7 @@ def test_dict_fast_render_keeps_the_sandbox() -> None:
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from pipeline.chat import dict_fast_getattr
+    from pipeline.actors.chat import dict_fast_getattr
 
     env = ImmutableSandboxedEnvironment()
     env.__class__ = dict_fast_getattr(ImmutableSandboxedEnvironment)
@@ -344,7 +344,7 @@ def test_dict_fast_render_keeps_the_sandbox() -> None:
 
 
 def test_fast_render_matches_the_wrapper_on_tool_calls_and_system_messages(tokenizer: Any) -> None:
-    from pipeline.chat import _FastRenderer
+    from pipeline.actors.chat import _FastRenderer
 
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from pipeline import metrics, metrics_catalogue
+from pipeline.observability import catalogue as metrics_catalogue
+from pipeline.observability import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD_DIR = ROOT / "grafana" / "dashboards"
@@ -86,7 +87,7 @@ def test_every_rollwise_metric_in_dashboards_exists_in_the_code() -> None:
 
 def test_metrics_catalogue_is_current() -> None:
     doc = ROOT / "docs" / "metrics.md"
-    assert doc.read_text() == metrics_catalogue.render(), "run python -m pipeline.metrics_catalogue"
+    assert doc.read_text() == metrics_catalogue.render(), "run python -m pipeline.observability.catalogue"
 
 
 def test_metric_names_follow_conventions() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from envs.api import Action, EnvError, StepResult
 from envs.guess_number import GuessNumberEnv
-from pipeline.spool import read_group_file
+from pipeline.transport.spool import read_group_file
 from tests.test_run_e2e import REPO, TINY, DaemonRun, checkpoint_state, daemons, tiny_model
 
 __all__ = ["FlakyEnv", "daemons", "tiny_model"]  # re-exported fixtures are used by name

@@ -24,15 +24,15 @@ from typing import Any
 import pytest
 
 from learner.schema import Episode, episodes_to_batch
-from pipeline.config import load_config
-from pipeline.learner_worker import (
+from learner.worker import (
     acquire_lock,
     env_action_token_ids,
     group_drop_reason,
     prune_weights,
     token_staleness,
 )
-from pipeline.spool import SpoolWriter, spool_name
+from pipeline.config import load_config
+from pipeline.transport.spool import SpoolWriter, spool_name
 
 B = 2
 
@@ -161,7 +161,7 @@ class Worker:
             [
                 sys.executable,
                 "-m",
-                "pipeline.learner_worker",
+                "learner.worker",
                 "--config",
                 str(run_dir / "config.toml"),
                 "--run-dir",

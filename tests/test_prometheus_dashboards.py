@@ -164,7 +164,7 @@ def test_variable_queries_find_their_label_values(prometheus: str) -> None:
 
 
 def test_report_renders_key_panels_from_prometheus(prometheus: str, tmp_path: Path) -> None:
-    from pipeline import report
+    from pipeline.observability import report
 
     panels = report.from_prometheus(prometheus, since_s=120, step_s=2)
     plotted = {p.title for p in panels if p.series}

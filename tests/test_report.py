@@ -1,7 +1,7 @@
 import json
 from pathlib import Path
 
-from pipeline import report
+from pipeline.observability import report
 
 
 def _write_steps(run_dir: Path, n: int) -> None:

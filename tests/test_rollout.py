@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 
 from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task, ToolCall
 from learner.schema import batch_to_episodes, validate_episode
+from pipeline.actors.rollout import EpisodeOutcome, GroupOutcome, RolloutSettings, run_episode, run_group
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
 from pipeline.engine.protocol import SamplingParams
-from pipeline.metrics import REGISTRY
-from pipeline.rollout import EpisodeOutcome, GroupOutcome, RolloutSettings, run_episode, run_group
+from pipeline.observability.metrics import REGISTRY
 from tests.fakes.sglang_fake import FakeSGLang, GenerateCall, Plan
 
 # Qwen3-style: earlier assistant turns lose their <think></think> block when the history is rendered.
@@ -611,7 +611,7 @@ async def test_group_member_whose_factory_fails_is_an_env_error(
 
 
 async def test_bounded_call_that_never_suspends_returns_without_a_timer() -> None:
-    from pipeline.rollout import _within
+    from pipeline.actors.rollout import _within
 
     async def instant() -> int:
         return 42
@@ -623,7 +623,7 @@ async def test_bounded_call_that_never_suspends_returns_without_a_timer() -> Non
 
 
 async def test_bounded_call_passes_values_and_exceptions_through_its_suspensions() -> None:
-    from pipeline.rollout import _within
+    from pipeline.actors.rollout import _within
 
     loop = asyncio.get_running_loop()
     future: asyncio.Future[str] = loop.create_future()
@@ -654,7 +654,7 @@ async def test_bounded_call_passes_values_and_exceptions_through_its_suspensions
 
 
 async def test_bounded_call_past_its_deadline_is_cancelled_and_its_own_timeout_error_is_not_ours() -> None:
-    from pipeline.rollout import _DeadlinePassed, _within
+    from pipeline.actors.rollout import _DeadlinePassed, _within
 
     cleaned: list[str] = []
 
@@ -687,7 +687,7 @@ async def test_bounded_call_past_its_deadline_is_cancelled_and_its_own_timeout_e
 
 
 async def test_cancelling_a_bounded_call_cancels_the_coroutine_inside() -> None:
-    from pipeline.rollout import _within
+    from pipeline.actors.rollout import _within
 
     cancelled = asyncio.Event()
 
@@ -726,8 +726,8 @@ async def test_env_raising_its_own_timeout_error_is_an_env_error(
 def test_token_versions_map_to_ints_uniform_or_mixed() -> None:
     from types import SimpleNamespace
 
+    from pipeline.actors.rollout import _Episode
     from pipeline.engine.protocol import EngineProtocolError
-    from pipeline.rollout import _Episode
 
     state = SimpleNamespace(_version_ints={})
     assert _Episode._versions(state, ["default"] * 3) == [0, 0, 0]  # type: ignore[arg-type]

@@ -15,15 +15,15 @@ from fakes.sglang_fake import FakeSGLang
 
 from envs.api import Environment, Task
 from learner.schema import batch_to_episodes
-from pipeline import metrics
-from pipeline.admission import AdmissionController
+from pipeline.actors.admission import AdmissionController
+from pipeline.actors.rollout import RolloutSettings
+from pipeline.actors.scheduler import Scheduler
 from pipeline.bench.async_ import CharTokenizer, CoinEnv
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
 from pipeline.engine.protocol import SamplingParams
-from pipeline.rollout import RolloutSettings
-from pipeline.scheduler import Scheduler
-from pipeline.spool import SpoolEntry, SpoolReader, SpoolWriter
+from pipeline.observability import metrics
+from pipeline.transport.spool import SpoolEntry, SpoolReader, SpoolWriter
 
 G = 2
 

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from learner.schema import SCHEMA_VERSION_KEY, Episode, batch_to_episodes, episodes_to_batch
-from pipeline import spool as spool_mod
-from pipeline.spool import (
+from pipeline.transport import spool as spool_mod
+from pipeline.transport.spool import (
     QUARANTINE_DIR,
     SpoolReader,
     SpoolWriter,

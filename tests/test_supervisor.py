@@ -13,13 +13,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pipeline import metrics
-from pipeline.children import Backoff, Child, ChildSpec, keep_running
 from pipeline.config import ConfigError, load_config
-from pipeline.engine.launch import engine_argv, plan_engines
-from pipeline.http_endpoints import HttpEndpoints
-from pipeline.progress import JsonProgress, Totals, status_between
-from pipeline.supervisor import (
+from pipeline.daemon.children import Backoff, Child, ChildSpec, keep_running
+from pipeline.daemon.http_endpoints import HttpEndpoints
+from pipeline.daemon.progress import JsonProgress, Totals, status_between
+from pipeline.daemon.supervisor import (
     RunDirInUse,
     hold_run_dir_lock,
     initial_accepted,
@@ -28,6 +26,8 @@ from pipeline.supervisor import (
     record_step_metrics,
     resolve_config,
 )
+from pipeline.engine.launch import engine_argv, plan_engines
+from pipeline.observability import metrics
 
 
 def _ns(**kw: object) -> argparse.Namespace:
@@ -290,7 +290,7 @@ def test_json_progress_writes_one_object_per_line() -> None:
 
 
 async def test_a_background_task_that_dies_stops_the_daemon_with_its_error(tmp_path: Path) -> None:
-    from pipeline.supervisor import Supervisor
+    from pipeline.daemon.supervisor import Supervisor
 
     sup = Supervisor(load_config(None, [f"run.run_dir={json.dumps(str(tmp_path))}", "run.log_format='json'"]))
 

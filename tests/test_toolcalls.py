@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from envs.api import Action, ToolCall
-from pipeline.toolcalls import PARSERS, get_parser, parse_action, parse_hermes
+from envs.toolcalls import PARSERS, get_parser, parse_action, parse_hermes
 
 
 def test_hermes_parses_one_call_and_keeps_the_raw_text() -> None:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from fakes.sglang_fake import FakeSGLang
 
+from pipeline.daemon.weightsync import SyncMode, sync_weights
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool, MemberOutcome
 from pipeline.engine.protocol import SamplingParams
-from pipeline.weightsync import SyncMode, sync_weights
 
 
 @pytest.fixture

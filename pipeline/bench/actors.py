@@ -6,7 +6,7 @@ so it does not share the event loop or the CPU with the measured side (pinned to
 
 - bare loop: E coroutines, each posting T /generate requests in sequence with payloads of the same
   sizes the episodes send, reading the reply and nothing else (one aiohttp session, C connections);
-- runner: E concurrent episodes (groups of G, pipeline.rollout.run_group) of a T-turn echo
+- runner: E concurrent episodes (groups of G, pipeline.actors.rollout.run_group) of a T-turn echo
   environment through EnginePool/EngineClient (C connections), chat-template rendering, tool-call
   parsing, metrics and the Arrow record batch of every group included.
 
@@ -211,10 +211,10 @@ class RunnerResult(SideResult):
 async def runner_side(
     url: str, tokenizer: Any, episodes: int, turns: int, group_size: int, connections: int
 ) -> RunnerResult:
+    from pipeline.actors.rollout import GroupOutcome, RolloutSettings, run_group
     from pipeline.engine.client import EngineClient
     from pipeline.engine.pool import EnginePool
     from pipeline.engine.protocol import SamplingParams
-    from pipeline.rollout import GroupOutcome, RolloutSettings, run_group
 
     settings = RolloutSettings(
         sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(int(tokenizer.eos_token_id),)),

@@ -36,14 +36,14 @@ from aiohttp import web
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from learner.schema import batch_to_episodes
-from pipeline.admission import AdmissionController, is_stale
+from pipeline.actors.admission import AdmissionController, is_stale
+from pipeline.actors.rollout import RolloutSettings
+from pipeline.actors.scheduler import Scheduler
+from pipeline.daemon.weightsync import sync_weights
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
 from pipeline.engine.protocol import SamplingParams
-from pipeline.rollout import RolloutSettings
-from pipeline.scheduler import Scheduler
-from pipeline.spool import SpoolReader, SpoolWriter
-from pipeline.weightsync import sync_weights
+from pipeline.transport.spool import SpoolReader, SpoolWriter
 
 GOAL_SPEEDUP = 2.0
 END_TEXT = "<|end|>"

@@ -24,13 +24,13 @@ GOAL_S = 0.5
 
 async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads: int) -> dict[str, Any]:
     from learner.model import export_weights, load_policy
-    from pipeline.children import Child
     from pipeline.config import load_config
+    from pipeline.daemon.children import Child
+    from pipeline.daemon.weightsync import sync_weights
     from pipeline.engine.client import EngineClient
     from pipeline.engine.launch import engine_child_spec, plan_engines
     from pipeline.engine.pool import EnginePool
     from pipeline.engine.protocol import SamplingParams
-    from pipeline.weightsync import sync_weights
 
     cfg = load_config(None, ["engine.port=0", f"engine.threads={threads}"])
     slot = plan_engines(cfg)[0]

@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.children import ChildSpec
 from pipeline.config import Config
+from pipeline.daemon.children import ChildSpec
 from pipeline.engine.sglang import SGLangLaunchSpec, build_sglang_command
 
 

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pipeline import metrics
 from pipeline.engine.pool import MemberOutcome
+from pipeline.observability import metrics
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The multi-turn episode runner (token-in/token-out) and the group runner.
 
 One episode: `env.reset(task)` -> messages; the chat template renders the first prompt once
-(pipeline.chat.ChatBuffer); then per turn k = 0, 1, ...: `/generate` with the buffer's ids
+(pipeline.actors.chat.ChatBuffer); then per turn k = 0, 1, ...: `/generate` with the buffer's ids
 (rid `"{episode_id}-t{k}"`, affinity key = episode id so every turn hits the same server), the
-output ids are appended verbatim, the decoded text is parsed into an Action (pipeline.toolcalls),
+output ids are appended verbatim, the decoded text is parsed into an Action (envs.toolcalls),
 `env.step(action)` answers, and only the reply's new tokens are appended.
 
 Per-token columns (learner.schema.Episode):
@@ -15,7 +15,7 @@ Per-token columns (learner.schema.Episode):
 
 Turns: a turn counts once the engine returned tokens for it or the environment stepped on it;
 `turn_rewards` has one entry per counted turn (the step's reward; 0.0 when the step never answered),
-`outcome` is the last step's outcome. The final environment reply is not appended (see pipeline.chat).
+`outcome` is the last step's outcome. The final environment reply is not appended (see pipeline.actors.chat).
 
 finish_reason says why the episode ended:
 - "stop": the environment ended it (done) after a turn the model closed itself;
@@ -56,9 +56,9 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from envs.api import EnvFactory, Environment, StepResult, Task
+from envs.toolcalls import get_parser
 from learner.schema import TRAINABLE_FINISH_REASONS, Episode, episodes_to_batch
-from pipeline import metrics
-from pipeline.chat import ChatBuffer, ChatTokenizer
+from pipeline.actors.chat import ChatBuffer, ChatTokenizer
 from pipeline.engine.protocol import (
     EngineError,
     EngineHTTPError,
@@ -68,7 +68,7 @@ from pipeline.engine.protocol import (
     SamplingParams,
     version_to_int,
 )
-from pipeline.toolcalls import get_parser
+from pipeline.observability import metrics
 
 ENGINE_LABEL = "pool"
 
@@ -87,7 +87,7 @@ class RolloutSettings:
 
     `max_context_tokens` bounds every segment's length (prompt + generated + replies);
     `sampling.stop_token_ids` empty = the tokenizer's eos token; `tool_parser` names an entry of
-    pipeline.toolcalls.PARSERS. `retry_aborted` resubmits a generation the engine aborted (SGLang's
+    envs.toolcalls.PARSERS. `retry_aborted` resubmits a generation the engine aborted (SGLang's
     abort-mode weight sync) as prompt + partial output, at most `max_abort_retries` times per turn;
     set it when the weight sync aborts requests, leave it off otherwise (an abort is then an error).
     """

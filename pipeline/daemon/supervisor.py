@@ -28,17 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
-from pipeline import metrics
-from pipeline.children import Child, ChildSpec, keep_running
+from pipeline.actors.rollout import ENGINE_LABEL
+from pipeline.actors.scheduler import Scheduler
 from pipeline.config import Config, ConfigError, load_config, write_resolved
+from pipeline.daemon.children import Child, ChildSpec, keep_running
+from pipeline.daemon.http_endpoints import HttpEndpoints
+from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
+from pipeline.daemon.weightsync import sync_weights
 from pipeline.engine.client import EngineClient
 from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
 from pipeline.engine.pool import EnginePool
-from pipeline.http_endpoints import HttpEndpoints
-from pipeline.progress import Progress, RichProgress, Totals, make_progress, status_between
-from pipeline.rollout import ENGINE_LABEL
-from pipeline.scheduler import Scheduler
-from pipeline.weightsync import sync_weights
+from pipeline.observability import metrics
 
 log = logging.getLogger("rollwise.supervisor")
 T = TypeVar("T")
@@ -317,7 +317,7 @@ class LearnerProcess:
         argv = ["--config", str(run_dir / "config.toml"), "--run-dir", str(run_dir)]
         return ChildSpec(
             name="learner",
-            argv=[sys.executable, "-m", "pipeline.learner_worker", *argv],
+            argv=[sys.executable, "-m", "learner.worker", *argv],
             log_path=run_dir / "logs" / "learner.log",
             env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
             events=True,
@@ -570,11 +570,11 @@ def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) ->
 async def make_scheduler(sup: Supervisor, ready: LearnerReady) -> Any:
     """The actor side: env factory, tokenizer, spool writer and staleness control around the pool."""
     from envs.discovery import resolve_env
-    from pipeline.admission import AdmissionController
+    from pipeline.actors.admission import AdmissionController
+    from pipeline.actors.rollout import RolloutSettings
+    from pipeline.actors.scheduler import Scheduler
     from pipeline.engine.protocol import SamplingParams
-    from pipeline.rollout import RolloutSettings
-    from pipeline.scheduler import Scheduler
-    from pipeline.spool import SpoolWriter, spool_depth
+    from pipeline.transport.spool import SpoolWriter, spool_depth
 
     cfg = sup.cfg
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir_of(cfg, sup.run_dir))

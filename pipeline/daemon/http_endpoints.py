@@ -13,7 +13,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pipeline.metrics import REGISTRY
+from pipeline.observability.metrics import REGISTRY
 
 ReadinessProbe = Callable[[], list[str]]
 """Returns what is not ready yet (empty list = ready)."""

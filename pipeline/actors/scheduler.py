@@ -46,11 +46,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from envs.api import EnvFactory, Task
-from pipeline import metrics
-from pipeline.admission import AdmissionController
-from pipeline.chat import ChatTokenizer
-from pipeline.rollout import GenerateEngine, RolloutSettings, run_group
-from pipeline.spool import SpoolEntry, SpoolWriter
+from pipeline.actors.admission import AdmissionController
+from pipeline.actors.chat import ChatTokenizer
+from pipeline.actors.rollout import GenerateEngine, RolloutSettings, run_group
+from pipeline.observability import metrics
+from pipeline.transport.spool import SpoolEntry, SpoolWriter
 
 log = logging.getLogger(__name__)
 

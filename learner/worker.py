@@ -1,6 +1,6 @@
 """The learner child process (docs/architecture.md, Contract 5).
 
-    python -m pipeline.learner_worker --config RUN_DIR/config.toml --run-dir RUN_DIR
+    python -m learner.worker --config RUN_DIR/config.toml --run-dir RUN_DIR
 
 Loop: tail the spool after the checkpoint's consumed_seq -> drop groups that cannot be trained ->
 B accepted groups -> Trainer.step -> publish weights every `sync_every_steps` versions -> checkpoint
@@ -61,9 +61,9 @@ from types import FrameType, SimpleNamespace
 from typing import Any, TextIO
 
 from learner.schema import Episode, batch_to_episodes
-from pipeline.admission import is_stale
+from pipeline.actors.admission import is_stale
 from pipeline.config import Config, load_config
-from pipeline.spool import QuarantinedFile, SpoolItem, SpoolReader, prune_consumed
+from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader, prune_consumed
 
 log = logging.getLogger("rollwise.learner")
 
@@ -444,9 +444,7 @@ def acquire_lock(run_dir: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.learner_worker", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m learner.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="resolved config TOML (run_dir/config.toml)")
     parser.add_argument("--run-dir", required=True, help="run directory (spool, weights, checkpoints)")
     args = parser.parse_args(list(argv) if argv is not None else None)

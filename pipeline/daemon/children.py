@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from pipeline import metrics
+from pipeline.observability import metrics
 
 log = logging.getLogger("rollwise.children")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
+DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
 # (dashboard file, panel title): the panels that answer "is it learning, and is it healthy?"
 KEY_PANELS = (
     ("overview.json", "Success rate"),

@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from learner.durable import fsync_dir
 from learner.schema import check_schema
-from pipeline import metrics
+from pipeline.observability import metrics
 
 log = logging.getLogger(__name__)
 

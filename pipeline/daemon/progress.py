@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TextIO
 
-from pipeline import metrics
+from pipeline.observability import metrics
 
 
 def _sum_samples(family_name: str, sample_suffix: str) -> float:

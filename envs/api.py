@@ -12,6 +12,7 @@ environment itself raise ``EnvError``; the runner then excludes the episode from
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,15 @@ Message = dict[str, Any]
 
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def is_finite_number(value: object) -> bool:
+    """A reward, outcome or limit must be a finite real number (bool is not one)."""
+    if type(value) is float or type(value) is int:  # the usual case, without the ABC check
+        return math.isfinite(value)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 class EnvError(Exception):
@@ -121,7 +131,7 @@ class EnvSpec:
             problems.append(f"max_turns must be an integer >= 1, got {self.max_turns!r}")
         for field_name in ("step_timeout_s", "episode_timeout_s"):
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not is_finite_number(value):
                 problems.append(f"{field_name} must be a finite number of seconds, got {value!r}")
             elif value <= 0:
                 problems.append(f"{field_name} must be > 0, got {value!r}")

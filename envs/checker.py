@@ -15,9 +15,7 @@ import contextlib
 import inspect
 import itertools
 import json
-import math
 import random
-import re
 import string
 import sys
 import threading
@@ -26,8 +24,19 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
-from envs.api import MESSAGE_ROLES, Action, EnvFactory, Environment, EnvSpec, StepResult, Task, ToolCall
+from envs.api import (
+    MESSAGE_ROLES,
+    Action,
+    EnvFactory,
+    Environment,
+    EnvSpec,
+    StepResult,
+    Task,
+    ToolCall,
+    is_finite_number,
+)
 from envs.sync_adapter import is_pool_thread
+from envs.toolcalls import parse_hermes
 
 CRITERIA: tuple[str, ...] = (
     "spec_valid",
@@ -104,7 +113,7 @@ class _Findings:
 
 
 @dataclass
-class _Episode:
+class _EpisodeRecord:
     label: str
     turns: int = 0
     ended: bool = False
@@ -115,28 +124,6 @@ class _Episode:
 
 _WORDS = ("up", "down", "left", "right", "yes", "no", "higher", "lower", "cat", "dog", "the answer is")
 _UNICODE = "é漢🙂\x00\t\n"
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[tuple[ToolCall, ...], tuple[str, ...]]:
-    """Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks → (calls, errors).
-
-    The checker's own minimal parser (envs must not import pipeline); used for gold actions.
-    """
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    for body in _TOOL_CALL.findall(text):
-        try:
-            payload = json.loads(body)
-            arguments = payload["arguments"]
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            if not isinstance(payload["name"], str) or not isinstance(arguments, dict):
-                raise TypeError("name must be a string and arguments an object")
-            calls.append(ToolCall(payload["name"], arguments))
-        except (ValueError, KeyError, TypeError) as exc:
-            errors.append(f"bad tool call {body[:80]!r}: {exc}")
-    return tuple(calls), tuple(errors)
 
 
 def _random_text(rng: random.Random) -> str:
@@ -199,9 +186,7 @@ def random_action(_env: Environment, rng: random.Random, spec: EnvSpec) -> Actio
 
 
 def gold_policy_action(env: Environment, _rng: random.Random, _spec: EnvSpec) -> Action:
-    text = env.gold_action() or ""
-    calls, errors = parse_tool_calls(text)
-    return Action(text, calls, errors)
+    return parse_hermes(env.gold_action() or "")
 
 
 class _SliceTimer(Generic[T]):
@@ -264,10 +249,6 @@ def _check_messages(messages: Any, where: str, findings: _Findings) -> None:
             )
 
 
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_result(result: Any, where: str, findings: _Findings) -> bool:
     """Record problems with one StepResult; True when the episode ended."""
     if not isinstance(result, StepResult):
@@ -276,9 +257,9 @@ def _check_result(result: Any, where: str, findings: _Findings) -> bool:
         )
         return True
     _check_messages(result.messages, where, findings)
-    if not _is_finite_number(result.reward):
+    if not is_finite_number(result.reward):
         findings.add("rewards_finite", f"{where}: reward {result.reward!r}")
-    if result.outcome is not None and not _is_finite_number(result.outcome):
+    if result.outcome is not None and not is_finite_number(result.outcome):
         findings.add("rewards_finite", f"{where}: outcome {result.outcome!r}")
     try:
         json.dumps(result.info, allow_nan=False)
@@ -302,7 +283,7 @@ async def _run_episode(
     task: Task,
     policy: Policy,
     rng: random.Random,
-    episode: _Episode,
+    episode: _EpisodeRecord,
     findings: _Findings,
     spec: EnvSpec,
 ) -> None:
@@ -356,8 +337,8 @@ async def _run_phase(
     seed: int,
     findings: _Findings,
     spec: EnvSpec,
-) -> list[_Episode]:
-    episodes = [_Episode(f"{name} episode {i} ({task.id})") for i, task in enumerate(tasks)]
+) -> list[_EpisodeRecord]:
+    episodes = [_EpisodeRecord(f"{name} episode {i} ({task.id})") for i, task in enumerate(tasks)]
     await asyncio.gather(
         *(
             _run_episode(
@@ -441,10 +422,10 @@ async def _has_gold_policy(factory: EnvFactory, options: dict[str, Any], task: T
             await asyncio.wait_for(env.close(), spec.step_timeout_s)
 
 
-def _policy_stats(prefix: str, episodes: list[_Episode]) -> dict[str, float]:
+def _policy_stats(prefix: str, episodes: list[_EpisodeRecord]) -> dict[str, float]:
     # A missing or non-finite outcome scores 0 (rewards_finite reports the latter).
     outcomes = [
-        ep.outcome if ep.outcome is not None and _is_finite_number(ep.outcome) else 0.0 for ep in episodes
+        ep.outcome if ep.outcome is not None and is_finite_number(ep.outcome) else 0.0 for ep in episodes
     ]
     count = max(len(episodes), 1)
     return {

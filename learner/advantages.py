@@ -53,8 +53,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Episode = tuple[Sequence[float], float | None]
-Group = Sequence[Episode]
+EpisodeRewards = tuple[Sequence[float], float | None]
+Group = Sequence[EpisodeRewards]
 Estimator = Literal["turn", "outcome", "anchor"]
 ESTIMATORS: tuple[str, ...] = ("turn", "outcome", "anchor")
 Norm = Literal["std", "none"]

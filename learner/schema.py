@@ -46,7 +46,7 @@ _INT16_MAX = 2**15 - 1
 
 
 @dataclass
-class Episode:
+class EpisodeSegment:
     """One episode segment, field for field the Arrow row (see docs/architecture.md, Contract 1)."""
 
     episode_id: str
@@ -90,11 +90,11 @@ class RejectedRow:
     reason: str
 
 
-class InvalidEpisodeError(ValueError):
+class InvalidSegmentError(ValueError):
     """An episode that breaks the schema's invariants; the message names the episode and the rule."""
 
 
-def validate_episode(ep: Episode) -> str | None:
+def validate_segment(ep: EpisodeSegment) -> str | None:
     """Return why `ep` breaks an invariant, or None when it is valid."""
     n = len(ep.token_ids)
     for name in ("loss_mask", "logprobs", "turn_index", "versions"):
@@ -122,7 +122,7 @@ def validate_episode(ep: Episode) -> str | None:
     return _first_token_violation(ep)
 
 
-def _tokens_valid(ep: Episode) -> bool:
+def _tokens_valid(ep: EpisodeSegment) -> bool:
     """The per-token invariants of `_first_token_violation`, checked with C-level passes (list.count,
     min/max, itertools.compress): rows are validated on every write and read, and a Python loop over
     every token was a measurable share of the actors' per-turn cost. True means valid; False means
@@ -149,7 +149,7 @@ def _tokens_valid(ep: Episode) -> bool:
     return not any(compress(logprobs, map(not_, mask)))  # NaN is truthy: caught too
 
 
-def _first_token_violation(ep: Episode) -> str | None:
+def _first_token_violation(ep: EpisodeSegment) -> str | None:
     n = len(ep.token_ids)
     for t in range(n):
         m = ep.loss_mask[t]
@@ -177,12 +177,12 @@ def _first_token_violation(ep: Episode) -> str | None:
     return None
 
 
-def episodes_to_batch(episodes: Sequence[Episode]) -> pa.RecordBatch:
-    """Encode episodes as one RecordBatch; raises InvalidEpisodeError naming the first bad episode."""
+def segments_to_batch(episodes: Sequence[EpisodeSegment]) -> pa.RecordBatch:
+    """Encode episodes as one RecordBatch; raises InvalidSegmentError naming the first bad episode."""
     for ep in episodes:
-        reason = validate_episode(ep)
+        reason = validate_segment(ep)
         if reason is not None:
-            raise InvalidEpisodeError(f"episode {ep.episode_id!r} (segment {ep.segment}): {reason}")
+            raise InvalidSegmentError(f"episode {ep.episode_id!r} (segment {ep.segment}): {reason}")
     columns = {f.name: [getattr(ep, f.name) for ep in episodes] for f in TRAJECTORY_SCHEMA}
     arrays = [pa.array(columns[f.name], type=f.type) for f in TRAJECTORY_SCHEMA]
     return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
@@ -204,21 +204,21 @@ def check_schema(schema: pa.Schema) -> str | None:
     return None
 
 
-def batch_to_episodes(batch: pa.RecordBatch) -> tuple[list[Episode], list[RejectedRow]]:
+def batch_to_segments(batch: pa.RecordBatch) -> tuple[list[EpisodeSegment], list[RejectedRow]]:
     """Decode a RecordBatch; rows that break an invariant come back in the rejected list with a reason.
 
-    A batch whose schema is not a trajectory schema raises InvalidEpisodeError (nothing in it is usable).
+    A batch whose schema is not a trajectory schema raises InvalidSegmentError (nothing in it is usable).
     """
     problem = check_schema(batch.schema)
     if problem is not None:
-        raise InvalidEpisodeError(problem)
+        raise InvalidSegmentError(problem)
     data = batch.to_pydict()
-    episodes: list[Episode] = []
+    episodes: list[EpisodeSegment] = []
     rejected: list[RejectedRow] = []
     for i in range(batch.num_rows):
         row = {f.name: data[f.name][i] for f in TRAJECTORY_SCHEMA}
-        ep = Episode(**row)
-        reason = validate_episode(ep)
+        ep = EpisodeSegment(**row)
+        reason = validate_segment(ep)
         if reason is None:
             episodes.append(ep)
         else:

@@ -1,11 +1,11 @@
-"""One training step: Arrow trajectory batches in, GSPO-token updates on the policy, metrics out.
+"""One training step: triaged groups in (learner.groups), GSPO-token updates on the policy, metrics out.
 
 The behaviour policy is the engine: its per-token log-probs in the rows are the "old" log-probs, so there
 is no recomputation pass. The step reads like the recipe:
 
-    decode rows → drop untrainable → group → per-turn advantages → drop zero-signal groups
-    → per-token advantages → shuffle (seeded) → mini-batches → forward, log-probs at the sampling
-    temperature, loss, backward → clip → AdamW (skipped when anything is non-finite)
+    per-turn advantages → drop zero-signal groups → per-token advantages → shuffle (seeded)
+    → mini-batches → forward, log-probs at the sampling temperature, loss, backward → clip
+    → AdamW (skipped when anything is non-finite)
 
 Policy version: incremented once per `step()` that changed the weights (at least one optimizer update
 applied), i.e. once per set of weights worth publishing. Optimizer updates are counted separately.
@@ -17,57 +17,31 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import pyarrow as pa
 import torch
 
 from learner.action_prior import action_prior_loss
 from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, pack_sequences
-from learner.gspo import Aggregation, Level, gspo_token_loss
+from learner.groups import TrainGroup
+from learner.gspo import gspo_token_loss
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
-from learner.schema import Episode, RejectedRow, batch_to_episodes
+from learner.schema import EpisodeSegment, RejectedRow
+from pipeline.config import LearnerConfig
 
 # Per-turn advantages below this are float noise of a group whose members all scored the same.
 ZERO_ADVANTAGE = 1e-8
-MIN_GROUP_MEMBERS = 2
-
-
-class TrainerConfig(Protocol):
-    """The fields of pipeline.config.LearnerConfig the trainer reads."""
-
-    mini_batches: int
-    lr: float
-    weight_decay: float
-    embedding_weight_decay: float | None
-    betas: tuple[float, float]
-    grad_clip: float
-    grad_accum: int
-    warmup_steps: int
-    clip_low: float
-    clip_high: float
-    loss_level: Level
-    loss_agg: Aggregation
-    estimator: Estimator
-    advantage_norm: Norm
-    entropy_coef: float
-    entropy_decay_steps: int
-    action_prior_coef: float
-    action_prior_decay_steps: int
-    gamma: float
-    lam: float
 
 
 @dataclass
 class StepInput:
-    """What survives decoding and filtering: the sequences to train on plus the accounting."""
+    """The sequences to train on plus the accounting of the step's groups."""
 
     sequences: list[TrainSequence] = field(default_factory=list)
-    episodes: list[Episode] = field(default_factory=list)  # unique trainable episodes (first segment)
+    episodes: list[EpisodeSegment] = field(default_factory=list)  # one row (the first segment) per episode
     rejected: list[RejectedRow] = field(default_factory=list)
     untrainable_rows: int = 0
-    dropped_small_groups: int = 0
     skipped_zero_adv_groups: int = 0
     trained_groups: int = 0
 
@@ -79,18 +53,10 @@ def _warmup(warmup_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def _group_segments(rows: Sequence[Episode]) -> dict[str, dict[str, list[Episode]]]:
-    """group_id → episode_id → its segment rows, all in first-appearance order."""
-    groups: dict[str, dict[str, list[Episode]]] = {}
-    for row in rows:
-        groups.setdefault(row.group_id, {}).setdefault(row.episode_id, []).append(row)
-    return groups
-
-
-def _episode_anchors(group: dict[str, list[Episode]]) -> list[list[bytes | None]]:
+def _episode_anchors(group: TrainGroup) -> list[list[bytes | None]]:
     """[episode][turn] history digests of a group (segments of one episode merged; None if unknown)."""
     result = []
-    for segments in group.values():
+    for segments in group.episodes:
         anchors: dict[int, bytes] = {}
         for seg in segments:
             anchors.update(history_anchors(seg.token_ids, seg.turn_index, seg.loss_mask))
@@ -99,7 +65,7 @@ def _episode_anchors(group: dict[str, list[Episode]]) -> list[list[bytes | None]
 
 
 def build_step_input(
-    batches: Sequence[pa.RecordBatch],
+    groups: Sequence[TrainGroup],
     *,
     estimator: Estimator,
     gamma: float,
@@ -107,11 +73,11 @@ def build_step_input(
     keep_zero_advantage: bool = False,
     norm: Norm = "std",
 ) -> StepInput:
-    """Decode, filter and annotate rows with per-token advantages (pure; no model involved).
+    """Annotate the groups' rows with per-token advantages (pure; no model involved).
 
+    The groups were decoded, validated and triaged once by the learner (learner.groups.triage_group).
     Segments of one episode share its turn_rewards and outcome, so advantages are computed once per
-    episode and every segment maps its tokens through its own turn_index. A batch whose schema is not
-    the trajectory schema raises InvalidEpisodeError (the spool quarantines such files before this).
+    episode and every segment maps its tokens through its own turn_index.
 
     Groups whose advantages are all zero carry no policy-gradient signal and are counted in
     ``skipped_zero_adv_groups``; they are left out unless ``keep_zero_advantage`` (the trainer sets it
@@ -119,18 +85,10 @@ def build_step_input(
     one they must reach, and their tokens also dilute the remaining signal under token-mean aggregation).
     """
     result = StepInput()
-    rows: list[Episode] = []
-    for batch in batches:
-        decoded, rejected = batch_to_episodes(batch)
-        rows.extend(decoded)
-        result.rejected.extend(rejected)
-    trainable = [row for row in rows if row.trainable]
-    result.untrainable_rows = len(rows) - len(trainable)
-
-    all_groups = list(_group_segments(trainable).values())
-    groups = [g for g in all_groups if len(g) >= MIN_GROUP_MEMBERS]  # leave-one-out needs peers
-    result.dropped_small_groups = len(all_groups) - len(groups)
-    members = [[segments[0] for segments in group.values()] for group in groups]
+    for group in groups:
+        result.rejected.extend(group.rejected)
+        result.untrainable_rows += group.untrainable_rows
+    members = [group.first_segments for group in groups]
     result.episodes = [ep for group in members for ep in group]
     if not groups:
         return result
@@ -150,7 +108,7 @@ def build_step_input(
             group_adv = [[0.0] * len(episode_adv) for episode_adv in group_adv]
         else:
             result.trained_groups += 1
-        for segments, episode_adv in zip(group.values(), group_adv, strict=True):
+        for segments, episode_adv in zip(group.episodes, group_adv, strict=True):
             for seg in segments:
                 if sum(seg.loss_mask[1:]) == 0:
                     continue  # nothing the model generated can be scored in this row
@@ -239,7 +197,7 @@ def _param_groups(
     ]
 
 
-def episode_return(ep: Episode) -> float:
+def episode_return(ep: EpisodeSegment) -> float:
     """Total reward of an episode: its turn rewards plus its outcome (0 when the env set none)."""
     return sum(ep.turn_rewards) + (ep.outcome if ep.outcome is not None else 0.0)
 
@@ -261,10 +219,10 @@ class Trainer:
     def __init__(
         self,
         model: Any,
-        cfg: TrainerConfig,
+        cfg: LearnerConfig,
         *,
         temperature: float,
-        seed: int | None = None,
+        seed: int = 0,
         device: torch.device | str | None = None,
         pad_token_id: int | None = None,
         action_token_ids: Sequence[int] = (),
@@ -292,9 +250,7 @@ class Trainer:
             weight_decay=cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(cfg.warmup_steps))
-        # Mini-batch shuffling; the seed may also come with the config (the learner worker passes it there).
-        shuffle_seed = seed if seed is not None else int(getattr(cfg, "seed", 0))
-        self.generator = torch.Generator().manual_seed(shuffle_seed)
+        self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling
         self.steps = 0  # step() calls
         self.optimizer_updates = 0
         self._policy_version = 0
@@ -331,11 +287,11 @@ class Trainer:
         self.optimizer_updates = int(counters["optimizer_updates"])
         self._policy_version = int(counters["policy_version"])
 
-    def step(self, batches: Sequence[pa.RecordBatch]) -> dict[str, float]:
-        """Train on the trajectory rows of `batches`; returns the step's metrics (see module docstring)."""
+    def step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """Train on `groups` (triaged by learner.groups); returns the step's metrics."""
         started = time.perf_counter()
         data = build_step_input(
-            batches,
+            groups,
             estimator=self.cfg.estimator,
             gamma=self.cfg.gamma,
             lam=self.cfg.lam,
@@ -463,7 +419,6 @@ class Trainer:
             "optimizer_updates": float(stats.applied),
             "skipped_zero_adv_groups": float(data.skipped_zero_adv_groups),
             "skipped_steps_nonfinite": float(stats.skipped_nonfinite),
-            "dropped_small_groups": float(data.dropped_small_groups),
             "rejected_rows": float(len(data.rejected)),
             "untrainable_rows": float(data.untrainable_rows),
             "reward_mean": _mean([episode_return(ep) for ep in episodes]),

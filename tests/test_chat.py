@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from learner.schema import Episode, validate_episode
+from learner.schema import EpisodeSegment, validate_segment
 from pipeline.actors import chat as chat_module
 from pipeline.actors.chat import ChatBuffer, SegmentBuffer
 
@@ -64,8 +64,8 @@ def generate(chat: ChatBuffer, ids: list[int], turn: int, version: int = 0) -> N
     chat.add_generated(ids, logprobs, [version] * len(ids), turn)
 
 
-def as_row(seg: SegmentBuffer, num_turns: int, segment: int) -> Episode:
-    return Episode(
+def as_row(seg: SegmentBuffer, num_turns: int, segment: int) -> EpisodeSegment:
+    return EpisodeSegment(
         episode_id="e",
         group_id="g",
         task_id="t",
@@ -135,7 +135,7 @@ def test_three_turns_append_exactly_the_template_suffix(tokenizer: Any) -> None:
     assert [v for v, m in zip(seg.versions, mask, strict=True) if m] == [0, 0, 1, 1, 2, 2]
     assert all(v == -1 for v, m in zip(seg.versions, mask, strict=True) if not m)
     assert [lp for lp, m in zip(seg.logprobs, mask, strict=True) if m] == [-0.25, -0.26] * 3
-    assert validate_episode(as_row(seg, num_turns=3, segment=0)) is None
+    assert validate_segment(as_row(seg, num_turns=3, segment=0)) is None
 
 
 def test_generated_ids_are_kept_verbatim_even_when_not_canonical(tokenizer: Any) -> None:
@@ -204,7 +204,7 @@ def test_template_that_strips_think_blocks_starts_a_new_segment(strip_tokenizer:
     generate(chat, [*encode(tok, "12"), eos], 1, version=1)
     chat.finish_turn()
     rows = [as_row(seg, num_turns=2, segment=i) for i, seg in enumerate(chat.segments)]
-    assert [validate_episode(r) for r in rows] == [None, None]
+    assert [validate_segment(r) for r in rows] == [None, None]
     assert rows[1].turn_index[rows[1].prompt_len :] == [1, 1]
 
 

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore, save_checkpoint
 from learner.model import VERSION_FILE, export_weights, load_policy, resolve_device, save_hf
 from learner.model_init import PRESETS, build_model
-from learner.schema import Episode, episodes_to_batch
+from learner.schema import EpisodeSegment, segments_to_batch
 from learner.trainer import Trainer
 from pipeline.config import LearnerConfig
+from tests.train_groups import groups_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,7 +46,7 @@ def _batches(tokenizer: Any) -> list[pa.RecordBatch]:
                 action = [*tokenizer.encode(str(1 + (step + group + member) % 16)), end]
                 n, k = len(prompt), len(action)
                 episodes.append(
-                    Episode(
+                    EpisodeSegment(
                         episode_id=f"s{step}g{group}e{member}",
                         group_id=f"s{step}g{group}",
                         task_id="t",
@@ -62,7 +63,7 @@ def _batches(tokenizer: Any) -> list[pa.RecordBatch]:
                         finish_reason="stop",
                     )
                 )
-        batches.append(episodes_to_batch(episodes))
+        batches.append(segments_to_batch(episodes))
     return batches
 
 
@@ -80,11 +81,11 @@ def test_resume_after_two_steps_matches_four_straight_steps(model_dir: Path, tmp
     straight, tokenizer = _fresh_trainer(model_dir)
     batches = _batches(tokenizer)
     for batch in batches:
-        straight.step([batch])
+        straight.step(groups_of(batch))
 
     first, _ = _fresh_trainer(model_dir)
     for batch in batches[:2]:
-        first.step([batch])
+        first.step(groups_of(batch))
     consumed = ConsumedState(last_seq=11, group_ids=["s0g0", "s0g1", "s1g0", "s1g1"])
     save_checkpoint(tmp_path / "checkpoints", first, consumed=consumed, extra={"note": "half"})
     # Disturb every RNG the restore must put back.
@@ -98,7 +99,7 @@ def test_resume_after_two_steps_matches_four_straight_steps(model_dir: Path, tmp
     assert resumed.steps == 2 and resumed.policy_version == first.policy_version
     assert ckpt.consumed == consumed and ckpt.extra == {"note": "half"}
     for batch in batches[2:]:
-        resumed.step([batch])
+        resumed.step(groups_of(batch))
 
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name

@@ -34,9 +34,9 @@ from learner.model import load_policy
 from learner.model_init import init_model
 from pipeline.engine.client import EngineClient
 from pipeline.engine.embedded.batcher import (
+    ContinuousBatcher,
     EngineRequest,
     GrowableLayer,
-    Scheduler,
     architecture_mismatch,
     growable_cache,
     prefill_buckets,
@@ -434,7 +434,7 @@ async def test_context_length_limits_prompt_and_generation(
 
 async def test_scheduler_stops_on_eos_unless_ignore_eos(model_dirs: tuple[Path, Path]) -> None:
     model = load_model(str(model_dirs[0]), "cpu", "float32")
-    probe = Scheduler(
+    probe = ContinuousBatcher(
         model, weight_version="0", eos_token_ids=frozenset(), context_length=512, metrics=EngineMetrics("t")
     )
     finished: list[EngineRequest] = []
@@ -445,7 +445,7 @@ async def test_scheduler_stops_on_eos_unless_ignore_eos(model_dirs: tuple[Path, 
             finished.append(request)
             done.set()
 
-    def run(scheduler: Scheduler, sampling: RequestSampling) -> EngineRequest:
+    def run(scheduler: ContinuousBatcher, sampling: RequestSampling) -> EngineRequest:
         done.clear()
         scheduler.submit([EngineRequest(rid="r", prompt_ids=[5, 6], sampling=sampling, notify=notify)])
         assert done.wait(30)
@@ -455,7 +455,7 @@ async def test_scheduler_stops_on_eos_unless_ignore_eos(model_dirs: tuple[Path, 
     probe.start()
     first_token = run(probe, greedy).output_ids[0]
     probe.stop()
-    eos = Scheduler(
+    eos = ContinuousBatcher(
         model,
         weight_version="0",
         eos_token_ids=frozenset({first_token}),
@@ -480,7 +480,7 @@ async def test_a_request_is_announced_finished_only_after_the_gauges_drop_it(
     # (CI once read num_running_reqs == 3 after all three responses had arrived).
     model = load_model(str(model_dirs[0]), "cpu", "float32")
     metrics = EngineMetrics("t")
-    scheduler = Scheduler(
+    scheduler = ContinuousBatcher(
         model, weight_version="0", eos_token_ids=frozenset(), context_length=512, metrics=metrics
     )
     seen: list[tuple[float, float]] = []

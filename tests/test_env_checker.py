@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import threading
 import time
 import types
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 import pytest
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task, ToolCall
-from envs.checker import CRITERIA, check_env, format_report, main, parse_tool_calls, random_action
+from envs.checker import CRITERIA, check_env, format_report, gold_policy_action, main, random_action
 from envs.discovery import resolve_env
 from envs.sync_adapter import SyncEnvironment, as_async_factory, is_pool_thread
 
@@ -257,14 +258,19 @@ def test_cli_exits_one_and_names_failures(capsys: pytest.CaptureFixture[str]) ->
     assert out.rstrip().endswith("FAILED: ends_within_max_turns")
 
 
-def test_parse_tool_calls() -> None:
-    calls, errors = parse_tool_calls(
-        'a <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
-        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{oops</tool_call>'
-    )
-    assert calls == (ToolCall("calculator", {"expression": "1+2"}), ToolCall("f", {"x": 1}))
-    assert len(errors) == 1 and "oops" in errors[0]
-    assert parse_tool_calls("no calls") == ((), ())
+def test_gold_policy_parses_tool_calls_with_the_hermes_parser() -> None:
+    class Gold:
+        def gold_action(self) -> str:
+            return (
+                'a <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+                '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+                "<tool_call>{oops</tool_call>"
+            )
+
+    action = gold_policy_action(Gold(), random.Random(0), EnvSpec(name="g", version="1", max_turns=1))  # type: ignore[arg-type]
+    assert action.tool_calls == (ToolCall("calculator", {"expression": "1+2"}), ToolCall("f", {"x": 1}))
+    assert len(action.tool_call_errors) == 1 and "tool call 2: invalid JSON" in action.tool_call_errors[0]
+    assert action.text == Gold().gold_action()
 
 
 def test_random_policy_mixes_text_and_tool_calls() -> None:

@@ -15,9 +15,10 @@ import pytest
 from envs import builtin_vocab_hints
 from envs.api import Action, Environment, Task, ToolCall
 from envs.calculator import CalculatorEnv, CalculatorError, evaluate, format_value
-from envs.checker import parse_tool_calls, random_action
+from envs.checker import random_action
 from envs.grid_nav import GridNavEnv
 from envs.guess_number import GuessNumberEnv, expected_information_bits, first_integer
+from envs.toolcalls import parse_hermes
 from envs.word_guess import WORDS, WordGuessEnv, feedback
 
 Policy = Callable[[Environment, random.Random], Action]
@@ -285,9 +286,7 @@ async def test_word_guess_gold_solves_every_word_within_max_turns() -> None:
 
 
 def _gold(env: Environment, _rng: random.Random) -> Action:
-    text = env.gold_action() or ""
-    calls, errors = parse_tool_calls(text)
-    return Action(text, calls, errors)
+    return parse_hermes(env.gold_action() or "")
 
 
 def _random(env: Environment, rng: random.Random) -> Action:

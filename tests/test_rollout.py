@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task, ToolCall
-from learner.schema import batch_to_episodes, validate_episode
+from learner.schema import batch_to_segments, validate_segment
 from pipeline.actors.rollout import EpisodeOutcome, GroupOutcome, RolloutSettings, run_episode, run_group
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
@@ -206,7 +206,7 @@ async def test_three_turn_episode_keeps_an_exact_token_buffer(
     assert all(lp == 0.0 for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if not m)
     assert row.versions == [0 if m else -1 for m in row.loss_mask]
     assert (row.num_turns, row.segment, row.finish_reason) == (3, 0, "stop")
-    assert validate_episode(row) is None
+    assert validate_segment(row) is None
     assert [a.text for a in env.actions] == ["8", "I say 12", "10"]  # stop token removed
     assert env.closed == 1
     # Every request sent exactly the buffer so far, with the episode's rid and stop token.
@@ -239,7 +239,7 @@ async def test_tokens_carry_the_weight_version_that_produced_them(
         for t in range(3)
     }
     assert by_turn == {0: {0}, 1: {3}, 2: {3}}
-    assert validate_episode(row) is None
+    assert validate_segment(row) is None
 
 
 async def test_per_token_versions_are_used_when_the_engine_reports_them(
@@ -284,9 +284,9 @@ async def test_template_that_rewrites_history_starts_a_new_segment(
     assert seg1.token_ids == restarted + second and seg1.prompt_len == len(restarted)
     assert (seg0.segment, seg1.segment) == (0, 1)
     assert seg0.turn_rewards == seg1.turn_rewards and seg0.num_turns == seg1.num_turns == 2
-    assert [validate_episode(r) for r in result.rows] == [None, None]
+    assert [validate_segment(r) for r in result.rows] == [None, None]
     group = GroupOutcome(group_id="g", task_id=TASK.id, env="scripted", episodes=[result])
-    episodes, rejected = batch_to_episodes(group.to_record_batch())  # both rows travel in one batch
+    episodes, rejected = batch_to_segments(group.to_record_batch())  # both rows travel in one batch
     assert rejected == [] and [e.segment for e in episodes] == [0, 1]
 
 
@@ -335,7 +335,7 @@ async def test_step_timeout_ends_the_episode_as_timeout(fake: FakeSGLang, pool: 
     assert env.closed == 1
     assert env_errors("scripted-slow", "timeout") == before + 1
     [row] = result.rows
-    assert row.num_turns == 1 and row.turn_rewards == [0.0] and validate_episode(row) is None
+    assert row.num_turns == 1 and row.turn_rewards == [0.0] and validate_segment(row) is None
 
 
 async def test_episode_timeout_ends_the_episode_as_timeout(
@@ -349,7 +349,7 @@ async def test_episode_timeout_ends_the_episode_as_timeout(
     assert "episode_timeout_s=0.2" in (result.error or "")
     assert env.closed == 1
     assert 1 <= result.num_turns < 20
-    assert all(validate_episode(r) is None for r in result.rows)
+    assert all(validate_segment(r) is None for r in result.rows)
 
 
 async def test_env_raising_gives_env_error_and_close_is_awaited(
@@ -366,7 +366,7 @@ async def test_env_raising_gives_env_error_and_close_is_awaited(
     assert "step 1 failed on purpose" in (result.error or "")
     assert env.closed == 1 and env_errors("scripted-err", "error") == before + 1
     [row] = result.rows
-    assert row.num_turns == 2 and validate_episode(row) is None and not result.trainable
+    assert row.num_turns == 2 and validate_segment(row) is None and not result.trainable
 
 
 class BadReplyEnv(ScriptedEnv):
@@ -401,7 +401,7 @@ async def test_invalid_env_reply_gives_env_error(
     result = await play(pool, tok, env, settings(tok), env_name="scripted-bad")
     assert result.finish_reason == "env_error" and message in (result.error or "")
     assert env_errors("scripted-bad", "invalid") == before + 1 and env.closed == 1
-    assert all(validate_episode(r) is None for r in result.rows)
+    assert all(validate_segment(r) is None for r in result.rows)
 
 
 async def test_reset_failure_gives_env_error_without_rows(
@@ -428,7 +428,7 @@ async def test_bad_engine_response_gives_engine_error(
     assert result.finish_reason == "engine_error" and env.closed == 1
     assert engine_errors(kind) == before + 1
     [row] = result.rows  # the prompt alone, written for accounting
-    assert row.num_turns == 0 and row.prompt_len == len(row.token_ids) and validate_episode(row) is None
+    assert row.num_turns == 0 and row.prompt_len == len(row.token_ids) and validate_segment(row) is None
 
 
 async def test_unreachable_engine_gives_engine_error(tok: Any, unused_tcp_port: int) -> None:
@@ -454,7 +454,7 @@ async def test_context_budget_caps_max_new_tokens_then_truncates(
     assert result.finish_reason == "truncated" and result.num_turns == 1
     [row] = result.rows
     assert len(row.token_ids) == prompt_len + 2  # the reply that did not fit was not appended
-    assert validate_episode(row) is None
+    assert validate_segment(row) is None
 
 
 async def test_prompt_over_budget_truncates_without_a_request(
@@ -463,7 +463,7 @@ async def test_prompt_over_budget_truncates_without_a_request(
     result = await play(pool, tok, ScriptedEnv([]), settings(tok, max_context_tokens=4))
     assert result.finish_reason == "truncated" and result.num_turns == 0
     assert fake.generate_requests() == []
-    assert all(validate_episode(r) is None for r in result.rows)
+    assert all(validate_segment(r) is None for r in result.rows)
 
 
 async def test_finish_reason_length_truncated_and_turn_cap(
@@ -507,7 +507,7 @@ async def test_aborted_generation_is_resubmitted_with_its_partial_output(
     generated_versions = [v for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
     assert generated_versions == [0] * len(partial) + [1] * len(rest)
     assert row.logprobs[row.prompt_len : row.prompt_len + 2] == [-0.5, -0.25]
-    assert result.num_turns == 1 and validate_episode(row) is None
+    assert result.num_turns == 1 and validate_segment(row) is None
 
 
 async def test_abort_without_retry_or_past_the_bound_is_an_engine_error(
@@ -518,7 +518,7 @@ async def test_abort_without_retry_or_past_the_bound_is_an_engine_error(
     before = engine_errors("abort")
     no_retry = await play(pool, tok, ScriptedEnv([]), settings(tok))
     assert no_retry.finish_reason == "engine_error" and len(fake.generate_requests()) == 1
-    assert no_retry.num_turns == 1 and validate_episode(no_retry.rows[0]) is None
+    assert no_retry.num_turns == 1 and validate_segment(no_retry.rows[0]) is None
 
     bounded = await play(pool, tok, ScriptedEnv([]), settings(tok, retry_aborted=True, max_abort_retries=2))
     assert bounded.finish_reason == "engine_error"
@@ -580,7 +580,7 @@ async def test_group_runs_concurrently_and_becomes_one_valid_batch(
     assert [env.closed for env in envs] == [1] * group_size
     batch = group.to_record_batch()
     assert batch.num_rows == group_size
-    episodes, rejected = batch_to_episodes(batch)
+    episodes, rejected = batch_to_segments(batch)
     assert rejected == []
     assert {e.group_id for e in episodes} == {"g7"} and {e.task_id for e in episodes} == {TASK.id}
     # Every turn of an episode was routed by its own rid.
@@ -726,13 +726,13 @@ async def test_env_raising_its_own_timeout_error_is_an_env_error(
 def test_token_versions_map_to_ints_uniform_or_mixed() -> None:
     from types import SimpleNamespace
 
-    from pipeline.actors.rollout import _Episode
+    from pipeline.actors.rollout import _EpisodeRun
     from pipeline.engine.protocol import EngineProtocolError
 
     state = SimpleNamespace(_version_ints={})
-    assert _Episode._versions(state, ["default"] * 3) == [0, 0, 0]  # type: ignore[arg-type]
-    assert _Episode._versions(state, ["3", "3", "4"]) == [3, 3, 4]  # type: ignore[arg-type]
-    assert _Episode._versions(state, []) == []  # type: ignore[arg-type]
+    assert _EpisodeRun._versions(state, ["default"] * 3) == [0, 0, 0]  # type: ignore[arg-type]
+    assert _EpisodeRun._versions(state, ["3", "3", "4"]) == [3, 3, 4]  # type: ignore[arg-type]
+    assert _EpisodeRun._versions(state, []) == []  # type: ignore[arg-type]
     assert state._version_ints == {"default": 0, "3": 3, "4": 4}
     with pytest.raises(EngineProtocolError, match="'v2' is neither"):
-        _Episode._versions(state, ["v2", "v2"])  # type: ignore[arg-type]
+        _EpisodeRun._versions(state, ["v2", "v2"])  # type: ignore[arg-type]

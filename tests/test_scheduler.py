@@ -14,10 +14,10 @@ import pytest
 from fakes.sglang_fake import FakeSGLang
 
 from envs.api import Environment, Task
-from learner.schema import batch_to_episodes
+from learner.schema import batch_to_segments
 from pipeline.actors.admission import AdmissionController
 from pipeline.actors.rollout import RolloutSettings
-from pipeline.actors.scheduler import Scheduler
+from pipeline.actors.scheduler import GroupScheduler
 from pipeline.bench.async_ import CharTokenizer, CoinEnv
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
@@ -57,8 +57,8 @@ def make_scheduler(
     tasks: Iterator[Task] | None = None,
     factory: Callable[..., Environment] = CoinEnv,
     failure_backoff_s: tuple[float, float] = (0.05, 2.0),
-) -> Scheduler:
-    return Scheduler(
+) -> GroupScheduler:
+    return GroupScheduler(
         engine=pool,
         tokenizer=CharTokenizer(),
         factory=factory,
@@ -103,7 +103,7 @@ async def test_eta_zero_admits_exactly_one_batch_per_version(pool: EnginePool, t
     assert [i.group_id for i in items] == [gid for gid, _ in sched.written_log]
     assert sorted(i.group_id for i in items) == [f"test-g{k:06d}" for k in range(1, 5)]
     for item in items:
-        episodes, rejected = batch_to_episodes(item.batch)
+        episodes, rejected = batch_to_segments(item.batch)
         assert rejected == []
         assert len({e.episode_id for e in episodes}) == G
         assert all(e.finish_reason in ("stop", "length") for e in episodes)
@@ -252,7 +252,7 @@ async def test_engine_errors_are_written_as_untrainable_rows(
     stop.set()
     await runner
     [item] = SpoolReader(tmp_path, after_seq=0).poll()
-    episodes, _ = batch_to_episodes(item.batch)
+    episodes, _ = batch_to_segments(item.batch)
     assert sorted(e.finish_reason for e in episodes) == ["engine_error", "engine_error"]
 
 
@@ -264,7 +264,7 @@ async def test_run_returns_when_the_task_stream_ends(pool: EnginePool, tmp_path:
 
 async def test_group_ids_differ_between_scheduler_instances(pool: EnginePool, tmp_path: Path) -> None:
     a = make_scheduler(pool, tmp_path / "a", batch=1, eta=0)
-    b = Scheduler(
+    b = GroupScheduler(
         engine=pool,
         tokenizer=CharTokenizer(),
         factory=CoinEnv,
@@ -277,7 +277,7 @@ async def test_group_ids_differ_between_scheduler_instances(pool: EnginePool, tm
         tasks=_tasks(),
     )
     assert a.run_prefix == "test"
-    c = Scheduler(
+    c = GroupScheduler(
         engine=pool,
         tokenizer=CharTokenizer(),
         factory=CoinEnv,

@@ -6,15 +6,15 @@ import pytest
 from learner.schema import (
     SCHEMA_VERSION_KEY,
     TRAJECTORY_SCHEMA,
-    Episode,
-    InvalidEpisodeError,
-    batch_to_episodes,
-    episodes_to_batch,
-    validate_episode,
+    EpisodeSegment,
+    InvalidSegmentError,
+    batch_to_segments,
+    segments_to_batch,
+    validate_segment,
 )
 
 
-def make_episode(**overrides: object) -> Episode:
+def make_episode(**overrides: object) -> EpisodeSegment:
     # prompt of 3 tokens, turn 0 generates 2 tokens, env replies with 2, turn 1 generates 1.
     fields: dict[str, object] = dict(
         episode_id="e0",
@@ -33,14 +33,14 @@ def make_episode(**overrides: object) -> Episode:
         finish_reason="stop",
     )
     fields.update(overrides)
-    return Episode(**fields)  # type: ignore[arg-type]
+    return EpisodeSegment(**fields)  # type: ignore[arg-type]
 
 
 def test_roundtrip_preserves_every_field_and_schema_version() -> None:
     eps = [make_episode(), make_episode(episode_id="e1", outcome=None, segment=1)]
-    batch = episodes_to_batch(eps)
+    batch = segments_to_batch(eps)
     assert batch.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
-    decoded, rejected = batch_to_episodes(batch)
+    decoded, rejected = batch_to_segments(batch)
     assert rejected == []
     assert decoded[0] == eps[0]
     assert decoded[1].outcome is None and decoded[1].segment == 1
@@ -49,7 +49,7 @@ def test_roundtrip_preserves_every_field_and_schema_version() -> None:
 
 def test_valid_episode_helpers() -> None:
     ep = make_episode()
-    assert validate_episode(ep) is None
+    assert validate_segment(ep) is None
     assert ep.min_version() == 3
     assert ep.num_generated == 3
     assert ep.success and ep.trainable
@@ -86,32 +86,32 @@ def test_valid_episode_helpers() -> None:
 )
 def test_each_invariant_is_rejected_with_its_reason(overrides: dict[str, object], reason_part: str) -> None:
     ep = make_episode(**overrides)
-    reason = validate_episode(ep)
+    reason = validate_segment(ep)
     assert reason is not None and reason_part in reason
-    with pytest.raises(InvalidEpisodeError, match="episode 'e0'"):
-        episodes_to_batch([ep])
+    with pytest.raises(InvalidSegmentError, match="episode 'e0'"):
+        segments_to_batch([ep])
 
 
 def test_invalid_row_in_a_batch_is_rejected_not_fixed() -> None:
     good = make_episode()
-    batch = episodes_to_batch([good, make_episode(episode_id="e1")])
+    batch = segments_to_batch([good, make_episode(episode_id="e1")])
     # Corrupt row 1 after encoding, as a buggy writer or a damaged file could.
     cols = batch.to_pydict()
     cols["logprobs"][1] = [0.0, 0.0, 0.0, float("nan"), -1.0, 0.0, 0.0, -0.1]
     bad = pa.RecordBatch.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
-    decoded, rejected = batch_to_episodes(bad)
+    decoded, rejected = batch_to_segments(bad)
     assert [e.episode_id for e in decoded] == ["e0"]
     assert len(rejected) == 1 and rejected[0].episode_id == "e1" and "logprobs[3]=nan" in rejected[0].reason
 
 
 def test_foreign_schema_is_refused() -> None:
     batch = pa.RecordBatch.from_pydict({"x": [1]})
-    with pytest.raises(InvalidEpisodeError, match=r"lacks rollwise\.schema_version"):
-        batch_to_episodes(batch)
-    old = episodes_to_batch([make_episode()])
+    with pytest.raises(InvalidSegmentError, match=r"lacks rollwise\.schema_version"):
+        batch_to_segments(batch)
+    old = segments_to_batch([make_episode()])
     old = old.replace_schema_metadata({SCHEMA_VERSION_KEY: b"0"})
-    with pytest.raises(InvalidEpisodeError, match="schema version '0'"):
-        batch_to_episodes(old)
+    with pytest.raises(InvalidSegmentError, match="schema version '0'"):
+        batch_to_segments(old)
 
 
 def test_fast_token_check_agrees_with_the_per_token_loop_on_random_corruptions() -> None:
@@ -136,7 +136,7 @@ def test_fast_token_check_agrees_with_the_per_token_loop_on_random_corruptions()
             setattr(ep, name, column)
         slow = _first_token_violation(ep)
         assert _tokens_valid(ep) == (slow is None), (ep, slow)
-        assert validate_episode(ep) == slow
+        assert validate_segment(ep) == slow
         seen_valid += slow is None
         seen_invalid += slow is not None
     assert seen_valid > 100 and seen_invalid > 1000

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from learner.schema import SCHEMA_VERSION_KEY, Episode, batch_to_episodes, episodes_to_batch
+from learner.schema import SCHEMA_VERSION_KEY, EpisodeSegment, batch_to_segments, segments_to_batch
 from pipeline.transport import spool as spool_mod
 from pipeline.transport.spool import (
     QUARANTINE_DIR,
@@ -24,7 +24,7 @@ from pipeline.transport.spool import (
 def make_group(group_id: str, members: int = 2, version: int = 0) -> pa.RecordBatch:
     """A valid group: each episode = 3 prompt tokens + 2 generated tokens, one turn."""
     episodes = [
-        Episode(
+        EpisodeSegment(
             episode_id=f"{group_id}-e{i}",
             group_id=group_id,
             task_id="t0",
@@ -42,7 +42,7 @@ def make_group(group_id: str, members: int = 2, version: int = 0) -> pa.RecordBa
         )
         for i in range(members)
     ]
-    return episodes_to_batch(episodes)
+    return segments_to_batch(episodes)
 
 
 def test_write_then_read_round_trips_rows_and_group_id(tmp_path: Path) -> None:
@@ -53,7 +53,7 @@ def test_write_then_read_round_trips_rows_and_group_id(tmp_path: Path) -> None:
     assert entry.nbytes == entry.path.stat().st_size > 0
     items = SpoolReader(tmp_path, after_seq=0).poll()
     assert [(i.seq, i.group_id, i.nbytes) for i in items] == [(1, "g-a", entry.nbytes)]
-    episodes, rejected = batch_to_episodes(items[0].batch)
+    episodes, rejected = batch_to_segments(items[0].batch)
     assert rejected == []
     assert [e.episode_id for e in episodes] == ["g-a-e0", "g-a-e1", "g-a-e2"]
     assert items[0].batch.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
@@ -233,14 +233,14 @@ def test_prune_deletes_only_consumed_files(tmp_path: Path) -> None:
 
 
 def test_group_without_rows_round_trips_by_its_stamped_id(tmp_path: Path) -> None:
-    empty = episodes_to_batch([])
+    empty = segments_to_batch([])
     SpoolWriter(tmp_path).write_group(empty, group_id="all-failed")
     [item] = SpoolReader(tmp_path, after_seq=0).poll()
     assert (item.group_id, item.batch.num_rows) == ("all-failed", 0)
 
 
 def test_unstamped_file_without_rows_is_quarantined(tmp_path: Path) -> None:
-    _write_raw(tmp_path / spool_name(1), episodes_to_batch([]))
+    _write_raw(tmp_path / spool_name(1), segments_to_batch([]))
     reader = SpoolReader(tmp_path, after_seq=0)
     assert reader.poll() == []
     assert [(q.kind, q.seq) for q in reader.quarantined] == [("empty", 1)]

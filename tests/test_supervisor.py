@@ -13,21 +13,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from learner import events
 from pipeline.config import ConfigError, load_config
 from pipeline.daemon.children import Backoff, Child, ChildSpec, keep_running
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.progress import JsonProgress, Totals, status_between
-from pipeline.daemon.supervisor import (
-    RunDirInUse,
-    hold_run_dir_lock,
-    initial_accepted,
-    latest_weights,
-    main_run,
-    record_step_metrics,
-    resolve_config,
-)
+from pipeline.daemon.supervisor import main_run, step_line
+from pipeline.daemon.wiring import initial_accepted, resolve_config
 from pipeline.engine.launch import engine_argv, plan_engines
 from pipeline.observability import metrics
+from pipeline.observability.learner_metrics import record_step
+from pipeline.run_dir import RunDir, RunDirInUse, hold_supervisor_lock
 
 
 def _ns(**kw: object) -> argparse.Namespace:
@@ -122,9 +118,10 @@ async def test_child_send_writes_json_lines_to_stdin(tmp_path: Path) -> None:
 # --- run directory --------------------------------------------------------------------------------------
 def test_second_lock_on_the_same_run_dir_is_refused_with_the_holder_pid(tmp_path: Path) -> None:
     holder = r"in use by another rollwise daemon \(pid \d+"
-    with hold_run_dir_lock(tmp_path), pytest.raises(RunDirInUse, match=holder), hold_run_dir_lock(tmp_path):
+    run = RunDir.at(tmp_path)
+    with hold_supervisor_lock(run), pytest.raises(RunDirInUse, match=holder), hold_supervisor_lock(run):
         pass
-    with hold_run_dir_lock(tmp_path):  # released on exit
+    with hold_supervisor_lock(run):  # released on exit
         pass
 
 
@@ -133,18 +130,19 @@ def test_initial_accepted_counts_trained_versions_and_unconsumed_spool() -> None
     assert initial_accepted(version=3, batch_groups=4, unconsumed_groups=5) == 17
 
 
-def test_latest_weights_prefers_the_published_version(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    assert latest_weights(tmp_path, model, 0) == model
-    assert latest_weights(tmp_path, model, 2) == model  # not published (yet): the initial model
+def test_serving_weights_prefer_the_published_version(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path)
+    model = tmp_path.resolve() / "model"
+    assert run.serving_weights(0) == model
+    assert run.serving_weights(2) == model  # not published (yet): the initial model
     (tmp_path / "weights" / "v2").mkdir(parents=True)
     (tmp_path / "weights" / "v2" / "config.json").write_text("{}")
-    assert latest_weights(tmp_path, model, 2) == tmp_path / "weights" / "v2"
+    assert run.serving_weights(2) == tmp_path.resolve() / "weights" / "v2"
 
 
 # --- config gate ------------------------------------------------------------------------------------------
 def test_run_flags_override_the_config(tmp_path: Path) -> None:
-    cfg = resolve_config(_ns(run_dir=str(tmp_path / "r"), max_steps=7, log_format="json"))
+    cfg = resolve_config(_ns(run_dir=str(tmp_path / "r"), max_steps=7, log_format="json")).cfg
     assert (cfg.run.run_dir, cfg.run.max_steps, cfg.run.log_format) == (str(tmp_path / "r"), 7, "json")
 
 
@@ -203,38 +201,76 @@ def test_embedded_engine_argv_carries_model_version_and_port(tmp_path: Path) -> 
 
 
 # --- metrics, HTTP, progress ----------------------------------------------------------------------------
+def _step(step: int, **fields: object) -> events.Step:
+    base: dict[str, object] = {
+        "step": step,
+        "version": step,
+        "groups": 4,
+        "group_ids": ["a", "b", "c", "d"],
+        "consumed_seq": 4 * step,
+        "metrics": {"loss": 0.25, "clip_fraction": 0.5, "grad_norm": None},
+        "staleness": {0: 5, 1: 2},
+        "idle_s": 0.5,
+        "busy_s": 1.5,
+        "spool_read_s": 0.125,
+        "spool_depth_groups": 3,
+        "spool_depth_bytes": 4096,
+    }
+    return events.Step(**(base | fields))  # type: ignore[arg-type]
+
+
 def test_step_event_lands_in_learner_metrics() -> None:
-    accepted = metrics.REGISTRY.get_sample_value("rollwise_groups_accepted_total") or 0.0
-    staleness = metrics.REGISTRY.get_sample_value("rollwise_trained_token_staleness_versions_count") or 0.0
-    event = {"event": "step", "step": 12, "loss": 0.25, "clip_fraction": 0.5, "groups": 4}
-    record_step_metrics(event | {"dropped": {"no_update": 1}, "staleness": {"0": 5, "1": 2}})
-    assert metrics.REGISTRY.get_sample_value("rollwise_learner_step") == 12
-    assert metrics.REGISTRY.get_sample_value("rollwise_learner_loss") == 0.25
-    assert metrics.REGISTRY.get_sample_value("rollwise_learner_clip_fraction_ratio") == 0.5
-    # One of the four groups changed no weight: the learner reports it dropped, not trained.
-    assert metrics.REGISTRY.get_sample_value("rollwise_groups_accepted_total") == accepted + 3
-    count = metrics.REGISTRY.get_sample_value("rollwise_trained_token_staleness_versions_count")
-    assert count == staleness + 7
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+    accepted = value("rollwise_groups_accepted_total")
+    count = value("rollwise_trained_token_staleness_versions_count")
+    total = value("rollwise_trained_token_staleness_versions_sum")
+    le_0, le_1 = (
+        value("rollwise_trained_token_staleness_versions_bucket", {"le": le}) for le in ("0.0", "1.0")
+    )
+    read_count = value("rollwise_spool_read_duration_seconds_count")
+    record_step(_step(12, groups=3))
+    assert value("rollwise_learner_step") == 12
+    assert value("rollwise_learner_loss") == 0.25
+    assert value("rollwise_learner_clip_fraction_ratio") == 0.5
+    assert value("rollwise_groups_accepted_total") == accepted + 3
+    assert value("rollwise_spool_depth_groups") == 3 and value("rollwise_spool_depth_bytes") == 4096
+    # 5 tokens 0 versions behind and 2 tokens 1 behind: 7 observations summing to 2, bucketed as such.
+    assert value("rollwise_trained_token_staleness_versions_count") == count + 7
+    assert value("rollwise_trained_token_staleness_versions_sum") == total + 2
+    assert value("rollwise_trained_token_staleness_versions_bucket", {"le": "0.0"}) == le_0 + 5
+    assert value("rollwise_trained_token_staleness_versions_bucket", {"le": "1.0"}) == le_1 + 7
+    assert value("rollwise_spool_read_duration_seconds_count") == read_count + 1
 
 
-def test_step_event_spool_read_seconds_are_observed_once_into_the_histogram() -> None:
-    def sample(suffix: str) -> float:
-        return metrics.REGISTRY.get_sample_value(f"rollwise_spool_read_duration_seconds_{suffix}") or 0.0
+def test_observe_many_equals_repeated_observe() -> None:
+    from prometheus_client import CollectorRegistry
 
-    def bucket(le: str) -> float:
-        value = metrics.REGISTRY.get_sample_value("rollwise_spool_read_duration_seconds_bucket", {"le": le})
-        return value or 0.0
+    registry = CollectorRegistry()
+    many = metrics.CountedHistogram("many", "m", buckets=(0, 1, 2), registry=registry)
+    one = metrics.CountedHistogram("one", "o", buckets=(0, 1, 2), registry=registry)
+    for amount, count in ((0.0, 3), (1.0, 2), (5.0, 4), (2.0, 0)):
+        many.observe_many(amount, count)
+        for _ in range(count):
+            one.observe(amount)
+    def samples(histogram: metrics.CountedHistogram, prefix: str) -> dict[tuple[str, str], float]:
+        family = next(iter(histogram.collect()))
+        return {
+            (s.name.removeprefix(prefix), s.labels.get("le", "")): s.value
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
 
-    count, total, inf = sample("count"), sample("sum"), bucket("+Inf")
-    record_step_metrics({"event": "step", "step": 1, "spool_read_s": 0.125})
-    record_step_metrics({"event": "step", "step": 2, "spool_read_s": 0.375})
-    assert sample("count") == count + 2
-    assert sample("sum") == pytest.approx(total + 0.5)
-    assert bucket("+Inf") == inf + 2
-    # an older learner without the field, or a non-number, records nothing
-    record_step_metrics({"event": "step", "step": 3})
-    record_step_metrics({"event": "step", "step": 4, "spool_read_s": "0.1"})
-    assert sample("count") == count + 2
+    got, expected = samples(many, "many"), samples(one, "one")
+    assert got == expected
+    assert got[("_count", "")] == 9 and got[("_sum", "")] == 22.0 and got[("_bucket", "1.0")] == 5
+
+
+def test_step_line_puts_the_metrics_beside_the_counts_once() -> None:
+    line = step_line(_step(2))
+    assert line["loss"] == 0.25 and line["grad_norm"] is None and line["step"] == 2
+    assert "metrics" not in line and line["staleness"] == {"0": 5, "1": 2}
 
 
 async def test_http_endpoints_serve_metrics_health_and_readiness() -> None:
@@ -262,7 +298,9 @@ async def test_http_endpoints_serve_metrics_health_and_readiness() -> None:
 
 def test_status_reports_interval_rates_from_counter_deltas() -> None:
     before = Totals(at=10.0, episodes=100, successes=20, staleness_sum=0.0, staleness_count=0)
-    after = Totals(at=20.0, episodes=150, successes=60, staleness_sum=30.0, staleness_count=60)
+    after = Totals(
+        at=20.0, episodes=150, successes=60, staleness_sum=30.0, staleness_count=60, spool_depth_groups=7
+    )
     status = status_between(
         before, after, elapsed_s=20.0, version=3, step=4, step_time_s=0.5, step_rewards=[0.5, 1.1]
     )
@@ -271,6 +309,7 @@ def test_status_reports_interval_rates_from_counter_deltas() -> None:
     assert status.reward_mean == 0.8
     assert status.staleness_mean == 0.5
     assert (status.policy_version, status.learner_step, status.episodes) == (3, 4, 150)
+    assert status.spool_depth_groups == 7
 
 
 def test_status_without_new_episodes_or_steps_has_no_rates() -> None:
@@ -292,7 +331,7 @@ def test_json_progress_writes_one_object_per_line() -> None:
 async def test_a_background_task_that_dies_stops_the_daemon_with_its_error(tmp_path: Path) -> None:
     from pipeline.daemon.supervisor import Supervisor
 
-    sup = Supervisor(load_config(None, [f"run.run_dir={json.dumps(str(tmp_path))}", "run.log_format='json'"]))
+    sup = Supervisor(resolve_config(_ns(run_dir=str(tmp_path), log_format="json")))
 
     async def broken() -> None:
         raise RuntimeError("boom")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pyarrow as pa
@@ -14,9 +13,10 @@ import torch
 import learner.trainer as trainer_module
 from learner.batching import TrainSequence, pack_sequences
 from learner.model import load_policy
-from learner.schema import TRAJECTORY_SCHEMA, Episode, episodes_to_batch
+from learner.schema import TRAJECTORY_SCHEMA, EpisodeSegment, segments_to_batch
 from learner.trainer import Trainer, build_step_input
 from pipeline.config import LearnerConfig
+from tests.train_groups import groups_of
 
 PAD = 0
 
@@ -70,12 +70,12 @@ def _episode(
     turn_rewards: list[float] | None = None,
     finish_reason: str = "stop",
     temperature: float = 1.0,
-) -> Episode:
+) -> EpisodeSegment:
     """A one-turn episode whose engine log-probs come from `model` itself (behaviour = current policy)."""
     tokens = prompt + action
     n_prompt, n_action = len(prompt), len(action)
     full = _logprobs_of(model, tokens, temperature=temperature, start=n_prompt)
-    return Episode(
+    return EpisodeSegment(
         episode_id=f"{group}-e{index}",
         group_id=group,
         task_id=f"task-{group}",
@@ -99,7 +99,7 @@ def _ids(tokenizer: Any, text: str) -> int:
     return int(ids[0])
 
 
-def _contrast_group(model: Any, tokenizer: Any, group: str, x: int, y: int) -> list[Episode]:
+def _contrast_group(model: Any, tokenizer: Any, group: str, x: int, y: int) -> list[EpisodeSegment]:
     """Two episodes answering X (outcome 1) and two answering Y (outcome 0), each ending with <|im_end|>."""
     prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
     actions = [([x, end], 1.0), ([y, end], 0.0), ([x, end], 1.0), ([y, end], 0.0)]
@@ -199,7 +199,7 @@ def test_twenty_steps_raise_the_rewarded_token_and_lower_the_punished_one(policy
     before_x, before_y = _next_token_logprob(model, prompt, x), _next_token_logprob(model, prompt, y)
     for step in range(20):
         groups = [_contrast_group(model, tokenizer, f"s{step}g{g}", x, y) for g in range(2)]
-        metrics = trainer.step([episodes_to_batch([ep for group in groups for ep in group])])
+        metrics = trainer.step(groups_of([ep for group in groups for ep in group]))
         assert metrics["num_sequences"] == 8.0
         assert metrics["optimizer_updates"] == 2.0
         # Behaviour log-probs came from this very model: the first mini-batch is exactly on-policy.
@@ -217,7 +217,7 @@ def test_metrics_report_the_step(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     trainer = Trainer(model, _cfg(mini_batches=2), temperature=1.0)
     episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
-    metrics = trainer.step([episodes_to_batch(episodes)])
+    metrics = trainer.step(groups_of(episodes))
     prompt_len = len(_prompt_ids(tokenizer))
     assert metrics["num_sequences"] == 4.0 and metrics["num_groups"] == 1.0
     assert metrics["tokens"] == 4 * (prompt_len + 1)  # every token but the last of each row is read
@@ -248,9 +248,9 @@ def test_mismatch_reveals_a_temperature_different_from_the_sampling_one(policy: 
         )
         for i, t in enumerate(["12", "3", "5", "8"])
     ]
-    batch = episodes_to_batch(episodes)
-    same = Trainer(model, _cfg(lr=1e-9), temperature=0.25).step([batch])
-    other = Trainer(model, _cfg(lr=1e-9), temperature=1.0).step([batch])
+    batch = segments_to_batch(episodes)
+    same = Trainer(model, _cfg(lr=1e-9), temperature=0.25).step(groups_of(batch))
+    other = Trainer(model, _cfg(lr=1e-9), temperature=1.0).step(groups_of(batch))
     assert same["mismatch_abs_mean"] < 1e-5
     assert other["mismatch_abs_mean"] > 0.1
 
@@ -261,11 +261,11 @@ def test_nan_logprob_on_a_model_token_rejects_the_row_and_trains_the_rest(policy
     episodes.append(
         _episode(model, _prompt_ids(tokenizer), [_ids(tokenizer, "7")], group="g", index=9, outcome=0.0)
     )
-    columns = episodes_to_batch(episodes).to_pydict()
+    columns = segments_to_batch(episodes).to_pydict()
     columns["logprobs"][-1][-1] = math.nan
     batch = pa.RecordBatch.from_pydict(columns, schema=TRAJECTORY_SCHEMA)
     trainer = Trainer(model, _cfg(), temperature=1.0)
-    metrics = trainer.step([batch])
+    metrics = trainer.step(groups_of(batch))
     assert metrics["rejected_rows"] == 1.0
     assert metrics["num_sequences"] == 4.0
     assert [r.episode_id for r in trainer.last_rejected] == ["g-e9"]
@@ -281,7 +281,7 @@ def test_all_zero_advantage_group_is_skipped_and_counted(policy: tuple[Any, Any]
     ]
     trainer = Trainer(model, _cfg(), temperature=1.0)
     before = _weights(model)
-    metrics = trainer.step([episodes_to_batch(solved)])
+    metrics = trainer.step(groups_of(solved))
     assert metrics["skipped_zero_adv_groups"] == 1.0
     assert metrics["num_sequences"] == 0.0 and metrics["optimizer_updates"] == 0.0
     assert _same_weights(before, _weights(model))
@@ -298,15 +298,13 @@ def test_entropy_bonus_still_reaches_a_group_whose_episodes_all_scored_the_same(
         _episode(model, prompt, [_ids(tokenizer, "12"), end], group="same", index=i, outcome=1.0)
         for i in range(3)
     ]
-    data = build_step_input(
-        [episodes_to_batch(solved)], estimator="turn", gamma=1.0, lam=1.0, keep_zero_advantage=True
-    )
+    data = build_step_input(groups_of(solved), estimator="turn", gamma=1.0, lam=1.0, keep_zero_advantage=True)
     assert (data.skipped_zero_adv_groups, data.trained_groups, len(data.sequences)) == (1, 0, 3)
     assert all(a == 0.0 for seq in data.sequences for a in seq.advantages)
 
     trainer = Trainer(model, _cfg(entropy_coef=0.1, mini_batches=1), temperature=1.0)
     before = _weights(model)
-    metrics = trainer.step([episodes_to_batch(solved)])
+    metrics = trainer.step(groups_of(solved))
     assert metrics["skipped_zero_adv_groups"] == 1.0 and metrics["optimizer_updates"] == 1.0
     assert not _same_weights(before, _weights(model))  # the entropy gradient alone moved the policy
     assert trainer.policy_version == 1
@@ -319,14 +317,14 @@ def test_advantage_norm_none_passes_reward_units_to_the_tokens(policy: tuple[Any
         _episode(model, prompt, [_ids(tokenizer, "12"), end], group="g", index=i, outcome=outcome)
         for i, outcome in enumerate((1.0, 0.0, 0.0, 0.0))
     ]
-    data = build_step_input([episodes_to_batch(rows)], estimator="outcome", gamma=1.0, lam=1.0, norm="none")
+    data = build_step_input(groups_of(rows), estimator="outcome", gamma=1.0, lam=1.0, norm="none")
     # Group mean 0.25: the winner gets 0.75, each loser -0.25, on every generated token, and 0 elsewhere.
     for seq, want in zip(data.sequences, (0.75, -0.25, -0.25, -0.25), strict=True):
         assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if m} == {want}
         assert {a for a, m in zip(seq.advantages, seq.loss_mask, strict=True) if not m} == {0.0}
 
 
-def test_untrainable_rows_are_dropped_and_small_groups_with_them(policy: tuple[Any, Any]) -> None:
+def test_untrainable_rows_are_counted_and_left_out(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id
     x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
@@ -336,9 +334,10 @@ def test_untrainable_rows_are_dropped_and_small_groups_with_them(policy: tuple[A
         *_contrast_group(model, tokenizer, "b", x, y),
         _episode(model, prompt, [y, end], group="b", index=7, outcome=None, finish_reason="timeout"),
     ]
-    data = build_step_input([episodes_to_batch(rows)], estimator="turn", gamma=1.0, lam=1.0)
-    assert data.untrainable_rows == 2
-    assert data.dropped_small_groups == 1  # group "a" keeps one member
+    groups = groups_of(rows)
+    assert [g.group_id for g in groups] == ["b"]  # group "a" keeps one member: too_few_members
+    data = build_step_input(groups, estimator="turn", gamma=1.0, lam=1.0)
+    assert data.untrainable_rows == 1
     assert len(data.sequences) == 4 and data.trained_groups == 1
 
 
@@ -349,7 +348,7 @@ def test_segments_of_one_episode_share_its_turn_advantages(policy: tuple[Any, An
     rows = _contrast_group(model, tokenizer, "g", x, y)
     second = _episode(model, prompt, [y, end], group="g", index=0, outcome=1.0)
     second.segment = 1
-    data = build_step_input([episodes_to_batch([*rows, second])], estimator="outcome", gamma=1.0, lam=1.0)
+    data = build_step_input(groups_of([*rows, second]), estimator="outcome", gamma=1.0, lam=1.0)
     # Sequences come per episode in first-appearance order, an episode's segments together.
     advantages = [seq.advantages for seq in data.sequences]
     assert len(advantages) == 5
@@ -373,7 +372,7 @@ def test_non_finite_loss_skips_the_update_and_keeps_the_weights(
     episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
     trainer = Trainer(model, _cfg(mini_batches=2), temperature=1.0)
     before = _weights(model)
-    metrics = trainer.step([episodes_to_batch(episodes)])
+    metrics = trainer.step(groups_of(episodes))
     assert metrics["skipped_steps_nonfinite"] == 2.0
     assert metrics["optimizer_updates"] == 0.0
     assert _same_weights(before, _weights(model))
@@ -388,13 +387,13 @@ def test_non_finite_gradient_skips_the_update_and_keeps_the_weights(policy: tupl
     handle = model.model.norm.weight.register_hook(lambda grad: grad * math.nan)
     before = _weights(model)
     try:
-        metrics = trainer.step([episodes_to_batch(episodes)])
+        metrics = trainer.step(groups_of(episodes))
     finally:
         handle.remove()
     assert metrics["skipped_steps_nonfinite"] == 1.0
     assert _same_weights(before, _weights(model))
     # The next clean step trains normally: no NaN was left behind in gradients or optimizer state.
-    metrics = trainer.step([episodes_to_batch(episodes)])
+    metrics = trainer.step(groups_of(episodes))
     assert metrics["optimizer_updates"] == 1.0 and metrics["skipped_steps_nonfinite"] == 0.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -404,7 +403,7 @@ def test_grad_accumulation_merges_mini_batches_into_one_update(policy: tuple[Any
     x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
     episodes = [ep for g in range(2) for ep in _contrast_group(model, tokenizer, f"g{g}", x, y)]
     trainer = Trainer(model, _cfg(mini_batches=4, grad_accum=2), temperature=1.0)
-    metrics = trainer.step([episodes_to_batch(episodes)])
+    metrics = trainer.step(groups_of(episodes))
     assert metrics["optimizer_updates"] == 2.0
     assert metrics["num_sequences"] == 8.0
 
@@ -413,9 +412,9 @@ def test_accumulated_mini_batches_give_the_whole_batch_loss_and_gradient(model_d
     first, tokenizer = load_policy(model_dir)
     second, _ = load_policy(model_dir)
     x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
-    batch = episodes_to_batch(_contrast_group(first, tokenizer, "g", x, y))
-    whole = Trainer(first, _cfg(mini_batches=1), temperature=1.0).step([batch])
-    accumulated = Trainer(second, _cfg(mini_batches=4, grad_accum=4), temperature=1.0).step([batch])
+    batch = segments_to_batch(_contrast_group(first, tokenizer, "g", x, y))
+    whole = Trainer(first, _cfg(mini_batches=1), temperature=1.0).step(groups_of(batch))
+    accumulated = Trainer(second, _cfg(mini_batches=4, grad_accum=4), temperature=1.0).step(groups_of(batch))
     assert accumulated["optimizer_updates"] == whole["optimizer_updates"] == 1.0
     assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
     assert accumulated["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
@@ -425,13 +424,13 @@ def test_same_seed_same_updates(model_dir: Path) -> None:
     first, tokenizer = load_policy(model_dir)
     second, _ = load_policy(model_dir)
     x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
-    batch = episodes_to_batch(
+    batch = segments_to_batch(
         [ep for g in range(2) for ep in _contrast_group(first, tokenizer, f"g{g}", x, y)]
     )
     trainers = [Trainer(m, _cfg(mini_batches=4), temperature=1.0) for m in (first, second)]
     for trainer in trainers:
         for _ in range(2):
-            trainer.step([batch])
+            trainer.step(groups_of(batch))
     assert _same_weights(_weights(first), _weights(second))
 
 
@@ -439,7 +438,7 @@ def test_warmup_scales_the_learning_rate(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
     episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
     trainer = Trainer(model, _cfg(lr=1e-2, mini_batches=1, warmup_steps=4), temperature=1.0)
-    rates = [trainer.step([episodes_to_batch(episodes)])["lr"] for _ in range(5)]
+    rates = [trainer.step(groups_of(episodes))["lr"] for _ in range(5)]
     assert rates == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])
 
 
@@ -448,14 +447,15 @@ def test_temperature_must_be_positive(policy: tuple[Any, Any]) -> None:
         Trainer(policy[0], _cfg(), temperature=0.0)
 
 
-def test_shuffle_seed_comes_from_the_argument_or_the_config(policy: tuple[Any, Any]) -> None:
+def test_shuffle_seed_sets_the_mini_batch_generator(policy: tuple[Any, Any]) -> None:
     model = policy[0]
     cfg = _cfg()
-    from_argument = Trainer(model, cfg, temperature=1.0, seed=5).generator.get_state()
-    from_config = Trainer(model, SimpleNamespace(**cfg.model_dump(), seed=5), temperature=1.0)
+    five = Trainer(model, cfg, temperature=1.0, seed=5).generator.get_state()
+    again = Trainer(model, cfg, temperature=1.0, seed=5).generator.get_state()
     default = Trainer(model, cfg, temperature=1.0).generator.get_state()
-    assert torch.equal(from_argument, from_config.generator.get_state())
-    assert not torch.equal(from_argument, default)
+    assert torch.equal(five, again)
+    assert torch.equal(default, torch.Generator().manual_seed(0).get_state())
+    assert not torch.equal(five, default)
 
 
 def test_generated_tokens_of_a_turn_without_a_reward_reject_the_row(policy: tuple[Any, Any]) -> None:
@@ -466,7 +466,7 @@ def test_generated_tokens_of_a_turn_without_a_reward_reject_the_row(policy: tupl
     orphan = _episode(model, prompt, [x, end], group="g", index=0, outcome=1.0, turn_rewards=[])
     orphan.num_turns = 0
     rows = [orphan, *(_episode(model, prompt, [y, end], group="g", index=i, outcome=0.0) for i in (1, 2))]
-    data = build_step_input([episodes_to_batch(rows)], estimator="turn", gamma=1.0, lam=1.0)
+    data = build_step_input(groups_of(rows), estimator="turn", gamma=1.0, lam=1.0)
     assert [r.episode_id for r in data.rejected] == ["g-e0"]
     assert "turn index 0" in data.rejected[0].reason
     assert len(data.sequences) == 2
@@ -490,11 +490,11 @@ def test_generated_token_entropy_is_exact_and_ignores_masked_positions() -> None
 
 def _two_turn(
     first: int, second: int, *, index: int, outcome: float, rewards: tuple[float, float]
-) -> Episode:
+) -> EpisodeSegment:
     """A two-turn guess-number row from token ids alone (the anchor estimator needs no log-probs)."""
     prompt, context = [1, 2, 3], [7, 8]
     tokens = [*prompt, first, *context, second]
-    return Episode(
+    return EpisodeSegment(
         episode_id=f"g-e{index}",
         group_id="g",
         task_id="task-g",
@@ -520,7 +520,7 @@ def test_anchor_estimator_compares_second_turns_only_with_rows_of_the_same_histo
         _two_turn(50, 60, index=2, outcome=0.0, rewards=(0.0, 0.9)),
         _two_turn(50, 61, index=3, outcome=0.0, rewards=(0.0, 0.7)),
     ]
-    data = build_step_input([episodes_to_batch(rows)], estimator="anchor", gamma=0.0, lam=1.0)
+    data = build_step_input(groups_of(rows), estimator="anchor", gamma=0.0, lam=1.0)
     second_turn = [seq.advantages[-1] for seq in data.sequences]
     # Same-history pairs: +0.2 / -0.2 and +0.2 / -0.2 (a batch-wide baseline would make e0, e1 negative).
     assert second_turn[0] == pytest.approx(second_turn[2]) and second_turn[0] > 0
@@ -581,7 +581,7 @@ def test_action_prior_raises_every_answer_in_a_group_without_signal(policy: tupl
     before = answer_logprobs()
     cfg = _cfg(action_prior_coef=1.0, mini_batches=1, lr=1e-3)
     trainer = Trainer(model, cfg, temperature=1.0, action_token_ids=answers)
-    metrics = trainer.step([episodes_to_batch(failed)])
+    metrics = trainer.step(groups_of(failed))
     # All four failed alike: no policy-gradient signal, yet the group stays for the prior and moves it.
     assert metrics["skipped_zero_adv_groups"] == 1.0 and metrics["optimizer_updates"] == 1.0
     after = answer_logprobs()

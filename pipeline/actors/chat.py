@@ -64,7 +64,7 @@ class ChatTokenizer(Protocol):
 
 @dataclass
 class SegmentBuffer:
-    """Per-token columns of one segment (see learner.schema.Episode); all lists have equal length.
+    """Per-token columns of one segment (see learner.schema.EpisodeSegment); all lists have equal length.
 
     `prompt_len` tokens open the segment (turn_index -1); every later token belongs to a turn.
     """

@@ -6,7 +6,7 @@ One episode: `env.reset(task)` -> messages; the chat template renders the first 
 output ids are appended verbatim, the decoded text is parsed into an Action (envs.toolcalls),
 `env.step(action)` answers, and only the reply's new tokens are appended.
 
-Per-token columns (learner.schema.Episode):
+Per-token columns (learner.schema.EpisodeSegment):
 - prompt tokens (and the whole re-rendered prompt of a later segment): turn_index -1;
 - tokens generated in turn k: turn_index k, loss mask 1, the engine's log-probs verbatim, versions =
   version_to_int of each token's weight version;
@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
-import numbers
 import time
 from collections.abc import Awaitable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,9 +53,9 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from envs.api import EnvFactory, Environment, StepResult, Task
+from envs.api import EnvFactory, Environment, StepResult, Task, is_finite_number
 from envs.toolcalls import get_parser
-from learner.schema import TRAINABLE_FINISH_REASONS, Episode, episodes_to_batch
+from learner.schema import TRAINABLE_FINISH_REASONS, EpisodeSegment, segments_to_batch
 from pipeline.actors.chat import ChatBuffer, ChatTokenizer
 from pipeline.engine.protocol import (
     EngineError,
@@ -122,7 +120,7 @@ class EpisodeOutcome:
     task_id: str
     env: str
     finish_reason: str
-    rows: list[Episode]
+    rows: list[EpisodeSegment]
     turn_rewards: list[float]
     outcome: float | None
     generated_tokens: int
@@ -163,11 +161,11 @@ class GroupOutcome:
     episodes: list[EpisodeOutcome]
 
     @property
-    def rows(self) -> list[Episode]:
+    def rows(self) -> list[EpisodeSegment]:
         return [row for ep in self.episodes for row in ep.rows]
 
     def to_record_batch(self) -> pa.RecordBatch:
-        return episodes_to_batch(self.rows)
+        return segments_to_batch(self.rows)
 
 
 class _EpisodeEnded(Exception):
@@ -312,7 +310,7 @@ def stop_token_ids(settings: RolloutSettings, tokenizer: ChatTokenizer) -> tuple
     return (eos,)
 
 
-class _Episode:
+class _EpisodeRun:
     """State of one running episode; `play` runs the turn loop and raises _EpisodeEnded to stop."""
 
     def __init__(
@@ -404,9 +402,9 @@ class _Episode:
         if not isinstance(step.messages, list):
             raise self._invalid(f"env.step returned messages of type {type(step.messages).__name__}")
         # A non-finite score would make the row invalid for the learner: it is the env's failure.
-        if not _is_finite_number(step.reward):
+        if not is_finite_number(step.reward):
             raise self._invalid(f"env.step returned reward {step.reward!r}, expected a finite number")
-        if step.outcome is not None and not _is_finite_number(step.outcome):
+        if step.outcome is not None and not is_finite_number(step.outcome):
             raise self._invalid(f"env.step returned outcome {step.outcome!r}, expected a finite number")
         step.reward = float(step.reward)
         step.outcome = None if step.outcome is None else float(step.outcome)
@@ -482,11 +480,11 @@ class _Episode:
         self.metrics.turn_tokens.observe(produced)
         return finish
 
-    def rows(self, task: Task, group_id: str, env_name: str, finish_reason: str) -> list[Episode]:
+    def rows(self, task: Task, group_id: str, env_name: str, finish_reason: str) -> list[EpisodeSegment]:
         if self.chat is None:
             return []
         return [
-            Episode(
+            EpisodeSegment(
                 episode_id=self.episode_id,
                 group_id=group_id,
                 task_id=task.id,
@@ -505,14 +503,6 @@ class _Episode:
             )
             for index, seg in enumerate(self.chat.segments)
         ]
-
-
-def _is_finite_number(value: object) -> bool:
-    if type(value) is float or type(value) is int:  # the usual case, without the ABC check
-        return math.isfinite(value)
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def _finish_after_step(step: StepResult, engine_finish: str) -> str | None:
@@ -568,7 +558,7 @@ async def run_episode(
     metrics.EPISODES_IN_FLIGHT.inc()
     error: str | None = None
     try:
-        episode = _Episode(engine, tokenizer, env, settings, episode_id, env_name)
+        episode = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name)
         try:
             async with asyncio.timeout(env.spec.episode_timeout_s):
                 finish_reason = await episode.play(task)

@@ -22,7 +22,7 @@ Decisions:
 - Such groups take milliseconds when an engine is down, so each one in a row doubles a pause of
   admission (`failure_backoff_s` = (first, longest) pause); a group with a trainable episode resets
   it. Without it an engine outage wrote hundreds of empty groups per second.
-- Group ids are `"{run_prefix}-g{n:06d}"`, `run_prefix` a fresh random token per Scheduler, so ids are
+- Group ids are `"{run_prefix}-g{n:06d}"`, `run_prefix` a fresh random token per GroupScheduler, so ids are
   unique across restarts without persisting a counter.
 - Actor idle time (`actor_idle_s`, ACTOR_IDLE) is slot-weighted: while staleness (not concurrency)
   holds work back, each second counts `free slots / max_concurrent` seconds. Divided by wall time it
@@ -55,7 +55,7 @@ from pipeline.transport.spool import SpoolEntry, SpoolWriter
 log = logging.getLogger(__name__)
 
 
-class Scheduler:
+class GroupScheduler:
     """Admits and runs groups; see the module docstring for the counters' meaning."""
 
     def __init__(
@@ -105,6 +105,8 @@ class Scheduler:
         self.failed = 0  # groups lost to a runner bug or a failed write
         self.cancelled = 0  # groups cancelled by drain before their write started
         self.failed_groups = 0  # groups written with no trainable episode (each one backs admission off)
+        self.episodes_finished = 0  # episodes of every group the runner finished (the status line's count)
+        self.episodes_succeeded = 0
         self.actor_idle_s = 0.0
         self.last_entry: SpoolEntry | None = None
         self.written_log: list[tuple[str, int]] = []  # (group_id, seq) in write order, for tests
@@ -221,6 +223,8 @@ class Scheduler:
                 env_options=self.env_options,
             )
             self._note_outcome(group_id, any(ep.trainable for ep in outcome.episodes))
+            self.episodes_finished += len(outcome.episodes)
+            self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
             batch = outcome.to_record_batch()
             write = asyncio.ensure_future(asyncio.to_thread(self.spool.write_group, batch, group_id=group_id))
             self._writes.add(write)

@@ -1,7 +1,7 @@
 """`rollwise bench async`: learner steps/hour with staleness η = 2 versus synchronous η = 0.
 
 What is real and what is modelled:
-- real: Scheduler, AdmissionController, SpoolWriter/SpoolReader, run_group (the multi-turn runner with
+- real: GroupScheduler, AdmissionController, SpoolWriter/SpoolReader, run_group (the multi-turn runner with
   its chat buffer), EnginePool/EngineClient over HTTP on 127.0.0.1, sync_weights;
 - modelled engine: an aiohttp server speaking SGLang's /generate (and the pause/update/continue
   control routes). Response lengths are lognormal (long tail, capped by max_new_tokens); latency is
@@ -35,10 +35,10 @@ from typing import Any
 from aiohttp import web
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
-from learner.schema import batch_to_episodes
+from learner.schema import batch_to_segments
 from pipeline.actors.admission import AdmissionController, is_stale
 from pipeline.actors.rollout import RolloutSettings
-from pipeline.actors.scheduler import Scheduler
+from pipeline.actors.scheduler import GroupScheduler
 from pipeline.daemon.weightsync import sync_weights
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
@@ -238,7 +238,7 @@ class ModeResult:
 
 def _group_min_version(batch: Any) -> tuple[int | None, list[int]]:
     """Oldest version among the group's generated tokens, and every generated token's version."""
-    episodes, _ = batch_to_episodes(batch)
+    episodes, _ = batch_to_segments(batch)
     versions = [v for ep in episodes for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m]
     return (min(versions) if versions else None), versions
 
@@ -255,7 +255,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         max_context_tokens=params.turns * (params.max_new_tokens + 64) + 64,
     )
     env = CoinEnv(params.turns)
-    scheduler = Scheduler(
+    scheduler = GroupScheduler(
         engine=pool,
         tokenizer=CharTokenizer(),
         factory=CoinEnv,

@@ -1,8 +1,8 @@
 """What the daemon prints while it runs: a rich live view on a terminal, JSON lines otherwise.
 
-Both read the same numbers: learner step events as they arrive, and a periodic status computed from
-the Prometheus registry (counter deltas since the previous status, so rates and success rates describe
-the last interval, not the whole run). JSON lines go to stdout, one object per line:
+Both read the same numbers: learner step events as they arrive, and a periodic status computed from the
+daemon's running totals (deltas since the previous status, so rates and success rates describe the last
+interval, not the whole run). JSON lines go to stdout, one object per line:
 `{"event": "step", ...}` per learner step and `{"event": "status", ...}` every `interval_s`.
 """
 
@@ -14,40 +14,18 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TextIO
 
-from pipeline.observability import metrics
-
-
-def _sum_samples(family_name: str, sample_suffix: str) -> float:
-    """Sum of every sample `<family><suffix>` over all label values (0 when absent)."""
-    total = 0.0
-    for family in metrics.REGISTRY.collect():
-        if family.name != family_name:
-            continue
-        for sample in family.samples:
-            if sample.name == family_name + sample_suffix:
-                total += sample.value
-    return total
-
 
 @dataclass(frozen=True)
 class Totals:
-    """Cumulative counters read from the registry at one moment."""
+    """Cumulative counts at one moment, as the daemon's parts keep them: episodes finished and solved (the
+    scheduler), trained tokens' staleness and the spool depth (the learner's step events)."""
 
     at: float
     episodes: float
     successes: float
     staleness_sum: float
     staleness_count: float
-
-    @staticmethod
-    def read() -> Totals:
-        return Totals(
-            at=time.monotonic(),
-            episodes=_sum_samples("rollwise_episodes", "_total"),
-            successes=_sum_samples("rollwise_episode_successes", "_total"),
-            staleness_sum=_sum_samples("rollwise_trained_token_staleness_versions", "_sum"),
-            staleness_count=_sum_samples("rollwise_trained_token_staleness_versions", "_count"),
-        )
+    spool_depth_groups: int = 0
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -98,7 +76,7 @@ def status_between(
             _ratio(after.staleness_sum - before.staleness_sum, after.staleness_count - before.staleness_count)
         ),
         learner_step_time_s=_round(step_time_s),
-        spool_depth_groups=int(_sum_samples("rollwise_spool_depth_groups", "")),
+        spool_depth_groups=after.spool_depth_groups,
     )
 
 

@@ -1,6 +1,6 @@
 """Continuous-batching scheduler of the embedded engine: one worker thread owns the model and KV cache.
 
-Threading: `Scheduler` runs the model in ONE dedicated thread (torch releases the GIL inside its
+Threading: `ContinuousBatcher` runs the model in ONE dedicated thread (torch releases the GIL inside its
 kernels, so the aiohttp loop stays responsive). Other threads talk to it only through a thread-safe
 command queue (`submit`, `abort`, `pause`, `resume`, `swap_weights`, `flush_cache`); replies come back
 as `concurrent.futures.Future`s, and per-request progress through the request's `notify` callback,
@@ -279,7 +279,7 @@ def architecture_mismatch(old: Any, new: Any) -> str | None:
     return None
 
 
-class Scheduler:
+class ContinuousBatcher:
     """Owns the model; batches, decodes and finishes requests on its own worker thread."""
 
     def __init__(

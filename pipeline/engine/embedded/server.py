@@ -1,4 +1,4 @@
-"""The embedded SGLang-compatible engine: an aiohttp server over `batcher.Scheduler`.
+"""The embedded SGLang-compatible engine: an aiohttp server over `batcher.ContinuousBatcher`.
 
 `rollwise engine serve --model DIR --host 127.0.0.1 --port N [--weight-version 0] [--max-batch 64]
 [--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]`.
@@ -47,7 +47,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pipeline.engine.embedded.batcher import PAUSE_MODES, EngineRequest, Scheduler
+from pipeline.engine.embedded.batcher import PAUSE_MODES, ContinuousBatcher, EngineRequest
 from pipeline.engine.embedded.metrics import EngineMetrics
 from pipeline.engine.embedded.sampling import RequestSampling, parse_sampling_params
 
@@ -145,7 +145,7 @@ class EngineState:
     config: ServerConfig
     metrics: EngineMetrics
     model_path: str
-    scheduler: Scheduler | None = None
+    scheduler: ContinuousBatcher | None = None
     tokenizer: Any = None
     ready: bool = False
     inflight: dict[str, _Tracked] = field(default_factory=dict)
@@ -155,7 +155,7 @@ class EngineState:
     )
     rng: random.Random = field(default_factory=random.Random)
 
-    def require_scheduler(self) -> Scheduler:
+    def require_scheduler(self) -> ContinuousBatcher:
         if self.scheduler is None:
             raise web.HTTPServiceUnavailable(text="engine is still loading the model")
         return self.scheduler
@@ -167,7 +167,7 @@ class EngineState:
         model = await loop.run_in_executor(self.loader, load_model, cfg.model, cfg.device, cfg.dtype)
         self.tokenizer = await loop.run_in_executor(self.loader, _load_tokenizer, cfg.model)
         context = cfg.context_length or int(getattr(model.config, "max_position_embeddings", 2048))
-        self.scheduler = Scheduler(
+        self.scheduler = ContinuousBatcher(
             model,
             weight_version=cfg.weight_version,
             eos_token_ids=_eos_ids(model, self.tokenizer),

@@ -1,0 +1,167 @@
+"""What the learner process tells the supervisor: one typed record per event, one JSON object per line.
+
+`encode(event)` writes `{"event": <name>, <fields>}`; `decode(obj)` turns such an object back into its
+record and raises `ValueError` naming the event and the field when it breaks the contract. Each value
+is sent once. The table of events, fields and meanings is in docs/architecture.md (Contract 5).
+
+Import-light (standard library only): the supervisor imports it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Union, get_type_hints
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The learner restored its checkpoint (or starts fresh) and serves `version` from `path`."""
+
+    name: ClassVar[str] = "ready"
+    version: int
+    step: int
+    consumed_seq: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A spool group the learner will never train (sent at once; the supervisor dedupes by `seq`, since a
+    restarted learner re-reads the groups after its checkpoint)."""
+
+    name: ClassVar[str] = "dropped"
+    seq: int
+    group_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of B groups. `groups` = groups whose rows are in the new weights (0 when the
+    step changed no weight: those groups were announced as dropped, reason no_update). `staleness` =
+    generated tokens trained, by how many versions behind the learner they were. `metrics` = the
+    trainer's step metrics, None where a value was not finite (a skipped update)."""
+
+    name: ClassVar[str] = "step"
+    step: int
+    version: int
+    groups: int
+    group_ids: list[str]
+    consumed_seq: int
+    metrics: dict[str, float | None]
+    staleness: dict[int, int]
+    idle_s: float  # waiting for spool files since the last step
+    busy_s: float  # this step: train, publish, checkpoint
+    spool_read_s: float  # listing, reading, decoding and validating spool files since the last step
+    spool_depth_groups: int
+    spool_depth_bytes: int
+
+    def metric(self, key: str) -> float | None:
+        return self.metrics.get(key)
+
+
+@dataclass(frozen=True)
+class Published:
+    """Weights of `version` are complete at `path` (HF format) and may be loaded by the engines."""
+
+    name: ClassVar[str] = "published"
+    version: int
+    path: str
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    name: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+    consumed_seq: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A spool file that could not be read moved to spool/quarantine (a `dropped` event follows)."""
+
+    name: ClassVar[str] = "quarantined"
+    seq: int
+    file: str
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The learner stops on its own (it reached run.max_steps) and checkpoints; the daemon stops too."""
+
+    name: ClassVar[str] = "finished"
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Error:
+    name: ClassVar[str] = "error"
+    message: str
+
+
+LearnerEvent = Union[Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, Finished, Error]  # noqa: UP007
+EVENT_TYPES: dict[str, type[LearnerEvent]] = {
+    cls.name: cls for cls in (Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, Finished, Error)
+}
+
+
+def encode(event: LearnerEvent) -> str:
+    """One JSON line (no newline). Non-finite floats cannot travel as JSON: metrics send them as null."""
+    body = asdict(event)
+    if isinstance(event, Step):
+        body["staleness"] = {str(k): v for k, v in sorted(event.staleness.items())}
+    return json.dumps({"event": event.name, **body}, allow_nan=False, separators=(",", ":"))
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def decode(obj: object) -> LearnerEvent:
+    """The record of one decoded JSON object; ValueError naming the event and field if it is malformed."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"learner event must be a JSON object, got {type(obj).__name__}")
+    name = obj.get("event")
+    cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown learner event {name!r} (known: {', '.join(EVENT_TYPES)})")
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in obj:
+            raise ValueError(f"learner event {name!r} lacks field {f.name!r}")
+        values[f.name] = _coerce(obj[f.name], hints[f.name], f"{name}.{f.name}")
+    return cls(**values)
+
+
+def _coerce(value: object, hint: object, where: str) -> Any:
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif hint == list[str]:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+    elif hint == dict[str, float | None]:
+        if isinstance(value, dict) and all(
+            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value.values()
+        ):
+            return {str(k): (None if v is None else float(v)) for k, v in value.items()}
+    elif hint == dict[int, int] and isinstance(value, dict):
+        try:
+            return {int(k): int(v) for k, v in value.items()}
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"learner event field {where} has {value!r}, expected {hint}")

@@ -1,0 +1,130 @@
+"""The engines of a run: the managed children (none for `engine.kind = "external"`), one EngineClient
+per engine and the EnginePool over them.
+
+A managed engine is kept running with backoff; each (re)start loads the version the daemon serves at
+that moment (`served_version()`), and an engine that comes up after a newer version was published
+loads it before it is marked up. An engine that fails its start `MAX_FAILED_STARTS` times in a row
+calls `fail(why)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pipeline.config import Config
+from pipeline.daemon.children import Child, ChildSpec, keep_running
+from pipeline.engine.client import EngineClient
+from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
+from pipeline.engine.pool import EnginePool
+from pipeline.observability import metrics
+from pipeline.run_dir import RunDir
+
+log = logging.getLogger("rollwise.engine_fleet")
+
+MAX_FAILED_STARTS = 3
+
+
+class EngineFleet:
+    def __init__(
+        self,
+        cfg: Config,
+        run: RunDir,
+        *,
+        stopping: asyncio.Event,
+        served_version: Callable[[], int],
+        fail: Callable[[str], None],
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run
+        self.stopping = stopping
+        self.served_version = served_version
+        self.fail = fail
+        self.slots: list[EngineSlot] = plan_engines(cfg)
+        self.children: dict[str, Child] = {}
+        self.up: dict[str, bool] = {s.name: False for s in self.slots}
+        self._up_events = {s.name: asyncio.Event() for s in self.slots}
+        self._tasks: list[asyncio.Task[None]] = []
+        timeout = cfg.engine.request_timeout_s
+        self.clients = [
+            EngineClient(s.url, api_key=cfg.engine.api_key, request_timeout_s=timeout) for s in self.slots
+        ]
+        self.pool = EnginePool(self.clients)
+
+    async def start(self) -> None:
+        """Start the managed engines and wait until every engine, external ones included, answers
+        /health."""
+        for slot, client in zip(self.slots, self.clients, strict=True):
+            if slot.managed:
+                self._tasks.append(asyncio.create_task(self.keep(slot, client), name=slot.name))
+            else:
+                await client.wait_ready(self.cfg.engine.startup_timeout_s)
+                self._mark_up(slot, self.served_version())
+        await asyncio.gather(*(e.wait() for e in self._up_events.values()))
+
+    def not_up(self) -> list[str]:
+        return [name for name, up in self.up.items() if not up]
+
+    def _mark_up(self, slot: EngineSlot, version: int) -> None:
+        self.up[slot.name] = True
+        self._up_events[slot.name].set()
+        metrics.POLICY_VERSION_SERVED.labels(engine=slot.url).set(version)
+
+    def _spec(self, slot: EngineSlot) -> ChildSpec:
+        version = self.served_version()
+        weights = self.run_dir.serving_weights(version)
+        return engine_child_spec(
+            self.cfg, slot, model_dir=weights, version=version, log_dir=self.run_dir.logs
+        )
+
+    async def keep(self, slot: EngineSlot, client: EngineClient) -> None:
+        """Keep one engine running; a restarted engine loads the version served at its start."""
+        failed_starts = 0
+
+        async def serve(child: Child) -> None:
+            nonlocal failed_starts
+            launched = self.served_version()
+            if not await ready_or_exited(client, child, self.cfg.engine.startup_timeout_s):
+                failed_starts += 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    self.fail(f"{slot.name} failed to start {failed_starts} times; see {child.spec.log_path}")
+                return
+            failed_starts = 0
+            version = self.served_version()
+            if version != launched:  # a version was published while this engine was starting
+                weights = self.run_dir.serving_weights(version)
+                await client.update_weights_from_disk(str(weights), weight_version=str(version))
+            self._mark_up(slot, version)
+            await child.wait()
+            self.up[slot.name] = False
+
+        def started(child: Child) -> None:
+            self.children[slot.name] = child
+
+        await keep_running(
+            lambda: self._spec(slot), serve, self.stopping, component="engine", on_start=started
+        )
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM every engine, SIGKILL after `grace_s`. Idempotent."""
+        await asyncio.gather(*(c.stop(grace_s) for c in self.children.values()), return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.close()
+
+
+async def ready_or_exited(client: EngineClient, child: Child, timeout_s: float) -> bool:
+    """True once the engine answers /health; False if its process exits or `timeout_s` passes first."""
+    ready = asyncio.ensure_future(client.wait_ready(timeout_s))
+    exited = asyncio.ensure_future(child.wait())
+    await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+    exited.cancel()
+    if ready.done() and ready.exception() is None:
+        return True
+    ready.cancel()
+    await asyncio.gather(ready, return_exceptions=True)
+    if child.returncode is None:
+        child.kill()
+    return False

@@ -1,0 +1,115 @@
+"""The learner as a child of the daemon: started with the resolved config, restarted with backoff, its
+JSON-line events decoded into typed records (learner.events) and handed to one callback.
+
+The daemon learns everything about the learner through `on_event`: `Ready` (also kept here, so the
+daemon can wait for the first one), and every other record as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from learner import events
+from pipeline.daemon.children import Child, ChildSpec, keep_running
+from pipeline.run_dir import RunDir
+
+log = logging.getLogger("rollwise.learner_child")
+
+MAX_FAILED_STARTS = 3
+
+
+def learner_child_spec(run: RunDir, threads: int) -> ChildSpec:
+    argv = ["--config", str(run.config_file), "--run-dir", str(run.root)]
+    return ChildSpec(
+        name="learner",
+        argv=[sys.executable, "-m", "learner.worker", *argv],
+        log_path=run.log_file("learner"),
+        env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+        events=True,
+        stdin=True,
+    )
+
+
+class LearnerChild:
+    """Keeps the learner process running until `stopping` is set. `on_event` receives every decoded event
+    in order; `fail(why)` is called when the learner exits `MAX_FAILED_STARTS` times in a row before it
+    ever reported ready (a problem restarts cannot fix)."""
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        *,
+        stopping: asyncio.Event,
+        on_event: Callable[[events.LearnerEvent], Awaitable[None]],
+        fail: Callable[[str], None],
+    ) -> None:
+        self.spec = spec
+        self.stopping = stopping
+        self.on_event = on_event
+        self.fail = fail
+        self.child: Child | None = None
+        self.ready: events.Ready | None = None
+        self.failed_starts = 0
+        self._ready_event = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> events.Ready:
+        """Start the learner (kept running with backoff) and wait for its first Ready event."""
+
+        def started(child: Child) -> None:
+            self.child = child
+
+        self._task = asyncio.create_task(
+            keep_running(lambda: self.spec, self.follow, self.stopping, component="learner", on_start=started)
+        )
+        await self._ready_event.wait()
+        assert self.ready is not None
+        return self.ready
+
+    async def follow(self, child: Child) -> None:
+        """Decode the child's events until it closes stdout; a malformed line is logged and skipped."""
+        was_ready = False
+        while (obj := await child.read_event()) is not None:
+            try:
+                event = events.decode(obj)
+            except ValueError as exc:
+                log.error("learner sent a malformed event: %s", exc)
+                continue
+            if isinstance(event, events.Ready):
+                was_ready = True
+                self.failed_starts = 0
+                self.ready = event
+                self._ready_event.set()
+                log.info("learner ready: %s", event)
+            await self.on_event(event)
+        if not was_ready and not self.stopping.is_set():
+            self.failed_starts += 1
+            if self.failed_starts >= MAX_FAILED_STARTS:
+                self.fail(
+                    f"the learner exited {self.failed_starts} times before reporting ready; "
+                    f"see {child.spec.log_path}"
+                )
+
+    @property
+    def log_path(self) -> Path:
+        return self.spec.log_path
+
+    async def stop(self, grace_s: float) -> None:
+        """Ask the learner to finish its step and checkpoint; kill it if it does not exit in time.
+        Idempotent."""
+        child = self.child
+        if child is not None and child.returncode is None:
+            await child.send({"cmd": "stop"})
+            # A checkpoint of a large model can take a while; the grace covers the step in progress.
+            try:
+                await asyncio.wait_for(asyncio.shield(child.wait()), grace_s + 30.0)
+            except TimeoutError:
+                log.warning("learner did not stop within %.0f s; killing pid=%s", grace_s + 30.0, child.pid)
+                await child.stop(1.0)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

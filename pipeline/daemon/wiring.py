@@ -1,0 +1,157 @@
+"""Config -> the daemon's components. Everything a bad config can break is checked in `resolve_config`,
+before anything starts; the rest builds what the schedule in supervisor.py asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envs.api import EnvFactory, Environment
+from learner import events
+from pipeline.actors.admission import AdmissionController
+from pipeline.actors.rollout import GenerateEngine, RolloutSettings
+from pipeline.actors.scheduler import GroupScheduler
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.engine.protocol import SamplingParams
+from pipeline.run_dir import RunDir, is_model_dir
+from pipeline.transport.spool import SpoolWriter, spool_depth
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A validated run: the config, its directory, and the environment built once from `env.options`
+    (its spec was checked against the config; its task stream feeds the scheduler)."""
+
+    cfg: Config
+    run: RunDir
+    env_factory: EnvFactory
+    env: Environment
+
+
+def resolve_config(ns: argparse.Namespace) -> RunSetup:
+    """Config file + --set + the run flags (as overrides, so errors name the key); checks the env name,
+    its options and the model path before anything starts. Raises ConfigError."""
+    overrides = list(ns.set or [])
+    if ns.run_dir is not None:
+        overrides.append(f"run.run_dir={json.dumps(ns.run_dir)}")
+    if ns.max_steps is not None:
+        overrides.append(f"run.max_steps={ns.max_steps}")
+    if ns.log_format is not None:
+        overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
+    cfg = load_config(ns.config, overrides)
+    from envs.discovery import EnvDiscoveryError, resolve_env
+
+    try:
+        factory = resolve_env(cfg.env.name)
+    except EnvDiscoveryError as exc:
+        raise ConfigError(f"env.name: {exc}") from None
+    try:
+        env = factory(**cfg.env.options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
+    if cfg.learner.action_prior_coef > 0.0 and not env.spec.action_hints:
+        raise ConfigError(
+            f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
+            f"action_hints, and {cfg.env.name} declares none (set it to 0)"
+        )
+    run = RunDir.at(cfg.run.run_dir, cfg.model.path)
+    if cfg.model.path is not None and not is_model_dir(run.initial_model):
+        raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
+    return RunSetup(cfg, run, factory, env)
+
+
+def ensure_initial_model(setup: RunSetup) -> Path:
+    """The initial model directory; creates the preset in run_dir/model (atomically) when needed."""
+    target = setup.run.initial_model
+    if setup.cfg.model.path is not None or is_model_dir(target):
+        return target
+    from learner.model_init import init_model
+
+    staged = setup.run.root / ".model.tmp"
+    shutil.rmtree(staged, ignore_errors=True)
+    init_model(staged, preset=setup.cfg.model.preset, seed=setup.cfg.run.seed)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staged, target)
+    return target
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) -> int:
+    """Groups the staleness control counts as accepted on resume.
+
+    Each learner version consumed exactly B accepted groups, so v·B groups are behind the learner;
+    the groups fsync'd to the spool but not yet consumed are accepted too (they will be trained).
+    Groups lost with a killed supervisor were never fsync'd, never counted, and are simply redone.
+    """
+    return version * batch_groups + unconsumed_groups
+
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    s = cfg.sampling
+    return RolloutSettings(
+        sampling=SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            max_new_tokens=s.max_new_tokens,
+        ),
+        max_context_tokens=cfg.env.max_context_tokens,
+        tool_parser=cfg.env.tool_parser,
+        system_prompt=cfg.env.system_prompt,
+        # abort-and-retry: an aborted turn is resubmitted with its partial output (AReaL-style), so the
+        # tokens already generated keep their old version and the rest comes from the new weights.
+        retry_aborted=cfg.async_.weight_sync_mode == "abort",
+    )
+
+
+async def build_scheduler(
+    setup: RunSetup,
+    *,
+    engine: GenerateEngine,
+    ready: events.Ready,
+    served_version: int,
+    dropped_already: int,
+) -> GroupScheduler:
+    """The actor side: tokenizer, spool writer and staleness control around the engine pool.
+
+    The learner may already have trained the unconsumed groups, published newer versions and dropped
+    some groups while the engines and this scheduler were starting: admission starts from the version
+    the engines serve now, and does not count as accepted what the learner already announced it will
+    never train (`dropped_already`)."""
+    cfg, run = setup.cfg, setup.run
+    tokenizer = await asyncio.to_thread(load_tokenizer, run.initial_model)
+    unconsumed, _ = spool_depth(run.spool, ready.consumed_seq)
+    spool = SpoolWriter(run.spool)
+    # A resumed run continues the task stream after the groups already produced instead of replaying it.
+    tasks = itertools.islice(setup.env.tasks(cfg.run.seed), spool.next_seq - 1, None)
+    return GroupScheduler(
+        engine=engine,
+        tokenizer=tokenizer,
+        factory=setup.env_factory,
+        env_name=cfg.env.name,
+        env_options=cfg.env.options,
+        settings=rollout_settings(cfg),
+        group_size=cfg.env.group_size,
+        admission=AdmissionController(
+            cfg.learner.batch_groups, cfg.async_.max_staleness, cfg.rollout.max_concurrent_groups
+        ),
+        spool=spool,
+        tasks=tasks,
+        initial_version=served_version,
+        initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
+        - dropped_already,
+    )

@@ -1,6 +1,6 @@
 """Atomic learner checkpoints: enough state that a restarted learner takes exactly the same next step.
 
-Layout (docs/architecture.md, Contract 5):
+Layout (docs/architecture.md, Contract 5; names and the `latest` pointer are pipeline.run_dir's):
 
     <checkpoints_dir>/step<n>/model/            HF directory (config.json, model.safetensors[, tokenizer])
     <checkpoints_dir>/step<n>/trainer_state.pt  optimizer, LR scheduler, torch RNG + the trainer's generator
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -31,10 +30,15 @@ from safetensors.torch import load_model
 from learner.durable import fsync_dir
 from learner.model import quiet_transformers, replace_dir_atomically, save_tokenizer
 from learner.trainer import Trainer
+from pipeline.run_dir import (
+    CHECKPOINT_STATE,
+    LATEST_CHECKPOINT,
+    checkpoint_dirs,
+    checkpoint_name,
+    latest_checkpoint_dir,
+)
 
 FORMAT_VERSION = 1
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step(\d+)$")
 
 
 @dataclass
@@ -91,15 +95,6 @@ def _write_text_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def _step_dirs(checkpoints_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    for child in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else []:
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / "state.json").is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
 def save_checkpoint(
     checkpoints_dir: str | Path,
     trainer: Trainer,
@@ -118,7 +113,7 @@ def save_checkpoint(
     quiet_transformers()
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step{trainer.steps}"
+    name = checkpoint_name(trainer.steps)
     staged = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         trainer.model.save_pretrained(staged / "model")
@@ -141,14 +136,14 @@ def save_checkpoint(
             "extra": extra or {},
             "rng": {"python": list(_python_state()), "numpy": _numpy_state_to_json()},
         }
-        (staged / "state.json").write_text(json.dumps(state) + "\n", encoding="utf-8")
+        (staged / CHECKPOINT_STATE).write_text(json.dumps(state) + "\n", encoding="utf-8")
         target = root / name
         replace_dir_atomically(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    _write_text_atomically(root / LATEST, name + "\n")
-    for _, old in _step_dirs(root)[:-keep]:
+    _write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")
+    for _, old in checkpoint_dirs(root)[:-keep]:
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     # Staging dirs of saves that crashed before their rename (one learner writes here at a time).
@@ -164,7 +159,7 @@ def _python_state() -> tuple[Any, ...]:
 
 
 def _read(path: Path) -> Checkpoint:
-    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    state = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
     if state.get("format") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format {state.get('format')!r}, expected {FORMAT_VERSION}")
     return Checkpoint(
@@ -179,14 +174,8 @@ def _read(path: Path) -> Checkpoint:
 
 def load_latest_checkpoint(checkpoints_dir: str | Path) -> Checkpoint | None:
     """The checkpoint `latest` names; else the newest complete step dir; None when there is none."""
-    root = Path(checkpoints_dir)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text(encoding="utf-8").strip()
-        if (named / "state.json").is_file():
-            return _read(named)
-    dirs = _step_dirs(root)
-    return _read(dirs[-1][1]) if dirs else None
+    path = latest_checkpoint_dir(Path(checkpoints_dir))
+    return _read(path) if path is not None else None
 
 
 def _check_optimizer_layout(

@@ -31,10 +31,12 @@ async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads
     from pipeline.engine.launch import engine_child_spec, plan_engines
     from pipeline.engine.pool import EnginePool
     from pipeline.engine.protocol import SamplingParams
+    from pipeline.run_dir import RunDir
 
     cfg = load_config(None, ["engine.port=0", f"engine.threads={threads}"])
     slot = plan_engines(cfg)[0]
-    child = Child(engine_child_spec(cfg, slot, model_dir=model_dir, version=0, log_dir=work / "logs"))
+    run = RunDir.at(work, model_dir)
+    child = Child(engine_child_spec(cfg, slot, model_dir=model_dir, version=0, log_dir=run.logs))
     await child.start()
     pool = EnginePool([EngineClient(slot.url)])
     model, tokenizer = await asyncio.to_thread(load_policy, model_dir)
@@ -55,7 +57,7 @@ async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads
         busy = [asyncio.create_task(keep_busy(i)) for i in range(load)]
         for version in range(1, repeats + 1):
             path = await asyncio.to_thread(
-                export_weights, model, tokenizer, work / "weights" / f"v{version}", version
+                export_weights, model, tokenizer, run.weights_of(version), version
             )
             started = time.perf_counter()
             timings = await sync_weights(pool, model_path=str(path), version=version, mode="in_place")

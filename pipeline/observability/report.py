@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.run_dir import RunDir
+
 DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
 # (dashboard file, panel title): the panels that answer "is it learning, and is it healthy?"
 KEY_PANELS = (
@@ -112,7 +114,7 @@ def from_prometheus(base: str, since_s: float, step_s: float) -> list[Panel]:
 
 
 def from_step_log(run_dir: Path) -> list[Panel]:
-    path = run_dir / "logs" / "steps.jsonl"
+    path = RunDir.at(run_dir).step_log
     if not path.exists():
         raise ReportError(f"{path} does not exist (and no --prometheus given)")
     steps: list[dict[str, Any]] = []

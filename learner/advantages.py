@@ -1,4 +1,4 @@
-"""Per-turn advantages for multi-turn episodes (pure Python; shared/reference/envs_and_advantages.md C.2).
+"""Per-turn advantages for multi-turn episodes (pure Python).
 
 Input: groups of episodes; the episodes of a group played the same task. An episode is
 ``(turn_rewards, outcome)``: one shaping reward per turn (the env's ``StepResult.reward``) and the final
@@ -31,7 +31,7 @@ outcome (or the sum of turn rewards), the same value on every turn. std is the *
 one-episode group gives 0, not NaN); verl and TRL use the Bessel-corrected std, which differs by the
 constant factor sqrt((G - 1) / G). ``norm="none"``: r_i - mean.
 
-Estimator ``"anchor"`` (GiGPO's anchor-state groups, arXiv 2505.10978, applied to both C.2 channels):
+Estimator ``"anchor"`` (GiGPO's anchor-state groups, arXiv 2505.10978, applied to both channels of ``turn``):
 every turn k of episode i gets its own outcome term A^o_{i,k} = o_i - mean of o_j and shaping term
 A^s_{i,k} = S_{i,k} - mean of S_{j,k}, both over the peers j != i of its group that saw exactly the same
 history before turn k (the same ``anchors[g][i][k]``; the pipeline uses a digest of the token ids the
@@ -189,8 +189,8 @@ def turn_advantages(
         groups: each group a sequence of ``(turn_rewards, outcome)`` episodes (outcome may be None).
         gamma: discount of the shaping return-to-go, in [0, 1].
         lam: weight of the shaping channel relative to the outcome channel ("turn" and "anchor").
-        estimator: "turn" (C.2, default), "outcome" (GRPO broadcast of the group-normalised outcome) or
-            "anchor" (C.2 with same-history baselines per turn; see the module docstring).
+        estimator: "turn" (outcome + shaping channels, default), "outcome" (GRPO broadcast of the
+            group-normalised outcome) or "anchor" (``turn`` with same-history baselines per turn; see the module docstring).
         anchors: for "anchor", ``anchors[g][i][k]`` identifies the history episode i of group g had
             seen before its turn k (any hashable; None = unknown). Missing anchors fall back as None.
         norm: "std" divides each channel by its batch-level population std (GRPO-style); "none" keeps

@@ -1,6 +1,6 @@
 """GSPO / GSPO-token clipped surrogate loss (pure tensor maths, no model, no optimizer).
 
-Reference: GSPO (arXiv 2507.18071) and shared/reference/gspo_impls.md §1, §6, §7. Notation: ``lp`` are
+Reference: the GSPO paper (arXiv 2507.18071), whose GSPO-token variant is the default. Notation: ``lp`` are
 log-probs of the sampled tokens under the policy being trained (with grad), ``old`` those of the
 behaviour policy (here: the inference engine's own log-probs), ``A`` per-token advantages, ``mask`` 1 on
 tokens the model generated and we train on (prompt, tool and environment tokens are 0).
@@ -19,7 +19,7 @@ Aggregation (verl's ``loss_agg_mode``):
 
 - ``"seq_mean_token_mean"`` (default): each sequence's masked token mean, then the mean over sequences
   with at least one unmasked token, so every episode weighs the same regardless of its length (the
-  paper's (1/G) sum_i; avoids the length weighting of §6.1).
+  paper's (1/G) sum_i; a long episode does not outweigh a short one).
 - ``"token_mean"``: the mean over every unmasked token of the batch, so every generated token (with
   per-turn advantages: every turn of a short-answer task) weighs the same. A 5-turn episode then carries
   5x the weight of a 1-turn one instead of each of its turns getting 1/5: the late turns of long
@@ -48,7 +48,8 @@ MAX_LOG_RATIO = 10.0
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """fp64 when any input is fp64 (finite-difference tests), else fp32 (never bf16: see §6.5)."""
+    """fp64 when any input is fp64 (finite-difference tests), else fp32 (never bf16: its log-prob spacing,
+    ~0.01, is wider than GSPO's clip band)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
@@ -129,7 +130,7 @@ def gspo_token_loss(
           least one token (per sequence for the sequence levels, where the decision is per sequence).
         - clip_fraction_token: token-weighted share of unmasked tokens whose clipped branch is active.
         - band_exit_fraction: share of non-empty sequences with a ratio outside the band on any token,
-          whatever the sign of A (what a train/engine mismatch alone would clip, §7 T8).
+          whatever the sign of A (what a train/engine mismatch alone would clip).
         - ratio_mean / ratio_min / ratio_max: over non-empty sequences (s_i) for the sequence levels,
           over unmasked tokens for "token"; 1.0 when there is nothing to measure.
         - mismatch_abs_mean: token-weighted mean |lp - old|.

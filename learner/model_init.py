@@ -2,7 +2,7 @@
 
 The tokenizer is byte-level BPE (any UTF-8 text encodes) whose merges are learned from the words and
 numbers the built-in environments use, so "12" or " higher" are one token each. The default task learns
-several times faster that way than with a bytes-only vocabulary (see shared/DESIGN.md, Numerics).
+several times faster that way than with a bytes-only vocabulary.
 
 Everything here is deterministic for a given (preset, seed, vocabulary hints): the same files, the same
 tensors. transformers loads the result with AutoModelForCausalLM / AutoTokenizer and no extra code.

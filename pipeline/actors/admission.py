@@ -1,4 +1,4 @@
-"""AReaL-style staleness control (shared/reference/async_rl_systems.md §2, §9.5). Pure arithmetic.
+"""AReaL-style staleness control (the AReaL paper, arXiv 2505.24298). Pure arithmetic.
 
 The actor side admits a new group only while
 

@@ -1,6 +1,6 @@
 """Weight sync across every engine: pause -> update_weights_from_disk -> continue, each phase timed.
 
-`mode` is SGLang's pause mode (shared/reference/async_rl_systems.md §0): `in_place` freezes running
+`mode` is SGLang's pause mode (the `mode` field of /pause_generation): `in_place` freezes running
 requests with their KV (tokens decoded after the update carry the new version), `retract` requeues them
 (KV recomputed with the new weights), `abort` returns them to their callers (the runner may resubmit).
 The update never aborts requests itself (`abort_all_requests=False`): the pause mode decides.

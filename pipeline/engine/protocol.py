@@ -1,7 +1,7 @@
 """SGLang `/generate` wire protocol: request sampling params, parsed results, typed errors.
 
 Pure data and validation, no I/O. The request and response shapes follow SGLang's native HTTP API
-(shared/reference/sglang_api.md §1 and §8); docs/architecture.md "Contract 2" is the contract.
+(0.5.x); docs/architecture.md "Contract 2" is the contract.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Everything here is a pure function of its inputs (no model, no threads), so it is unit-tested alone.
 
-Log-prob meaning (SGLang's, shared/reference/sglang_api.md §1.4): the log-prob reported for a sampled
+Log-prob meaning (SGLang's): the log-prob reported for a sampled
 token is `log_softmax(logits / T)` in fp32, taken BEFORE top-p / top-k / min-p truncation. Greedy rows
 (temperature < 1e-6) report `log_softmax(logits)` (T = 1), as SGLang does.
 

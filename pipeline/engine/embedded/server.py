@@ -3,7 +3,7 @@
 `rollwise engine serve --model DIR --host 127.0.0.1 --port N [--weight-version 0] [--max-batch 64]
 [--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]`.
 
-Speaks the subset of SGLang's native HTTP API that rollwise uses (shared/reference/sglang_api.md),
+Speaks the subset of SGLang's native HTTP API that rollwise uses (docs/architecture.md, Contract 2),
 with SGLang's JSON shapes, key order and status codes:
 - POST/PUT /generate: `input_ids` (list -> one object, list of lists -> array) or `text` (tokenised
   with the model's tokenizer, no special tokens added by us beyond the tokenizer's defaults);

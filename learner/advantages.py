@@ -190,7 +190,8 @@ def turn_advantages(
         gamma: discount of the shaping return-to-go, in [0, 1].
         lam: weight of the shaping channel relative to the outcome channel ("turn" and "anchor").
         estimator: "turn" (outcome + shaping channels, default), "outcome" (GRPO broadcast of the
-            group-normalised outcome) or "anchor" (``turn`` with same-history baselines per turn; see the module docstring).
+            group-normalised outcome) or "anchor" (``turn`` with same-history baselines per turn; see
+            the module docstring).
         anchors: for "anchor", ``anchors[g][i][k]`` identifies the history episode i of group g had
             seen before its turn k (any hashable; None = unknown). Missing anchors fall back as None.
         norm: "std" divides each channel by its batch-level population std (GRPO-style); "none" keeps

@@ -73,6 +73,9 @@ class Published:
 
 @dataclass(frozen=True)
 class CheckpointSaved:
+    """A checkpoint of `step` is complete at `path`; it consumed the spool up to `consumed_seq` and took
+    `seconds` to write."""
+
     name: ClassVar[str] = "checkpoint"
     step: int
     path: str
@@ -102,6 +105,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Error:
+    """Something the learner reports without stopping (an unreadable command) or just before it exits
+    with an error."""
+
     name: ClassVar[str] = "error"
     message: str
 

@@ -43,40 +43,31 @@ class RunDirInUse(RuntimeError):
 
 @dataclass(frozen=True)
 class RunDir:
-    """Paths of one run. `initial_model` is `model.path` when the config names one, else `<root>/model`."""
+    """Paths of one run; build it with `RunDir.at`. `initial_model` is `model.path` when the config names
+    one, else `<root>/model`."""
 
     root: Path
     initial_model: Path
+    config_file: Path
+    spool: Path
+    weights: Path
+    checkpoints: Path
+    logs: Path
+    step_log: Path  # one learner step event per line: `rollwise report --run-dir` reads it
 
     @staticmethod
     def at(root: str | Path, model_path: str | Path | None = None) -> RunDir:
-        resolved = Path(root).resolve()
-        return RunDir(resolved, Path(model_path) if model_path is not None else resolved / "model")
-
-    @property
-    def config_file(self) -> Path:
-        return self.root / "config.toml"
-
-    @property
-    def spool(self) -> Path:
-        return self.root / "spool"
-
-    @property
-    def weights(self) -> Path:
-        return self.root / "weights"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def step_log(self) -> Path:
-        """One learner step event per line: `rollwise report --run-dir` reads it without Prometheus."""
-        return self.logs / "steps.jsonl"
+        r = Path(root).resolve()
+        return RunDir(
+            root=r,
+            initial_model=Path(model_path) if model_path is not None else r / "model",
+            config_file=r / "config.toml",
+            spool=r / "spool",
+            weights=r / "weights",
+            checkpoints=r / "checkpoints",
+            logs=r / "logs",
+            step_log=r / "logs" / "steps.jsonl",
+        )
 
     def log_file(self, name: str) -> Path:
         return self.logs / f"{name}.log"

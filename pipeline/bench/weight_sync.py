@@ -56,9 +56,7 @@ async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads
         await pool.members[0].wait_ready(120)
         busy = [asyncio.create_task(keep_busy(i)) for i in range(load)]
         for version in range(1, repeats + 1):
-            path = await asyncio.to_thread(
-                export_weights, model, tokenizer, run.weights_of(version), version
-            )
+            path = await asyncio.to_thread(export_weights, model, tokenizer, run.weights_of(version), version)
             started = time.perf_counter()
             timings = await sync_weights(pool, model_path=str(path), version=version, mode="in_place")
             probe = await pool.generate(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pipeline.config import Config
 from pipeline.daemon.children import Child, ChildSpec, keep_running
@@ -26,29 +27,25 @@ log = logging.getLogger("rollwise.engine_fleet")
 MAX_FAILED_STARTS = 3
 
 
+@dataclass(eq=False)  # identity, not field-wise equality
 class EngineFleet:
-    def __init__(
-        self,
-        cfg: Config,
-        run: RunDir,
-        *,
-        stopping: asyncio.Event,
-        served_version: Callable[[], int],
-        fail: Callable[[str], None],
-    ) -> None:
-        self.cfg = cfg
-        self.run_dir = run
-        self.stopping = stopping
-        self.served_version = served_version
-        self.fail = fail
-        self.slots: list[EngineSlot] = plan_engines(cfg)
-        self.children: dict[str, Child] = {}
+    """`served_version()` is the version the daemon serves now; `fail(why)` stops the daemon."""
+
+    cfg: Config
+    run_dir: RunDir
+    stopping: asyncio.Event
+    served_version: Callable[[], int]
+    fail: Callable[[str], None]
+    children: dict[str, Child] = field(default_factory=dict, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.slots: list[EngineSlot] = plan_engines(self.cfg)
         self.up: dict[str, bool] = {s.name: False for s in self.slots}
         self._up_events = {s.name: asyncio.Event() for s in self.slots}
-        self._tasks: list[asyncio.Task[None]] = []
-        timeout = cfg.engine.request_timeout_s
+        e = self.cfg.engine
         self.clients = [
-            EngineClient(s.url, api_key=cfg.engine.api_key, request_timeout_s=timeout) for s in self.slots
+            EngineClient(s.url, api_key=e.api_key, request_timeout_s=e.request_timeout_s) for s in self.slots
         ]
         self.pool = EnginePool(self.clients)
 

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner import events
@@ -34,28 +35,21 @@ def learner_child_spec(run: RunDir, threads: int) -> ChildSpec:
     )
 
 
+@dataclass(eq=False)  # identity, not field-wise equality
 class LearnerChild:
     """Keeps the learner process running until `stopping` is set. `on_event` receives every decoded event
     in order; `fail(why)` is called when the learner exits `MAX_FAILED_STARTS` times in a row before it
     ever reported ready (a problem restarts cannot fix)."""
 
-    def __init__(
-        self,
-        spec: ChildSpec,
-        *,
-        stopping: asyncio.Event,
-        on_event: Callable[[events.LearnerEvent], Awaitable[None]],
-        fail: Callable[[str], None],
-    ) -> None:
-        self.spec = spec
-        self.stopping = stopping
-        self.on_event = on_event
-        self.fail = fail
-        self.child: Child | None = None
-        self.ready: events.Ready | None = None
-        self.failed_starts = 0
-        self._ready_event = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+    spec: ChildSpec
+    stopping: asyncio.Event
+    on_event: Callable[[events.LearnerEvent], Awaitable[None]]
+    fail: Callable[[str], None]
+    child: Child | None = field(default=None, init=False)
+    ready: events.Ready | None = field(default=None, init=False)  # the latest Ready event
+    failed_starts: int = field(default=0, init=False)
+    _ready_event: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
 
     async def start(self) -> events.Ready:
         """Start the learner (kept running with backoff) and wait for its first Ready event."""

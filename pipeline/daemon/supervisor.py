@@ -63,7 +63,7 @@ class Supervisor:
             fail=self.fail,
         )
         self.engines = EngineFleet(
-            cfg, self.run_dir, stopping=self.stopping, served_version=lambda: self.version, fail=self.fail
+            cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
         )
         self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
         self.scheduler: GroupScheduler | None = None

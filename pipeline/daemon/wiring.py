@@ -100,15 +100,10 @@ def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) ->
 
 
 def rollout_settings(cfg: Config) -> RolloutSettings:
-    s = cfg.sampling
     return RolloutSettings(
-        sampling=SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            max_new_tokens=s.max_new_tokens,
-        ),
+        # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
+        # is per request).
+        sampling=SamplingParams(**cfg.sampling.model_dump()),
         max_context_tokens=cfg.env.max_context_tokens,
         tool_parser=cfg.env.tool_parser,
         system_prompt=cfg.env.system_prompt,

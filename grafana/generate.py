@@ -238,9 +238,15 @@ def learner() -> DashboardSpec:
                 ),
                 PanelSpec(
                     "Clip fraction",
-                    "rollwise_learner_clip_fraction_ratio: share of sequences outside the GSPO band.",
+                    "rollwise_learner_clip_fraction_ratio (sequences clipped), "
+                    "rollwise_learner_clip_fraction_token_ratio (tokens clipped) and "
+                    "rollwise_learner_band_exit_ratio (sequences outside the band, any advantage sign).",
                     "percentunit",
-                    (q(f"rollwise_learner_clip_fraction_ratio{{{SEL}}}", "clipped"),),
+                    (
+                        q(f"rollwise_learner_clip_fraction_ratio{{{SEL}}}", "sequences clipped"),
+                        q(f"rollwise_learner_clip_fraction_token_ratio{{{SEL}}}", "tokens clipped"),
+                        q(f"rollwise_learner_band_exit_ratio{{{SEL}}}", "outside the band"),
+                    ),
                 ),
                 PanelSpec(
                     "Importance ratio",
@@ -250,12 +256,31 @@ def learner() -> DashboardSpec:
                 ),
                 PanelSpec(
                     "Train vs engine log-prob mismatch",
-                    "rollwise_learner_logprob_mismatch_abs (mean |dlogp|) and "
-                    "rollwise_learner_logprob_mismatch_k3_kl, before the first update of each step.",
+                    "rollwise_learner_logprob_mismatch_abs_by_lag: mean |dlogp| of tokens trained on the "
+                    "weights that sampled them (lag 0: numerics) and on newer ones (lag 1+); "
+                    "rollwise_learner_logprob_mismatch_k3_kl; rollwise_learner_sequence_log_ratio_abs "
+                    "(mean |log s_i|, against the clip band).",
                     "none",
                     (
-                        q(f"rollwise_learner_logprob_mismatch_abs{{{SEL}}}", "mean |dlogp|"),
+                        q(
+                            f"rollwise_learner_logprob_mismatch_abs_by_lag{{{SEL}}}",
+                            "mean |dlogp| lag {{lag}}",
+                        ),
                         q(f"rollwise_learner_logprob_mismatch_k3_kl{{{SEL}}}", "k3 KL"),
+                        q(f"rollwise_learner_sequence_log_ratio_abs{{{SEL}}}", "mean |log s|"),
+                    ),
+                ),
+                PanelSpec(
+                    "Mismatch correction",
+                    "learner.mismatch: rollwise_learner_is_weight{stat} (truncated importance weights), "
+                    "rollwise_learner_is_truncated_ratio (weights at the cap) and "
+                    "rollwise_learner_rejected_tokens_ratio (tokens masked out). Weights stay 1 and the "
+                    "ratios 0 without a correction.",
+                    "none",
+                    (
+                        q(f"rollwise_learner_is_weight{{{SEL}}}", "IS weight {{stat}}"),
+                        q(f"rollwise_learner_is_truncated_ratio{{{SEL}}}", "truncated"),
+                        q(f"rollwise_learner_rejected_tokens_ratio{{{SEL}}}", "rejected"),
                     ),
                 ),
             ],

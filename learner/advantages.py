@@ -6,11 +6,10 @@ outcome, or None when the environment reports none.
 
 Default estimator ``"turn"``, two channels:
 
-- outcome, leave-one-out: A^o_i = o_i - mean_{j != i} o_j (0 when the group has one episode). An episode
-  without an outcome uses o_i = sum of its turn rewards and then has no shaping channel: its rewards
-  already are its outcome (counting them twice would double their weight), so its A^s is 0, it adds
-  nothing to sigma_s, and it is no peer in other episodes' shaping baselines (its rewards are outcome
-  signal, not shaping on the same scale as theirs).
+- outcome, leave-one-out: A^o_i = o_i - mean_{j != i} o_j over the episodes of the group that have an
+  outcome (0 when there is no such peer). An episode whose environment set no outcome has no outcome
+  channel: A^o_i = 0, it adds nothing to sigma_o and is no peer in the others' outcome baselines. Its
+  turn rewards are shaping like everyone's, so the two channels never mix units.
 - shaping, return-to-go with a per-turn leave-one-out baseline: S_{i,k} = sum_{j >= k} gamma^{j-k} s_{i,j};
   A^s_{i,k} = S_{i,k} - mean of S_{j,k} over peers j != i that have a shaping channel and reached turn k
   (0 when there is none). Each turn subtracts exactly one baseline built only from *other* episodes, so
@@ -27,7 +26,9 @@ bonus keeps its weight relative to them as the signal thins out (guess-number: e
 nats instead of falling to 0.3; docs/training_curve.md, run d9).
 
 Estimator ``"outcome"``: classic GRPO broadcast, per group (r_i - mean) / (std + 1e-6) with r_i the
-outcome (or the sum of turn rewards), the same value on every turn. std is the *population* std (so a
+outcome, the same value on every turn. A group where no episode has an outcome uses the sums of the turn
+rewards instead (one unit for the whole group); in a group where only some have one, the others get 0
+and are left out of the mean and std. std is the *population* std (so a
 one-episode group gives 0, not NaN); verl and TRL use the Bessel-corrected std, which differs by the
 constant factor sqrt((G - 1) / G). ``norm="none"``: r_i - mean.
 
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,14 +70,14 @@ class RawChannels:
     """Un-normalised channels of the "turn" estimator, indexed [group][episode] (and [turn]).
 
     ``shaping_baseline[g][i][k]`` is the leave-one-out mean subtracted from S_{i,k} (0.0 when no peer
-    reached turn k); ``shaping[g][i][k]`` = return-to-go minus that baseline. Episodes without a shaping
-    channel (outcome None) have ``has_shaping`` False and zeros in both.
+    reached turn k); ``shaping[g][i][k]`` = return-to-go minus that baseline. Episodes without an outcome
+    have ``has_outcome`` False and an outcome term of 0.
     """
 
     outcome: list[list[float]]
     shaping: list[list[list[float]]]
     shaping_baseline: list[list[list[float]]]
-    has_shaping: list[list[bool]]
+    has_outcome: list[list[bool]]
 
 
 def _validated(groups: Sequence[Group]) -> list[list[tuple[list[float], float | None]]]:
@@ -109,8 +110,10 @@ def _population_std(values: Sequence[float]) -> float:
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
-def _outcome_value(rewards: Sequence[float], outcome: float | None) -> float:
-    return math.fsum(rewards) if outcome is None else outcome
+def _outcome_term(own: float | None, peer_outcomes: Iterable[float | None]) -> float:
+    """A^o = own - mean of the peers' outcomes (those that have one); 0 without an outcome or a peer."""
+    peers = [o for o in peer_outcomes if o is not None]
+    return own - _mean(peers) if own is not None and peers else 0.0
 
 
 def _std_scale(values: Sequence[float]) -> float:
@@ -132,11 +135,6 @@ def _returns_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
     return returns
 
 
-def _leave_one_out(values: Sequence[float], i: int) -> float:
-    peers = [v for j, v in enumerate(values) if j != i]
-    return values[i] - _mean(peers) if peers else 0.0
-
-
 def raw_channels(groups: Sequence[Group], *, gamma: float = 1.0) -> RawChannels:
     """The outcome and shaping channels before scaling (see the module docstring)."""
     if not 0.0 <= gamma <= 1.0:
@@ -144,25 +142,18 @@ def raw_channels(groups: Sequence[Group], *, gamma: float = 1.0) -> RawChannels:
     outcome: list[list[float]] = []
     shaping: list[list[list[float]]] = []
     baselines: list[list[list[float]]] = []
-    has_shaping: list[list[bool]] = []
+    has_outcome: list[list[bool]] = []
     for episodes in _validated(groups):
-        outcomes = [_outcome_value(rewards, o) for rewards, o in episodes]
-        outcome.append([_leave_one_out(outcomes, i) for i in range(len(episodes))])
-        shaped = [o is not None for _, o in episodes]
+        outcomes = [o for _, o in episodes]
+        outcome.append(
+            [_outcome_term(o, (p for j, p in enumerate(outcomes) if j != i)) for i, o in enumerate(outcomes)]
+        )
         returns = [_returns_to_go(rewards, gamma) for rewards, _ in episodes]
         group_shaping, group_baselines = [], []
         for i, episode_returns in enumerate(returns):
-            if not shaped[i]:
-                group_shaping.append([0.0] * len(episode_returns))
-                group_baselines.append([0.0] * len(episode_returns))
-                continue
             episode_shaping, episode_baselines = [], []
             for k, value in enumerate(episode_returns):
-                peers = [
-                    returns[j][k]
-                    for j in range(len(episodes))
-                    if j != i and shaped[j] and len(returns[j]) > k
-                ]
+                peers = [returns[j][k] for j in range(len(returns)) if j != i and len(returns[j]) > k]
                 baseline = _mean(peers) if peers else 0.0
                 episode_baselines.append(baseline)
                 episode_shaping.append(value - baseline if peers else 0.0)
@@ -170,8 +161,8 @@ def raw_channels(groups: Sequence[Group], *, gamma: float = 1.0) -> RawChannels:
             group_baselines.append(episode_baselines)
         shaping.append(group_shaping)
         baselines.append(group_baselines)
-        has_shaping.append(shaped)
-    return RawChannels(outcome, shaping, baselines, has_shaping)
+        has_outcome.append([o is not None for _, o in episodes])
+    return RawChannels(outcome, shaping, baselines, has_outcome)
 
 
 def turn_advantages(
@@ -213,14 +204,15 @@ def turn_advantages(
         return _anchored(_validated(groups), anchors, gamma=gamma, lam=lam, scale=scale)
 
     raw = raw_channels(groups, gamma=gamma)
-    sigma_outcome = scale([a for group in raw.outcome for a in group])
-    shaping_values = [
-        a
-        for group, shaped in zip(raw.shaping, raw.has_shaping, strict=True)
-        for episode, has in zip(group, shaped, strict=True)
-        if has
-        for a in episode
-    ]
+    sigma_outcome = scale(
+        [
+            a
+            for group, has in zip(raw.outcome, raw.has_outcome, strict=True)
+            for a, h in zip(group, has, strict=True)
+            if h
+        ]
+    )
+    shaping_values = [a for group in raw.shaping for episode in group for a in episode]
     # One outcome term per episode: every turn of the episode gets it.
     per_turn_outcome = [
         [
@@ -268,10 +260,10 @@ def _anchored(
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     outcome: list[list[list[float]]] = []
     shaping: list[list[list[float]]] = []
+    outcome_values: list[float] = []
     shaping_values: list[float] = []
     for g, episodes in enumerate(groups):
-        outcomes = [_outcome_value(rewards, o) for rewards, o in episodes]
-        shaped = [o is not None for _, o in episodes]
+        outcomes = [o for _, o in episodes]
         returns = [_returns_to_go(rewards, gamma) for rewards, _ in episodes]
         group_outcome, group_shaping = [], []
         for i, episode_returns in enumerate(returns):
@@ -281,20 +273,18 @@ def _anchored(
                 key = _anchor(anchors, g, i, k)
                 same = [j for j in reached if key is not None and _anchor(anchors, g, j, k) == key]
                 peers = same or reached
-                episode_outcome.append(outcomes[i] - _mean([outcomes[j] for j in peers]) if peers else 0.0)
-                shaping_peers = [j for j in peers if shaped[j]]
-                if shaped[i]:
-                    a_s = value - _mean([returns[j][k] for j in shaping_peers]) if shaping_peers else 0.0
-                    shaping_values.append(a_s)
-                else:
-                    a_s = 0.0
+                a_o = _outcome_term(outcomes[i], (outcomes[j] for j in peers))
+                if outcomes[i] is not None:
+                    outcome_values.append(a_o)
+                episode_outcome.append(a_o)
+                a_s = value - _mean([returns[j][k] for j in peers]) if peers else 0.0
+                shaping_values.append(a_s)
                 episode_shaping.append(a_s)
             group_outcome.append(episode_outcome)
             group_shaping.append(episode_shaping)
         outcome.append(group_outcome)
         shaping.append(group_shaping)
-    sigma_outcome = scale([a for group in outcome for ep in group for a in ep])
-    return _combine(outcome, shaping, sigma_outcome, scale(shaping_values), lam)
+    return _combine(outcome, shaping, scale(outcome_values), scale(shaping_values), lam)
 
 
 def history_anchors(
@@ -320,13 +310,19 @@ def _grpo_broadcast(
 ) -> list[list[list[float]]]:
     result: list[list[list[float]]] = []
     for episodes in groups:
-        returns = [_outcome_value(rewards, o) for rewards, o in episodes]
-        if not returns:
+        returns: list[float | None] = [o for _, o in episodes]
+        if all(r is None for r in returns):  # no outcomes at all: the turn rewards are the return
+            returns = [math.fsum(rewards) for rewards, _ in episodes]
+        scored = [r for r in returns if r is not None]
+        if not scored:
             result.append([])
             continue
-        mean, divisor = _mean(returns), scale(returns)
+        mean, divisor = _mean(scored), scale(scored)
         result.append(
-            [[(r - mean) / divisor] * len(rewards) for r, (rewards, _) in zip(returns, episodes, strict=True)]
+            [
+                [(r - mean) / divisor if r is not None else 0.0] * len(rewards)
+                for r, (rewards, _) in zip(returns, episodes, strict=True)
+            ]
         )
     return result
 

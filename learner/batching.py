@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -29,10 +30,11 @@ class TrainSequence:
     loss_mask: list[int]
     old_logprobs: list[float]
     advantages: list[float]
+    versions: list[int] | None = None  # policy version of each generated token (-1 elsewhere)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        for name in ("loss_mask", "old_logprobs", "advantages"):
+        for name in ("loss_mask", "old_logprobs", "advantages", *(["versions"] if self.versions else [])):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainSequence.{name} has {len(getattr(self, name))} entries, expected {n}")
         if n < 2:
@@ -50,6 +52,9 @@ class PackedBatch:
 
     input_ids, attention_mask: what the model reads (long). targets: the token each position must score
     (long, pad id in padding). loss_mask (float 0/1), old_logprobs, advantages: float32, 0 in padding.
+    versions (long): the policy version of each scored generated token, -1 elsewhere.
+    The trainer may add the learner's own step-start log-probs (`proximal_logprobs`) and importance
+    weights (`token_weights`, learner.mismatch); None until then.
     """
 
     input_ids: torch.Tensor
@@ -58,6 +63,9 @@ class PackedBatch:
     loss_mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    versions: torch.Tensor
+    proximal_logprobs: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +77,11 @@ class PackedBatch:
         return int(self.loss_mask.sum().item())
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved: dict[str, Any] = {
+            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+            for f in fields(self)
+        }
+        return PackedBatch(**moved)
 
 
 def pack_sequences(sequences: Sequence[TrainSequence], *, pad_id: int) -> PackedBatch:
@@ -84,6 +96,7 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, pad_id: int) -> Packed
     loss_mask = torch.zeros((rows, width), dtype=torch.float32)
     old_logprobs = torch.zeros((rows, width), dtype=torch.float32)
     advantages = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.full((rows, width), -1, dtype=torch.long)
     for row, seq in enumerate(sequences):
         n = len(seq.token_ids) - 1
         ids = torch.tensor(seq.token_ids, dtype=torch.long)
@@ -98,4 +111,6 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, pad_id: int) -> Packed
             scored, torch.tensor(seq.old_logprobs[1:], dtype=torch.float32), 0.0
         )
         advantages[row, :n] = torch.where(scored, torch.tensor(seq.advantages[1:], dtype=torch.float32), 0.0)
-    return PackedBatch(input_ids, attention_mask, targets, loss_mask, old_logprobs, advantages)
+        if seq.versions:
+            versions[row, :n] = torch.where(scored, torch.tensor(seq.versions[1:], dtype=torch.long), -1)
+    return PackedBatch(input_ids, attention_mask, targets, loss_mask, old_logprobs, advantages, versions)

@@ -99,6 +99,7 @@ def gspo_token_loss(
     num_global_sequences: int | None = None,
     aggregation: Aggregation = "seq_mean_token_mean",
     num_global_tokens: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GSPO-token (or GSPO / token-PPO) loss to minimise, and detached statistics.
 
@@ -118,6 +119,9 @@ def gspo_token_loss(
         aggregation: "seq_mean_token_mean" (default) or "token_mean" (see the module docstring).
         num_global_tokens: the same scaling for "token_mean": None divides by this call's unmasked tokens,
             an int N by N (the unmasked tokens of all shards together).
+        token_weights: (B, T) constants multiplying each token's loss term before aggregation (the
+            truncated importance weights of learner.mismatch); None = 1. They change neither |y_i| nor
+            the clip decision.
 
     Returns:
         (loss, stats). ``loss`` is a 0-dim tensor in fp32 (fp64 if inputs are fp64). Per token:
@@ -175,7 +179,11 @@ def gspo_token_loss(
 
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_loss = torch.where(keep, torch.maximum(unclipped, clipped), torch.zeros_like(unclipped))
+    token_loss = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        _check_inputs({"logprobs": logprobs, "token_weights": token_weights})
+        token_loss = token_loss * token_weights.detach().to(dtype)
+    token_loss = torch.where(keep, token_loss, torch.zeros_like(unclipped))
     if aggregation == "token_mean":
         global_count = num_global_tokens
         denominator = keep.sum().to(dtype).clamp(min=1.0)

@@ -13,6 +13,7 @@ applied), i.e. once per set of weights worth publishing. Optimizer updates are c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -21,12 +22,13 @@ from typing import Any
 
 import torch
 
-from learner.action_prior import action_prior_loss
+from learner.action_prior import action_prior_loss, turn_start_mask
 from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, pack_sequences
 from learner.groups import TrainGroup
-from learner.gspo import gspo_token_loss
+from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
+from learner.mismatch import Correction, correct
 from learner.schema import EpisodeSegment, RejectedRow
 from pipeline.config import LearnerConfig
 
@@ -46,9 +48,21 @@ class StepInput:
     trained_groups: int = 0
 
 
-def _warmup(warmup_steps: int) -> Callable[[int], float]:
+def lr_factor(cfg: LearnerConfig) -> Callable[[int], float]:
+    """Learning-rate multiplier of optimizer update u (0-based): a linear warm-up over `warmup_steps`, then
+    constant, or a linear or cosine decay over `lr_decay_steps` to `lr_min_ratio`, held there after.
+    A pure function of u, so a resumed scheduler (its update count restored) continues exactly."""
+    warmup, decay, floor, shape = cfg.warmup_steps, cfg.lr_decay_steps, cfg.lr_min_ratio, cfg.lr_schedule
+
     def factor(update: int) -> float:
-        return min(1.0, (update + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+        if update < warmup:
+            return (update + 1) / warmup
+        if shape == "constant" or decay <= 0:
+            return 1.0
+        progress = min(1.0, (update - warmup) / decay)
+        if shape == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
 
@@ -123,6 +137,7 @@ def build_step_input(
                         loss_mask=list(seg.loss_mask),
                         old_logprobs=list(seg.logprobs),
                         advantages=token_adv,
+                        versions=list(seg.versions),
                     )
                 )
     return result
@@ -130,31 +145,106 @@ def build_step_input(
 
 @dataclass
 class _UpdateStats:
-    """Accumulates per-mini-batch loss statistics over one step."""
+    """Accumulates the statistics of every mini-batch of one step (weighted by sequences or tokens)."""
 
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
-    clip_fractions: list[tuple[float, int]] = field(default_factory=list)
     ratio_means: list[float] = field(default_factory=list)
     ratio_min: float = math.inf
     ratio_max: float = -math.inf
-    first: dict[str, float] = field(default_factory=dict)
+    seq_sums: dict[str, float] = field(default_factory=dict)  # sequence-weighted sums
+    token_sums: dict[str, float] = field(default_factory=dict)  # token-weighted sums
+    sequences: int = 0
+    scored_tokens: int = 0
     tokens: int = 0
     loss_tokens: int = 0
     lr: float = 0.0  # learning rate of the last applied update
     applied: int = 0
     skipped_nonfinite: int = 0
+    # |learner - engine| log-prob by the tokens' staleness: [sum, count] for lag 0 and lag >= 1, and k3.
+    mismatch: dict[str, list[float]] = field(
+        default_factory=lambda: {"lag0": [0.0, 0.0], "lag1plus": [0.0, 0.0], "k3": [0.0, 0.0]}
+    )
+    corrected_tokens: int = 0
+    rejected_tokens: int = 0
+    truncated_tokens: int = 0
+    weight_sum: float = 0.0
+    weight_max: float = 0.0
 
     def add(self, stats: dict[str, torch.Tensor], entropy: float) -> None:
         values = {key: float(value) for key, value in stats.items()}
-        if not self.first:
-            self.first = values
+        n_seq, n_tok = int(values["num_sequences"]), int(values["num_tokens"])
         self.entropies.append(entropy)
-        self.clip_fractions.append((values["clip_fraction"], int(values["num_sequences"])))
         self.ratio_means.append(values["ratio_mean"])
         self.ratio_min = min(self.ratio_min, values["ratio_min"])
         self.ratio_max = max(self.ratio_max, values["ratio_max"])
+        for key in ("clip_fraction", "band_exit_fraction", "seq_log_ratio_abs_mean"):
+            self.seq_sums[key] = self.seq_sums.get(key, 0.0) + values[key] * n_seq
+        self.token_sums["clip_fraction_token"] = (
+            self.token_sums.get("clip_fraction_token", 0.0) + values["clip_fraction_token"] * n_tok
+        )
+        self.sequences += n_seq
+        self.scored_tokens += n_tok
+
+    def add_mismatch(
+        self, learner: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, lag: torch.Tensor
+    ) -> None:
+        """|learner - engine| on the generated tokens, split by staleness (lag 0: numerics; lag >= 1:
+        numerics plus policy change), and the k3 estimate of KL(engine || learner)."""
+        keep = mask > 0
+        d = torch.where(keep, learner.detach().float() - engine.float(), 0.0)
+        for key, part in (("lag0", keep & (lag == 0)), ("lag1plus", keep & (lag >= 1))):
+            self.mismatch[key][0] += float(d.abs()[part].sum())
+            self.mismatch[key][1] += float(part.sum())
+        k3 = torch.expm1(d.clamp(max=MAX_LOG_RATIO)) - d
+        self.mismatch["k3"][0] += float(k3[keep].sum())
+        self.mismatch["k3"][1] += float(keep.sum())
+
+    def add_correction(self, c: Correction) -> None:
+        self.corrected_tokens += c.tokens
+        self.rejected_tokens += c.rejected_tokens
+        self.truncated_tokens += c.truncated_tokens
+        self.weight_sum += c.weight_sum
+        self.weight_max = max(self.weight_max, c.weight_max)
+
+    def mismatch_metrics(self) -> dict[str, float]:
+        lag0, lag1, k3 = (self.mismatch[k] for k in ("lag0", "lag1plus", "k3"))
+        kept = self.corrected_tokens - self.rejected_tokens
+        return {
+            "mismatch_abs_mean": _ratio(lag0[0] + lag1[0], lag0[1] + lag1[1]),
+            "mismatch_abs_mean_lag0": _ratio(*lag0),
+            "mismatch_abs_mean_lag1plus": _ratio(*lag1),
+            "mismatch_k3": _ratio(*k3),
+            "is_weight_mean": _ratio(self.weight_sum, kept) if self.corrected_tokens else 1.0,
+            "is_weight_max": self.weight_max if self.corrected_tokens else 1.0,
+            "is_truncated_fraction": _ratio(self.truncated_tokens, kept),
+            "rejected_fraction": _ratio(self.rejected_tokens, self.corrected_tokens),
+        }
+
+    def loss_metrics(self) -> dict[str, float]:
+        seq = {k: _ratio(v, self.sequences) for k, v in self.seq_sums.items()}
+        return {
+            "clip_fraction": seq.get("clip_fraction", 0.0),
+            "band_exit_fraction": seq.get("band_exit_fraction", 0.0),
+            "seq_log_ratio_abs_mean": seq.get("seq_log_ratio_abs_mean", 0.0),
+            "clip_fraction_token": _ratio(
+                self.token_sums.get("clip_fraction_token", 0.0), self.scored_tokens
+            ),
+        }
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _WindowTotals:
+    """What one optimizer update's losses are normalised by: its sequences, tokens and turn starts."""
+
+    sequences: int
+    tokens: int
+    turn_starts: int
 
 
 def _linear_decay(coef: float, decay_steps: int, updates: int) -> float:
@@ -249,7 +339,7 @@ class Trainer:
             betas=(float(cfg.betas[0]), float(cfg.betas[1])),
             weight_decay=cfg.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup(cfg.warmup_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling
         self.steps = 0  # step() calls
         self.optimizer_updates = 0
@@ -316,25 +406,60 @@ class Trainer:
         return [chunk.tolist() for chunk in torch.tensor_split(order, parts)]
 
     def _update(self, sequences: list[TrainSequence], stats: _UpdateStats) -> None:
-        chunks = self._mini_batches(len(sequences))
+        packs = [
+            pack_sequences([sequences[i] for i in chunk], pad_id=self.pad_token_id)
+            for chunk in self._mini_batches(len(sequences))
+        ]
+        if self.cfg.mismatch.proximal == "learner":
+            # Every mini-batch's proximal log-probs are the weights' before the step's first update.
+            packs = [self._with_proximal(pack, stats) for pack in packs]
         accum = self.cfg.grad_accum
-        for start in range(0, len(chunks), accum):
-            window = [
-                pack_sequences([sequences[i] for i in c], pad_id=self.pad_token_id)
-                for c in chunks[start : start + accum]
-            ]
-            self._optimizer_update(window, stats)
+        for start in range(0, len(packs), accum):
+            self._optimizer_update(packs[start : start + accum], stats)
+
+    @torch.no_grad()
+    def _with_proximal(self, pack: PackedBatch, stats: _UpdateStats) -> PackedBatch:
+        """`pack` with the learner's own log-probs (the proximal policy), the mismatch correction's
+        importance weights, and its rejected tokens taken out of the loss mask (learner.mismatch)."""
+        batch = pack.to(self.device)
+        logits = self.model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+        ).logits
+        proximal = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature).float()
+        del logits
+        m = self.cfg.mismatch
+        c = correct(
+            proximal,
+            batch.old_logprobs,
+            batch.loss_mask,
+            weights=m.is_weights,
+            cap=m.is_cap,
+            reject=m.reject,
+            band=m.reject_band,
+        )
+        stats.add_mismatch(proximal, batch.old_logprobs, batch.loss_mask, self._lag(batch))
+        stats.add_correction(c)
+        return dataclasses.replace(
+            batch, loss_mask=c.keep.float(), proximal_logprobs=proximal, token_weights=c.weights
+        )
+
+    def _lag(self, batch: PackedBatch) -> torch.Tensor:
+        """Versions behind the learner of each generated token at the step's start (negative elsewhere)."""
+        return torch.where(batch.versions >= 0, self._policy_version - batch.versions, -1)
 
     def _optimizer_update(self, window: list[PackedBatch], stats: _UpdateStats) -> None:
         """Accumulate gradients over `window` (seq-mean over all its sequences), then one AdamW update."""
         self.optimizer.zero_grad(set_to_none=True)
-        num_sequences = sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window)
-        num_tokens = sum(b.num_loss_tokens for b in window)
+        totals = _WindowTotals(
+            sequences=sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window),
+            tokens=sum(b.num_loss_tokens for b in window),
+            turn_starts=sum(int(turn_start_mask(b.loss_mask).sum()) for b in window),
+        )
         window_loss = 0.0
         finite = True
         for packed in window:
             batch = packed.to(self.device)
-            loss, loss_stats, entropy = self._forward_loss(batch, num_sequences, num_tokens)
+            loss, loss_stats, entropy = self._forward_loss(batch, totals, stats)
             stats.add(loss_stats, entropy)
             stats.tokens += packed.num_tokens
             stats.loss_tokens += packed.num_loss_tokens
@@ -363,48 +488,56 @@ class Trainer:
         stats.grad_norms.append(grad_norm)
 
     def _forward_loss(
-        self, batch: PackedBatch, num_sequences: int, num_tokens: int
+        self, batch: PackedBatch, totals: _WindowTotals, stats: _UpdateStats
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         # use_cache=False: a training forward has no use for a KV cache and would allocate one per layer.
         logits = self.model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
         ).logits
         logprobs = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature)
+        if batch.proximal_logprobs is None:
+            # The engine's log-probs are the old policy: measure the gap on every mini-batch as it is
+            # trained. Once this step has updated the weights, they are a newer policy than any token's
+            # (lag >= 1), so lag 0 stays the engine's numerics alone.
+            moved = 1 if stats.applied > 0 else 0
+            stats.add_mismatch(logprobs, batch.old_logprobs, batch.loss_mask, self._lag(batch) + moved)
         loss, loss_stats = gspo_token_loss(
             logprobs,
-            batch.old_logprobs,
+            batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.old_logprobs,
             batch.advantages,
             batch.loss_mask,
             clip_low=self.cfg.clip_low,
             clip_high=self.cfg.clip_high,
             level=self.cfg.loss_level,
-            num_global_sequences=num_sequences,
+            num_global_sequences=totals.sequences,
             aggregation=self.cfg.loss_agg,
-            num_global_tokens=max(num_tokens, 1),
+            num_global_tokens=max(totals.tokens, 1),
+            token_weights=batch.token_weights,
         )
         entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
+        # The bonus and the prior are means over this micro-batch; weighted by its share of the window's
+        # tokens (turn starts), they sum to the window's mean, as the policy-gradient term does.
         coef = self.entropy_coef
         if coef > 0.0:
-            loss = loss - coef * generated_token_entropy(logits, batch.loss_mask, self.temperature)
+            share = batch.num_loss_tokens / max(totals.tokens, 1)
+            loss = loss - coef * share * generated_token_entropy(logits, batch.loss_mask, self.temperature)
         prior = self.action_prior_coef
         if prior > 0.0:
+            share = int(turn_start_mask(batch.loss_mask).sum()) / max(totals.turn_starts, 1)
             floor = action_prior_loss(logits, batch.loss_mask, self.action_ids, self.temperature)
-            loss = loss + prior * floor
+            loss = loss + prior * share * floor
         return loss, loss_stats, entropy
 
     def _metrics(self, data: StepInput, stats: _UpdateStats, elapsed: float) -> dict[str, float]:
         episodes = data.episodes
-        weighted_clip = sum(f * n for f, n in stats.clip_fractions)
-        clip_sequences = sum(n for _, n in stats.clip_fractions)
         outcomes = [ep.outcome for ep in episodes if ep.outcome is not None]
         return {
             "loss": _mean(stats.losses),
-            "clip_fraction": weighted_clip / clip_sequences if clip_sequences else 0.0,
+            **stats.loss_metrics(),
             "ratio_mean": _mean(stats.ratio_means) if stats.ratio_means else 1.0,
             "ratio_min": stats.ratio_min if stats.ratio_means else 1.0,
             "ratio_max": stats.ratio_max if stats.ratio_means else 1.0,
-            "mismatch_abs_mean": stats.first.get("mismatch_abs_mean", 0.0),
-            "mismatch_k3": stats.first.get("mismatch_k3", 0.0),
+            **stats.mismatch_metrics(),
             "entropy": _mean(stats.entropies),
             "entropy_coef": self.entropy_coef,
             "action_prior_coef": self.action_prior_coef,

@@ -61,6 +61,13 @@ class EngineConfig(_Section):
     max_batch: int = Field(64, ge=1, description="Embedded engine: most requests decoded together.")
     batch_wait_ms: float = Field(3.0, ge=0, description="Embedded engine: how long to collect a batch.")
     threads: int = Field(1, ge=1, description="Embedded engine: torch intra-op threads.")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None,
+        description=(
+            "Weights and compute dtype of the engines (None = the engine's default: float32 for the "
+            "embedded engine, SGLang's auto). bfloat16 reproduces a GPU engine's log-prob mismatch."
+        ),
+    )
 
 
 class SamplingConfig(_Section):
@@ -102,6 +109,50 @@ class AsyncConfig(_Section):
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
 
 
+class MismatchConfig(_Section):
+    """Training/inference mismatch correction (docs/operations.md, "Mismatch correction")."""
+
+    proximal: Literal["engine", "learner"] = Field(
+        "engine",
+        description=(
+            "Which log-probs the clip is centred on: the engine's (engine, no extra pass) or the learner's "
+            "own at the start of the step (learner: one no-grad forward over the batch, decoupled PPO)."
+        ),
+    )
+    is_weights: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description=(
+            "Truncated importance weights w = min(pi_prox / pi_engine, is_cap) on each token (token) or "
+            "the product over the sequence (sequence); needs proximal = learner."
+        ),
+    )
+    is_cap: float = Field(2.0, ge=1.0, description="Upper truncation C of the importance weights.")
+    reject: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none",
+        description=(
+            "Mask tokens (token) or whole sequences (sequence: the product of token ratios; geometric: "
+            "their geometric mean) whose pi_prox / pi_engine leaves reject_band; needs proximal = learner."
+        ),
+    )
+    reject_band: tuple[float, float] = Field(
+        (0.5, 2.0), description="[low, high] of the ratio kept by `reject` (geometric: e.g. [0.999, 1.001])."
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> MismatchConfig:
+        low, high = self.reject_band
+        if not 0.0 <= low < 1.0 < high:
+            raise ValueError(f"reject_band must satisfy 0 <= low < 1 < high, got {self.reject_band}")
+        for key in ("is_weights", "reject"):
+            if getattr(self, key) != "none" and self.proximal != "learner":
+                raise ValueError(
+                    f"learner.mismatch.{key} = {getattr(self, key)!r} needs learner.mismatch.proximal = "
+                    "'learner': the correction compares the engine's log-probs with the learner's at the "
+                    "start of the step"
+                )
+        return self
+
+
 class LearnerConfig(_Section):
     batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step (the rollout batch).")
     mini_batches: int = Field(4, ge=1, description="Mini-batches per rollout batch (paper: 4).")
@@ -120,6 +171,14 @@ class LearnerConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     grad_accum: int = Field(1, ge=1, description="Mini-batches accumulated per optimizer update.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warm-up: constant, or a linear or cosine decay to lr * lr_min_ratio."
+    )
+    lr_decay_steps: int = Field(
+        0, ge=0, description="Optimizer updates of the decay after warm-up (needed by linear and cosine)."
+    )
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="The decay's floor as a fraction of lr.")
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
     clip_low: float = Field(3e-4, ge=0, description="GSPO epsilon below 1.")
     clip_high: float = Field(4e-4, ge=0, description="GSPO epsilon above 1.")
     loss_level: Literal["sequence_token", "sequence", "token"] = Field(
@@ -213,6 +272,10 @@ class Config(_Section):
         if self.async_.max_staleness < self.async_.sync_every_steps - 1:
             # Admission counts versions the engines serve; they lag the learner by up to k-1 versions.
             raise ValueError("async.max_staleness must be >= async.sync_every_steps - 1 (actors would wait)")
+        if self.learner.lr_schedule != "constant" and self.learner.lr_decay_steps < 1:
+            raise ValueError(
+                f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
+            )
         if self.learner.dtype == "bfloat16" and self.learner.device == "cpu":
             raise ValueError("learner.dtype = 'bfloat16' needs learner.device = 'cuda' (or 'auto' on a GPU)")
         return self
@@ -277,21 +340,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_to_toml(cfg: Config) -> str:
     """The effective config as TOML (every default spelled out); `None` values become comments."""
-    data = cfg.model_dump(by_alias=True, mode="json")
     out: list[str] = []
-    for section, values in data.items():
-        out.append(f"[{section}]")
-        fields = type(getattr(cfg, "async_" if section == "async" else section)).model_fields
-        for key, value in values.items():
-            doc = fields[key].description
-            if doc:
-                out.append(f"# {doc}")
-            if value is None:
-                out.append(f"# {key} = (unset)")
-            else:
-                out.append(f"{key} = {_toml_value(value)}")
-        out.append("")
+    for section, model in cfg:
+        _section_to_toml("async" if section == "async_" else section, model, out)
     return "\n".join(out)
+
+
+def _section_to_toml(name: str, model: BaseModel, out: list[str]) -> None:
+    """`[name]` with each field under its description; sub-sections follow as `[name.sub]`."""
+    out.append(f"[{name}]")
+    fields = type(model).model_fields
+    nested: list[tuple[str, BaseModel]] = []
+    for key, value in model.model_dump(mode="json").items():
+        child = getattr(model, key)
+        if isinstance(child, BaseModel):
+            nested.append((key, child))
+            continue
+        doc = fields[key].description
+        if doc:
+            out.append(f"# {doc}")
+        out.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+    out.append("")
+    for key, child in nested:
+        _section_to_toml(f"{name}.{key}", child, out)
 
 
 def _toml_value(value: Any) -> str:

@@ -28,7 +28,7 @@ def test_hand_computed_raw_channels_for_one_two_three_turns() -> None:
     # Turn 2, only e2: no peer -> 0.
     assert raw.shaping == [[[-1.0], [0.5, 1.0], [0.5, -1.0, 0.0]]]
     assert raw.shaping_baseline == [[[2.0], [1.5, 1.0], [1.5, 2.0, 0.0]]]
-    assert raw.has_shaping == [[True, True, True]]
+    assert raw.has_outcome == [[True, True, True]]
 
 
 def test_hand_computed_advantages_for_one_two_three_turns() -> None:
@@ -131,38 +131,50 @@ def test_all_equal_outcomes_give_zero_outcome_channel_without_nan() -> None:
     assert turn_advantages([group], estimator="outcome") == advantages
 
 
-def test_outcome_none_uses_reward_sum_and_drops_the_shaping_channel() -> None:
+def test_an_episode_without_an_outcome_has_no_outcome_channel_and_keeps_its_shaping() -> None:
+    """Units never mix: the outcome-less episode's rewards stay shaping, not a stand-in outcome."""
     group = [([1.0, 1.0], None), ([0.5], 0.0), ([0.0, 3.0], 1.0)]
     raw = raw_channels([group])
-    # Outcomes: e0 has none -> sum of rewards 2. LOO: 2 - (0+1)/2 = 1.5; 0 - (2+1)/2 = -1.5; 1 - 1 = 0.
-    assert raw.outcome == [[1.5, -1.5, 0.0]]
-    assert raw.has_shaping == [[False, True, True]]
-    # e0 is no shaping peer: turn 0 peers of e1 are {e2}: 0.5 - 3 = -2.5; of e2 {e1}: 3 - 0.5 = 2.5.
-    # Turn 1 of e2: e0 reached it but has no shaping channel, so no peer -> 0 (with e0 it would be 3-1).
-    assert raw.shaping == [[[0.0, 0.0], [-2.5], [2.5, 0.0]]]
+    # Outcome LOO among e1 and e2 only: 0 - 1 = -1, 1 - 0 = 1; e0 has no outcome term.
+    assert raw.outcome == [[0.0, -1.0, 1.0]]
+    assert raw.has_outcome == [[False, True, True]]
+    # Returns-to-go: e0 [2, 1]; e1 [0.5]; e2 [3, 3]. Turn 0: e0 2 - (0.5+3)/2 = 0.25; e1 0.5 - (2+3)/2 = -2;
+    # e2 3 - (2+0.5)/2 = 1.75. Turn 1 (e0, e2): e0 1 - 3 = -2; e2 3 - 1 = 2.
+    assert raw.shaping == [[[0.25, -2.0], [-2.0], [1.75, 2.0]]]
     advantages = turn_advantages([group])
-    # sigma_o = std([1.5, -1.5, 0]) = sqrt(1.5); sigma_s over e1, e2 only: std([-2.5, 2.5, 0]) = sqrt(12.5/3).
-    sigma_o = math.sqrt(1.5) + 1e-6
-    sigma_s = math.sqrt(12.5 / 3) + 1e-6
-    assert advantages[0][0] == pytest.approx([1.5 / sigma_o] * 2, abs=1e-12)
-    assert advantages[0][1] == pytest.approx([-1.5 / sigma_o - 2.5 / sigma_s], abs=1e-12)
-    assert advantages[0][2] == pytest.approx([2.5 / sigma_s, 0.0], abs=1e-12)
+    # sigma_o over e1, e2: std([-1, 1]) = 1; sigma_s over all five terms: sqrt(15.125 / 5).
+    sigma_o = 1.0 + 1e-6
+    sigma_s = math.sqrt(15.125 / 5) + 1e-6
+    assert advantages[0][0] == pytest.approx([0.25 / sigma_s, -2.0 / sigma_s], abs=1e-12)
+    assert advantages[0][1] == pytest.approx([-1.0 / sigma_o - 2.0 / sigma_s], abs=1e-12)
+    assert advantages[0][2] == pytest.approx([1.0 / sigma_o + 1.75 / sigma_s, 1.0 / sigma_o + 2.0 / sigma_s])
+    # Anchor without anchors: the peers that reached each turn. e2's turn 1 has only e0 as a peer, which
+    # has no outcome: no outcome baseline, term 0. sigma_o is over every (episode, turn) term: [-1, 1, 0].
+    anchored = turn_advantages([group], estimator="anchor")
+    sigma_a = math.sqrt(2 / 3) + 1e-6
+    assert anchored[0][0] == pytest.approx(advantages[0][0], abs=1e-12)
+    assert anchored[0][1] == pytest.approx([-1.0 / sigma_a - 2.0 / sigma_s], abs=1e-12)
+    assert anchored[0][2] == pytest.approx([1.0 / sigma_a + 1.75 / sigma_s, 2.0 / sigma_s], abs=1e-12)
 
 
 def test_outcome_estimator_is_the_grpo_group_normalisation() -> None:
     groups: list[list[tuple[list[float], float | None]]] = [
         [([0.0], 1.0), ([0.2, 0.3], 0.0), ([1.0], None), ([0.0, 0.0, 0.0], 0.5)],
         [([0.0], 3.0), ([0.0], -1.0)],
+        [([0.5, 0.5], None), ([0.0], None)],
     ]
     advantages = turn_advantages(groups, estimator="outcome")
-    for group, group_adv in zip(groups, advantages, strict=True):
-        returns = [sum(r) if o is None else o for r, o in group]
-        mean, std = statistics.fmean(returns), statistics.pstdev(returns)
-        for (rewards, _), value, episode_adv in zip(group, returns, group_adv, strict=True):
-            assert episode_adv == pytest.approx([(value - mean) / (std + 1e-6)] * len(rewards), abs=1e-12)
+    # First group: the outcomes 1, 0, 0.5 (mean 0.5, std sqrt(1/6)); the episode without one gets 0.
+    sigma = math.sqrt(1 / 6) + 1e-6
+    expected = [[0.5 / sigma], [-0.5 / sigma] * 2, [0.0], [0.0] * 3]
+    for got, want in zip(advantages[0], expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-12)
     # Second group: returns [3, -1], mean 1, std 2 -> +-2 / (2 + 1e-6).
     assert advantages[1][0] == pytest.approx([1.0 - 5e-7], abs=1e-9)
     assert advantages[1][1] == pytest.approx([-1.0 + 5e-7], abs=1e-9)
+    # Third group has no outcome at all: its turn-reward sums 1 and 0 are the returns.
+    assert advantages[2][0] == pytest.approx([0.5 / (0.5 + 1e-6)] * 2, abs=1e-12)
+    assert advantages[2][1] == pytest.approx([-0.5 / (0.5 + 1e-6)], abs=1e-12)
 
 
 def test_channel_scales_are_batch_level_across_groups() -> None:

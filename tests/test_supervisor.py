@@ -208,7 +208,15 @@ def _step(step: int, **fields: object) -> events.Step:
         "groups": 4,
         "group_ids": ["a", "b", "c", "d"],
         "consumed_seq": 4 * step,
-        "metrics": {"loss": 0.25, "clip_fraction": 0.5, "grad_norm": None},
+        "metrics": {
+            "loss": 0.25,
+            "clip_fraction": 0.5,
+            "grad_norm": None,
+            "mismatch_abs_mean_lag0": 0.02,
+            "mismatch_abs_mean_lag1plus": 0.3,
+            "is_weight_max": 1.5,
+            "rejected_fraction": 0.125,
+        },
         "staleness": {0: 5, 1: 2},
         "idle_s": 0.5,
         "busy_s": 1.5,
@@ -234,6 +242,10 @@ def test_step_event_lands_in_learner_metrics() -> None:
     assert value("rollwise_learner_step") == 12
     assert value("rollwise_learner_loss") == 0.25
     assert value("rollwise_learner_clip_fraction_ratio") == 0.5
+    assert value("rollwise_learner_logprob_mismatch_abs_by_lag", {"lag": "0"}) == 0.02
+    assert value("rollwise_learner_logprob_mismatch_abs_by_lag", {"lag": "1+"}) == 0.3
+    assert value("rollwise_learner_is_weight", {"stat": "max"}) == 1.5
+    assert value("rollwise_learner_rejected_tokens_ratio") == 0.125
     assert value("rollwise_groups_accepted_total") == accepted + 3
     assert value("rollwise_spool_depth_groups") == 3 and value("rollwise_spool_depth_bytes") == 4096
     # 5 tokens 0 versions behind and 2 tokens 1 behind: 7 observations summing to 2, bucketed as such.

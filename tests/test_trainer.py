@@ -193,7 +193,8 @@ def test_packed_logits_score_the_next_token_exactly_as_one_position_at_a_time(
 
 def test_twenty_steps_raise_the_rewarded_token_and_lower_the_punished_one(policy: tuple[Any, Any]) -> None:
     model, tokenizer = policy
-    trainer = Trainer(model, _cfg(lr=3e-3, mini_batches=2), temperature=1.0)
+    # proximal = learner: the mismatch is measured at the start of the step, before either update.
+    trainer = Trainer(model, _cfg(lr=3e-3, mini_batches=2, mismatch={"proximal": "learner"}), temperature=1.0)
     prompt = _prompt_ids(tokenizer)
     x, y = _ids(tokenizer, "12"), _ids(tokenizer, "3")
     before_x, before_y = _next_token_logprob(model, prompt, x), _next_token_logprob(model, prompt, y)
@@ -224,7 +225,12 @@ def test_metrics_report_the_step(policy: tuple[Any, Any]) -> None:
     assert metrics["loss_tokens"] == 8.0
     assert metrics["success_rate"] == 0.5
     assert metrics["reward_mean"] == 0.5
-    assert metrics["mismatch_k3"] == pytest.approx(0.0, abs=1e-6)
+    # The first mini-batch is trained on the weights that sampled it (lag 0: numerics only, none here);
+    # the second after the first update, on newer weights (lag >= 1).
+    assert metrics["mismatch_abs_mean_lag0"] == pytest.approx(0.0, abs=1e-5)
+    assert metrics["mismatch_abs_mean_lag1plus"] > 0.01
+    assert metrics["mismatch_abs_mean"] == pytest.approx(metrics["mismatch_abs_mean_lag1plus"] / 2, rel=1e-5)
+    assert metrics["mismatch_k3"] > 0.0
     assert metrics["ratio_min"] <= metrics["ratio_mean"] <= metrics["ratio_max"]
     assert metrics["lr"] == pytest.approx(1e-2)
     assert metrics["grad_norm"] > 0 and math.isfinite(metrics["loss"])
@@ -427,10 +433,12 @@ def test_same_seed_same_updates(model_dir: Path) -> None:
     batch = segments_to_batch(
         [ep for g in range(2) for ep in _contrast_group(first, tokenizer, f"g{g}", x, y)]
     )
+    initial = _weights(first)
     trainers = [Trainer(m, _cfg(mini_batches=4), temperature=1.0) for m in (first, second)]
     for trainer in trainers:
         for _ in range(2):
             trainer.step(groups_of(batch))
+    assert not _same_weights(initial, _weights(first))  # the updates did change the weights
     assert _same_weights(_weights(first), _weights(second))
 
 

@@ -78,6 +78,7 @@ def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int)
             str(e.threads),
             "--seed",
             str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
+            *(["--dtype", e.dtype] if e.dtype is not None else []),
             "--enable-metrics",
         ]
     if e.kind == "sglang":
@@ -90,7 +91,7 @@ def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int)
             dp=e.dp,
             api_key=e.api_key,
             weight_version=str(version),
-            extra_args=tuple(e.extra_args),
+            extra_args=(*(["--dtype", e.dtype] if e.dtype is not None else []), *e.extra_args),
         )
         return build_sglang_command(spec)
     raise ValueError(f"engine.kind = {e.kind!r} starts no process")

@@ -197,14 +197,52 @@ LEARNER_IMPORTANCE_RATIO = Histogram(
     buckets=_RATIO_BUCKETS,
     registry=REGISTRY,
 )
+LEARNER_CLIP_FRACTION_TOKEN = Gauge(
+    "rollwise_learner_clip_fraction_token_ratio",
+    "Fraction of trained tokens whose clipped branch was active in the last step.",
+    registry=REGISTRY,
+)
+LEARNER_BAND_EXIT = Gauge(
+    "rollwise_learner_band_exit_ratio",
+    "Fraction of sequences whose ratio left the clip band in the last step, whatever the advantage's sign.",
+    registry=REGISTRY,
+)
+LEARNER_SEQ_LOG_RATIO = Gauge(
+    "rollwise_learner_sequence_log_ratio_abs",
+    "Mean |log s_i| of the sequence ratios in the last step (compare with the clip band).",
+    registry=REGISTRY,
+)
 LEARNER_MISMATCH_ABS = Gauge(
     "rollwise_learner_logprob_mismatch_abs",
-    "Mean |train - engine| log-prob before the first update.",
+    "Mean |learner - engine| log-prob of the generated tokens in the last step, at the step's start "
+    "(mismatch.proximal = learner) or as each mini-batch is trained (engine).",
+    registry=REGISTRY,
+)
+LEARNER_MISMATCH_BY_LAG = Gauge(
+    "rollwise_learner_logprob_mismatch_abs_by_lag",
+    "The same mean by token staleness: lag 0 (the weights that sampled them: numerics) and lag 1+.",
+    ["lag"],
     registry=REGISTRY,
 )
 LEARNER_MISMATCH_K3 = Gauge(
     "rollwise_learner_logprob_mismatch_k3_kl",
-    "k3 KL(engine || train) before the first update.",
+    "k3 estimate of KL(engine || learner) over the same tokens.",
+    registry=REGISTRY,
+)
+LEARNER_IS_WEIGHT = Gauge(
+    "rollwise_learner_is_weight",
+    "Truncated importance weights of the last step (learner.mismatch), by stat: mean or max.",
+    ["stat"],
+    registry=REGISTRY,
+)
+LEARNER_IS_TRUNCATED = Gauge(
+    "rollwise_learner_is_truncated_ratio",
+    "Fraction of kept tokens whose importance weight hit learner.mismatch.is_cap in the last step.",
+    registry=REGISTRY,
+)
+LEARNER_REJECTED = Gauge(
+    "rollwise_learner_rejected_tokens_ratio",
+    "Fraction of generated tokens learner.mismatch.reject took out of the last step's loss.",
     registry=REGISTRY,
 )
 LEARNER_ENTROPY = Gauge(
@@ -298,6 +336,10 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
             ENGINE_ERRORS.labels(engine=engine, kind=kind)
     for reason in DROP_REASONS:
         GROUPS_DROPPED.labels(reason=reason)
+    for lag in ("0", "1+"):
+        LEARNER_MISMATCH_BY_LAG.labels(lag=lag)
+    for stat in ("mean", "max"):
+        LEARNER_IS_WEIGHT.labels(stat=stat)
     for kind in QUARANTINE_KINDS:
         SPOOL_QUARANTINED.labels(reason=kind)
     for reason in SKIP_REASONS:

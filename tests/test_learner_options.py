@@ -1,0 +1,235 @@
+"""Learner options for real models: mismatch correction, LR schedules, and the accumulation weights of
+the entropy bonus and the action prior. Hand-computed values; the trainer on the tiny preset."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from learner.action_prior import action_token_ids
+from learner.gspo import gspo_token_loss
+from learner.mismatch import correct
+from learner.model import load_policy
+from learner.schema import EpisodeSegment
+from learner.trainer import Trainer, lr_factor
+from pipeline.config import ConfigError, LearnerConfig, load_config
+from pipeline.engine.launch import engine_argv, plan_engines
+from tests.train_groups import groups_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# --- mismatch correction, pure ----------------------------------------------------------------------------
+LOG2 = math.log(2.0)
+# Two sequences of three generated tokens; log rho = proximal - engine per token.
+PROX = torch.tensor([[-1.0 + LOG2, -1.0, -1.0 - LOG2], [-1.0 + 2 * LOG2, -1.0 + LOG2, -1.0]])
+ENGINE = torch.full((2, 3), -1.0)
+MASK = torch.ones(2, 3)
+
+
+def _correct(**kw: Any) -> Any:
+    args: dict[str, Any] = {"weights": "none", "cap": 2.0, "reject": "none", "band": (0.5, 2.0)} | kw
+    return correct(PROX, ENGINE, MASK, **args)
+
+
+def test_token_weights_are_truncated_ratios() -> None:
+    c = _correct(weights="token", cap=3.0)
+    # rho: [2, 1, 0.5] and [4, 2, 1]; 4 is truncated at 3.
+    assert torch.allclose(c.weights, torch.tensor([[2.0, 1.0, 0.5], [3.0, 2.0, 1.0]]))
+    assert (c.tokens, c.rejected_tokens, c.truncated_tokens) == (6, 0, 1)
+    assert c.weight_sum == pytest.approx(9.5) and c.weight_max == pytest.approx(3.0)
+
+
+def test_sequence_weights_are_the_truncated_product_on_every_token() -> None:
+    c = _correct(weights="sequence", cap=10.0)
+    # products: 2 * 1 * 0.5 = 1 and 4 * 2 * 1 = 8
+    assert torch.allclose(c.weights, torch.tensor([[1.0, 1.0, 1.0], [8.0, 8.0, 8.0]]))
+    capped = _correct(weights="sequence", cap=2.0)
+    assert torch.allclose(capped.weights[1], torch.full((3,), 2.0)) and capped.truncated_tokens == 3
+
+
+def test_rejection_levels() -> None:
+    token = _correct(reject="token", band=(0.6, 2.5))  # drops 0.5 and 4
+    assert token.keep.tolist() == [[True, True, False], [False, True, True]]
+    sequence = _correct(reject="sequence", band=(0.5, 4.0))  # products 1 and 8: the second goes
+    assert sequence.keep.tolist() == [[True] * 3, [False] * 3] and sequence.rejected_tokens == 3
+    geometric = _correct(reject="geometric", band=(0.5, 1.9))  # geometric means 1 and 2
+    assert geometric.keep.tolist() == [[True] * 3, [False] * 3]
+    assert torch.equal(geometric.weights[1], torch.zeros(3))  # a rejected token weighs nothing
+
+
+def test_masked_positions_are_ignored_even_when_not_finite() -> None:
+    prox = PROX.clone()
+    prox[0, 2] = math.nan
+    mask = MASK.clone()
+    mask[0, 2] = 0.0
+    c = correct(prox, ENGINE, mask, weights="sequence", cap=10.0, reject="token", band=(0.5, 4.5))
+    assert c.tokens == 5 and c.weights[0].tolist() == [2.0, 2.0, 0.0]
+    with pytest.raises(ValueError, match="share one"):
+        correct(PROX, ENGINE[:, :2], MASK, weights="none", cap=2.0, reject="none", band=(0.5, 2.0))
+
+
+def test_token_weights_scale_each_token_loss_and_gradient() -> None:
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = lp.detach().clone()
+    adv = torch.tensor([[1.0, 1.0]])
+    mask = torch.ones(1, 2)
+    w = torch.tensor([[0.5, 2.0]])
+    loss, stats = gspo_token_loss(lp, old, adv, mask, level="token", token_weights=w)
+    # on-policy: r = 1 on both tokens; loss = -(0.5 + 2.0) / 2 per the sequence's token mean
+    assert float(loss.detach()) == pytest.approx(-1.25)
+    loss.backward()
+    assert lp.grad is not None and torch.allclose(lp.grad, torch.tensor([[-0.25, -1.0]]))
+    assert float(stats["clip_fraction"]) == 0.0
+
+
+# --- configuration ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["learner.mismatch.is_weights='token'"], r"learner\.mismatch\.is_weights = 'token' needs"),
+        (["learner.mismatch.reject='geometric'"], r"learner\.mismatch\.reject = 'geometric' needs"),
+        (["learner.mismatch.reject_band=[1.1, 2.0]"], "reject_band must satisfy"),
+        (["learner.mismatch.is_cap=0.5"], r"is_cap"),
+        (["learner.lr_schedule='cosine'"], r"learner\.lr_decay_steps >= 1"),
+    ],
+)
+def test_bad_learner_options_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_engine_dtype_reaches_the_engine_command_line(tmp_path: Path) -> None:
+    cfg = load_config(None, ["engine.port=0", "engine.dtype='bfloat16'"])
+    argv = engine_argv(cfg, plan_engines(cfg)[0], model_dir=tmp_path, version=0)
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    default = load_config(None, ["engine.port=0"])
+    assert "--dtype" not in engine_argv(default, plan_engines(default)[0], model_dir=tmp_path, version=0)
+
+
+# --- learning-rate schedule ---------------------------------------------------------------------------------
+def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
+    linear = lr_factor(
+        LearnerConfig(warmup_steps=2, lr_schedule="linear", lr_decay_steps=4, lr_min_ratio=0.2)
+    )
+    assert [round(linear(u), 6) for u in range(8)] == [0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
+    cosine = lr_factor(LearnerConfig(lr_schedule="cosine", lr_decay_steps=4, lr_min_ratio=0.0))
+    assert [round(cosine(u), 6) for u in range(6)] == [1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
+    constant = lr_factor(LearnerConfig(warmup_steps=4))
+    assert [constant(u) for u in (0, 3, 100)] == [0.25, 1.0, 1.0]
+
+
+# --- the trainer -------------------------------------------------------------------------------------------
+@pytest.fixture
+def policy(tiny_model_dir: Path) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    return load_policy(tiny_model_dir)
+
+
+def _prompt(tokenizer: Any) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Guess my number from 1 to 16."}],
+        tokenize=True,
+        add_generation_prompt=True,
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _group(
+    tokenizer: Any, name: str, *, engine_shift: float = 0.0, outcomes: tuple[float, ...] = (1, 0, 1, 0)
+) -> list[EpisodeSegment]:
+    """Four one-turn episodes answering "12" or "3" with an end token; engine log-probs -2.0 + shift."""
+    prompt, end = _prompt(tokenizer), tokenizer.eos_token_id
+    rows = []
+    for i, outcome in enumerate(outcomes):
+        answer = tokenizer.encode("12" if i % 2 == 0 else "3")
+        action = [*answer, end]
+        n, k = len(prompt), len(action)
+        rows.append(
+            EpisodeSegment(
+                episode_id=f"{name}-{i}",
+                group_id=name,
+                task_id="t",
+                env="guess-number",
+                token_ids=prompt + action,
+                prompt_len=n,
+                loss_mask=[0] * n + [1] * k,
+                logprobs=[0.0] * n + [-2.0 + engine_shift] * k,
+                turn_index=[-1] * n + [0] * k,
+                versions=[-1] * n + [0] * k,
+                turn_rewards=[0.0],
+                outcome=float(outcome),
+                num_turns=1,
+                finish_reason="stop",
+            )
+        )
+    return rows
+
+
+def _cfg(**kw: Any) -> LearnerConfig:
+    return LearnerConfig(**({"lr": 1e-3, "mini_batches": 2, "device": "cpu"} | kw))
+
+
+def test_learner_proximal_reports_weights_truncation_and_rejection(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    # The seed-0 tiny model gives these tokens log-probs -6.86, -6.45 ("12", end) and -6.50, -6.44
+    # ("3", end); with the engine at -6.65 the ratios are 0.81, 1.22, 1.16 and 1.23.
+    rows = _group(tokenizer, "g", engine_shift=-4.65)
+    mismatch = {
+        "proximal": "learner",
+        "is_weights": "token",
+        "is_cap": 1.2,
+        "reject": "token",
+        "reject_band": (0.9, 10.0),
+    }
+    metrics = Trainer(model, _cfg(mismatch=mismatch), temperature=1.0).step(groups_of(rows))
+    # Rejected: the two 0.81 tokens of 8. Truncated: the 1.22 and 1.23 tokens, 4 of the 6 kept.
+    assert metrics["rejected_fraction"] == pytest.approx(2 / 8)
+    assert metrics["is_truncated_fraction"] == pytest.approx(4 / 6)
+    assert metrics["is_weight_max"] == pytest.approx(1.2)
+    assert 1.15 < metrics["is_weight_mean"] < 1.2
+    assert metrics["mismatch_abs_mean_lag0"] == pytest.approx((0.211 + 0.202 + 0.149 + 0.209) / 4, abs=0.01)
+    assert metrics["mismatch_abs_mean_lag1plus"] == 0.0
+    engine = Trainer(model, _cfg(), temperature=1.0).step(groups_of(rows))
+    assert (engine["is_weight_mean"], engine["rejected_fraction"], engine["is_truncated_fraction"]) == (1, 0, 0)
+
+
+def test_learner_proximal_on_policy_equals_the_engine_path(tiny_model_dir: Path) -> None:
+    """With engine log-probs equal to the learner's, decoupled PPO without weights is the same update."""
+    first, tokenizer = load_policy(tiny_model_dir)
+    second, _ = load_policy(tiny_model_dir)
+    prompt = _prompt(tokenizer)
+    rows = _group(tokenizer, "g")
+    with torch.no_grad():  # replace the engine's log-probs by the model's own
+        for row in rows:
+            logits = first(input_ids=torch.tensor([row.token_ids])).logits[0].double()
+            lp = torch.log_softmax(logits, dim=-1)
+            row.logprobs = [0.0] * len(prompt) + [
+                float(lp[t - 1, row.token_ids[t]]) for t in range(len(prompt), len(row.token_ids))
+            ]
+    a = Trainer(first, _cfg(mini_batches=1), temperature=1.0).step(groups_of(rows))
+    b = Trainer(second, _cfg(mini_batches=1, mismatch={"proximal": "learner"}), temperature=1.0).step(
+        groups_of(rows)
+    )
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_entropy_bonus_and_prior_keep_their_weight_under_accumulation(tiny_model_dir: Path) -> None:
+    """Two micro-batches accumulated into one update give the gradient of one whole batch (before the
+    fix the bonus and the prior were added once per micro-batch, doubling their gradient)."""
+    norms = []
+    for mini_batches, accum in ((1, 1), (2, 2)):
+        model, tokenizer = load_policy(tiny_model_dir)
+        ids = action_token_ids(tokenizer, [str(n) for n in range(1, 17)])
+        cfg = _cfg(mini_batches=mini_batches, grad_accum=accum, entropy_coef=0.5, action_prior_coef=0.5)
+        # every episode scored the same: no policy-gradient signal, only the bonus and the prior
+        rows = _group(tokenizer, "g", outcomes=(1, 1, 1, 1))
+        metrics = Trainer(model, cfg, temperature=1.0, action_token_ids=ids).step(groups_of(rows))
+        assert metrics["optimizer_updates"] == 1.0
+        norms.append(metrics["grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)

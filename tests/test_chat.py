@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from learner.schema import EpisodeSegment, validate_segment
-from pipeline.actors import chat as chat_module
 from pipeline.actors.chat import ChatBuffer, SegmentBuffer
 
 # Qwen3-style: reasoning inside <think></think> of earlier assistant turns is dropped when rendering.
@@ -235,8 +233,6 @@ class CountingRenders:
 
     def __init__(self, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        # Start from an empty memo: earlier tests' first prompts would otherwise skip the wrapper.
-        chat_module._MEMOS.pop(tokenizer, None)
         original = tokenizer.apply_chat_template
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -246,11 +242,49 @@ class CountingRenders:
         monkeypatch.setattr(tokenizer, "apply_chat_template", counted)
 
 
-@pytest.mark.parametrize("fixture", ["tokenizer", "strip_tokenizer"])
+def fresh_tokenizer(tokenizer_dir: Path, template: str | None = None) -> Any:
+    """A tokenizer object no buffer has seen yet: nothing of it is shared from earlier tests."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if template is not None:
+        tok.chat_template = template
+    return tok
+
+
+class PlainTokenizer:
+    """Not a Hugging Face tokenizer: one character per id, a fixed ChatML-like template; it records
+    every text it renders or encodes."""
+
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template
+        self.renders = 0
+        self.encoded: list[str] = []
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+        self.renders += 1
+        return "".join(f"<{m['role']}>{m['content']}|" for m in conversation) + "<assistant>"
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.encoded.append(text)
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: Any, **kwargs: Any) -> str:
+        return "".join(chr(i) for i in token_ids)
+
+
+def plain_episode(tok: PlainTokenizer, reply: str) -> ChatBuffer:
+    """A new buffer for USER, one turn ("8") and the env's reply."""
+    chat = ChatBuffer(tok, USER, stop_token_ids=[ord("|")])
+    generate(chat, [ord("8"), ord("|")], 0)
+    assert chat.finish_turn() == "8"
+    assert chat.add_env_messages([{"role": "user", "content": reply}], 0, max_tokens=10**6) == "appended"
+    return chat
+
+
+@pytest.mark.parametrize("template", [None, STRIP_THINK_TEMPLATE], ids=["chatml", "strip-think"])
 def test_turns_render_the_compiled_template_directly_with_the_wrappers_text(
-    fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    template: str | None, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tok = request.getfixturevalue(fixture)
+    tok = fresh_tokenizer(tokenizer_dir, template)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     conversation = [*USER, {"role": "assistant", "content": "8"}, {"role": "user", "content": "up"}]
     expected_ids = encode(tok, render(tok, conversation, tools=tools))
@@ -264,8 +298,9 @@ def test_turns_render_the_compiled_template_directly_with_the_wrappers_text(
 
 
 def test_messages_the_wrapper_normalises_are_rendered_by_the_wrapper(
-    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tokenizer = fresh_tokenizer(tokenizer_dir)
     counter = CountingRenders(tokenizer, monkeypatch)
     chat = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
     generate(chat, [*encode(tokenizer, "8"), tokenizer.eos_token_id], 0)
@@ -279,76 +314,78 @@ def test_messages_the_wrapper_normalises_are_rendered_by_the_wrapper(
 
 
 def test_a_tokenizer_without_hf_template_api_renders_through_apply_chat_template() -> None:
-    class PlainTokenizer:
-        """Not a Hugging Face tokenizer: one character per id, a fixed ChatML-like template."""
-
-        def __init__(self) -> None:
-            self.renders = 0
-
-        def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
-            self.renders += 1
-            return "".join(f"<{m['role']}>{m['content']}|" for m in conversation) + "<assistant>"
-
-        def encode(self, text: str, **kwargs: Any) -> list[int]:
-            return [ord(c) for c in text]
-
-        def decode(self, token_ids: Any, **kwargs: Any) -> str:
-            return "".join(chr(i) for i in token_ids)
-
     tok = PlainTokenizer()
-    chat = ChatBuffer(tok, USER, stop_token_ids=[ord("|")])
-    generate(chat, [ord("8"), ord("|")], 0)
-    assert chat.finish_turn() == "8"
-    assert chat.add_env_messages([{"role": "user", "content": "up"}], 0, max_tokens=1000) == "appended"
+    chat = plain_episode(tok, "up")
     assert tok.renders == 2
     assert tok.decode(chat.input_ids) == f"<user>{USER[0]['content']}|<assistant>8|<user>up|<assistant>"
 
 
-def test_dict_fast_getattr_resolves_exactly_like_the_sandbox() -> None:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    from pipeline.actors.chat import dict_fast_getattr
-
-    base = ImmutableSandboxedEnvironment()
-    fast = ImmutableSandboxedEnvironment()
-    fast.__class__ = dict_fast_getattr(ImmutableSandboxedEnvironment)
-
-    class Sub(dict[str, Any]):
-        pass
-
-    message = {"role": "user", "content": "hi", "_private": 1, "items": "shadowed"}
-    objects: list[Any] = [message, Sub(message), ["a"], "text"]
-    names = ["role", "content", "tool_calls", "_private", "items", "get", "__class__", "upper", "x"]
-    for obj in objects:
-        for name in names:
-            want, got = base.getattr(obj, name), fast.getattr(obj, name)
-            assert type(got) is type(want) and got == want, (obj, name)  # Undefined: equal by type
-    assert fast.getattr(message, "role") == "user"
-    assert fast.getattr(message, "items") == message.items  # a dict method wins over the key, as before
-    assert not fast.getattr(message, "tool_calls")  # missing key: undefined (falsy), no exception
+# A template that looks message fields up in every way the sandbox resolves `message.name`: a present
+# key, a missing key (undefined), a key starting with "_", a key shadowed by a dict method ("items"), a
+# dict method, an unsafe attribute (undefined), a str method on a value; and one unsafe call on demand.
+ATTRIBUTE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content }}"
+    "{%- if message.tool_calls %}[calls {{ message.tool_calls | length }}]{% endif %}"
+    "{%- if message._meta is defined %}[meta {{ message._meta }}]{% endif %}"
+    "[items {{ message.items is callable }}][get {{ message.get('role') }}]"
+    "[class {{ message.__class__ }}][upper {{ message.role.upper() }}]"
+    "{%- if message.content == 'pop' %}{{ message.pop('role') }}{% endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
-def test_dict_fast_render_keeps_the_sandbox() -> None:
+def test_direct_render_resolves_message_fields_exactly_like_the_wrapper(
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = fresh_tokenizer(tokenizer_dir, ATTRIBUTE_TEMPLATE)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    first = [{"role": "user", "content": "hi", "_meta": 1, "items": "shadowed", "tool_calls": [call]}]
+    replies = [{"role": "tool", "content": "3", "_meta": "m"}, {"role": "user", "content": "up", "items": 2}]
+    conversation = [*first, {"role": "assistant", "content": "8"}, *replies]
+    text = render(tok, conversation)
+    assert text.startswith(
+        "<|im_start|>user\nhi[calls 1][meta 1][items True][get user][class ][upper USER]<|im_end|>\n"
+        "<|im_start|>assistant\n8[items True][get assistant][class ][upper ASSISTANT]<|im_end|>\n"
+        "<|im_start|>tool\n3[meta m][items True][get tool][class ][upper TOOL]<|im_end|>\n"
+    )
+    counter = CountingRenders(tok, monkeypatch)
+    chat = ChatBuffer(tok, first, stop_token_ids=[tok.eos_token_id])
+    generate(chat, [*encode(tok, "8"), tok.eos_token_id], 0)
+    chat.finish_turn()
+    assert chat.add_env_messages(replies, 0, max_tokens=1000) == "new_segment"  # "[items...]" after "8"
+    assert counter.calls == 1  # the later render was the direct one, and it matched the wrapper
+    assert chat.input_ids == encode(tok, text)
+
+
+def test_direct_render_keeps_the_sandbox(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from pipeline.actors.chat import dict_fast_getattr
-
-    env = ImmutableSandboxedEnvironment()
-    env.__class__ = dict_fast_getattr(ImmutableSandboxedEnvironment)
-    template = env.from_string("{{ m.role }}|{{ m.missing }}|{{ m._x }}")
-    assert template.render(m={"role": "r", "_x": 1}) == "r||1"
+    tok = fresh_tokenizer(tokenizer_dir, ATTRIBUTE_TEMPLATE)
+    reply = {"role": "user", "content": "pop"}
+    with pytest.raises(SecurityError):  # the wrapper refuses to mutate a message
+        render(tok, [*USER, {"role": "assistant", "content": "8"}, reply])
+    counter = CountingRenders(tok, monkeypatch)
+    chat = ChatBuffer(tok, USER, stop_token_ids=[tok.eos_token_id])
+    generate(chat, [*encode(tok, "8"), tok.eos_token_id], 0)
+    chat.finish_turn()
+    before = list(chat.input_ids)
     with pytest.raises(SecurityError):
-        env.from_string("{{ m.pop('role') }}").render(m={"role": "r"})
-    assert env.from_string("{{ m.__class__ }}").render(m={}) == ""  # unsafe: undefined, as before
+        chat.add_env_messages([reply], 0, max_tokens=1000)
+    assert counter.calls == 1  # refused by the direct render itself
+    assert chat.input_ids == before and len(chat.segments) == 1
 
 
-def test_fast_render_matches_the_wrapper_on_tool_calls_and_system_messages(tokenizer: Any) -> None:
-    from pipeline.actors.chat import _FastRenderer
-
+@pytest.mark.parametrize("with_tools", [True, False])
+def test_direct_render_matches_the_wrapper_on_tool_calls_and_system_messages(
+    with_tools: bool, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tok = fresh_tokenizer(tokenizer_dir)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
-    conversation = [
+    first = [
         {"role": "system", "content": "be brief"},
         *USER,
         {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -356,15 +393,23 @@ def test_fast_render_matches_the_wrapper_on_tool_calls_and_system_messages(token
         {"role": "assistant", "content": "3"},
         {"role": "user", "content": "again"},
     ]
-    for tool_list in (tools, None):
-        text = render(tokenizer, conversation, tools=tool_list)
-        renderer = _FastRenderer.build(tokenizer, tool_list, conversation, text)
-        assert renderer is not None and renderer.render(conversation) == text
+    reply = {"role": "tool", "content": "7"}
+    tool_list = tools if with_tools else None
+    conversation = [*first, {"role": "assistant", "content": "4"}, reply]
+    expected = encode(tok, render(tok, conversation, tools=tool_list))
+    counter = CountingRenders(tok, monkeypatch)
+    chat = ChatBuffer(tok, first, tools=tools if with_tools else (), stop_token_ids=[tok.eos_token_id])
+    generate(chat, [*encode(tok, "4"), tok.eos_token_id], 0)
+    chat.finish_turn()
+    assert chat.add_env_messages([reply], 0, max_tokens=1000) == "appended"
+    assert counter.calls == 1
+    assert chat.input_ids == expected
 
 
 def test_buffers_with_the_same_first_messages_share_one_render(
-    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+    tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    tokenizer = fresh_tokenizer(tokenizer_dir)
     expected = encode(tokenizer, render(tokenizer, USER))
     counter = CountingRenders(tokenizer, monkeypatch)
     first = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
@@ -383,46 +428,50 @@ def test_buffers_with_the_same_first_messages_share_one_render(
     assert counter.calls == 5
 
 
-def test_first_prompt_memo_key_needs_plain_json_and_a_template_string(tokenizer: Any) -> None:
-    memo = chat_module._TokenizerMemo()
-    assert memo.prompt_key(tokenizer, None, USER) == (tokenizer.chat_template, "null", json.dumps(USER))
-    assert memo.prompt_key(tokenizer, None, [{"role": "user", "content": ("a",)}]) is None  # a tuple
-
-    class NoTemplate:
-        chat_template = None
-
-    assert memo.prompt_key(NoTemplate(), None, USER) is None  # type: ignore[arg-type]
-
-
-def test_repeated_env_replies_are_encoded_once_and_exactly(tokenizer: Any) -> None:
-    eos = tokenizer.eos_token_id
-    chat_module._MEMOS.pop(tokenizer, None)
-    suffix = "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
-    for episode in range(2):
-        chat = ChatBuffer(tokenizer, USER, stop_token_ids=[eos])
-        generate(chat, [*encode(tokenizer, "8"), eos], 0)
-        chat.finish_turn()
-        assert (
-            chat.add_env_messages([{"role": "user", "content": "higher"}], 0, max_tokens=1000) == "appended"
-        )
-        if episode == 0:
-            assert chat.input_ids[-len(encode(tokenizer, suffix)) :] == encode(tokenizer, suffix)
-            encodings = chat_module._MEMOS[tokenizer].encodings[True]
-            assert encodings == {suffix: tuple(encode(tokenizer, suffix))}
-            encodings[suffix] = (7, 7)  # a poisoned entry proves the second episode reads the memo
-    assert chat.input_ids[-2:] == [7, 7]
+def test_first_prompts_are_shared_only_for_plain_json_messages_and_a_template_string() -> None:
+    with_template = PlainTokenizer(chat_template="fixed")
+    for _ in range(2):
+        ChatBuffer(with_template, USER)
+    assert with_template.renders == 1
+    # A tuple is not JSON: no exact key for it, so every buffer renders its own first prompt.
+    odd = [{**USER[0], "meta": ("a",)}]
+    for _ in range(2):
+        assert ChatBuffer(with_template, odd).input_ids == ChatBuffer(PlainTokenizer(), odd).input_ids
+    assert with_template.renders == 3
+    # Without a template string there is nothing to key the prompt by either.
+    without = PlainTokenizer(chat_template=None)
+    for _ in range(2):
+        ChatBuffer(without, USER)
+    assert without.renders == 2
 
 
-def test_long_texts_are_not_memoised_and_the_memo_evicts_its_oldest_entry(tokenizer: Any) -> None:
-    chat_module._MEMOS.pop(tokenizer, None)
-    chat = ChatBuffer(tokenizer, USER, stop_token_ids=[tokenizer.eos_token_id])
-    long_text = "a" * (chat_module._TokenizerMemo.MAX_TEXT_CHARS + 1)
-    assert chat._encode(long_text) == encode(tokenizer, long_text)
-    assert long_text not in chat_module._MEMOS[tokenizer].encodings[True]
-    memo: dict[str, int] = {}
-    for key in "abc":
-        chat_module._TokenizerMemo.remember(memo, key, ord(key), limit=2)
-    assert memo == {"b": ord("b"), "c": ord("c")}
+def test_repeated_env_replies_are_encoded_once_and_exactly() -> None:
+    tok = PlainTokenizer(chat_template="fixed")
+    prompt = f"<user>{USER[0]['content']}|<assistant>"
+    suffix = "<user>higher|<assistant>"
+    chats = [plain_episode(tok, "higher") for _ in range(3)]
+    assert tok.encoded == [prompt, suffix]  # the first episode encoded both; the others reused them
+    expected = [ord(c) for c in prompt + "8|" + suffix]
+    assert [chat.input_ids for chat in chats] == [expected] * 3
+
+
+def test_long_texts_are_not_memoised_and_the_oldest_text_is_forgotten_first() -> None:
+    tok = PlainTokenizer(chat_template="fixed")
+    long_reply = "a" * 5000
+    for _ in range(2):
+        chat = plain_episode(tok, long_reply)
+    assert tok.encoded[1:] == [f"<user>{long_reply}|<assistant>"] * 2  # encoded each time
+    assert tok.decode(chat.input_ids).endswith(f"8|<user>{long_reply}|<assistant>")
+    # Short texts are remembered up to a bound (4096), the oldest forgotten first.
+    tok = PlainTokenizer(chat_template="fixed")
+    for i in range(4097):
+        plain_episode(tok, f"r{i}")
+    assert len(tok.encoded) == 1 + 4097  # the prompt once, every new reply once
+    plain_episode(tok, "r1")  # still remembered
+    plain_episode(tok, "r4096")
+    assert len(tok.encoded) == 1 + 4097
+    plain_episode(tok, "r0")  # the oldest, forgotten
+    assert tok.encoded[-1] == "<user>r0|<assistant>" and len(tok.encoded) == 1 + 4098
 
 
 def test_an_unhashable_tokenizer_works_without_a_memo() -> None:

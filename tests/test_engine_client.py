@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -18,6 +19,7 @@ from pipeline.engine.protocol import (
     EngineHTTPError,
     EngineProtocolError,
     EngineUnavailable,
+    GenerateResult,
     SamplingParams,
     parse_generate_response,
     version_to_int,
@@ -179,29 +181,57 @@ def test_parse_accepts_integer_logprobs_as_floats() -> None:
     assert all(type(lp) is float for lp in result.logprobs)
 
 
+PARSED = GenerateResult(
+    rid="r1",
+    output_ids=[12366, 13, 151645],
+    logprobs=[-0.012, -0.21, -0.0009],
+    finish_reason="stop",
+    weight_version="4",
+    token_versions=["4", "4", "4"],
+    prompt_tokens=7,
+    completion_tokens=3,
+    cached_tokens=2,
+)
+
+
 @pytest.mark.parametrize(
-    "mutate",
+    ("mutate", "expected"),
     [
-        lambda o: None,  # the common reply: the one-pass path
-        lambda o: o["meta_info"].__setitem__("finish_reason", {"type": "length"}),
-        lambda o: o["meta_info"].pop("weight_version"),
-        lambda o: o["meta_info"].pop("cached_tokens"),
-        lambda o: o.pop("output_ids"),  # ids from the log-prob entries: the checked path
-        lambda o: o["meta_info"].__setitem__("output_token_weight_versions", None),
-        lambda o: o["meta_info"]["output_token_logprobs"][0].__setitem__(0, 0),  # int log-prob
+        (lambda o: None, PARSED),  # the common reply (parsed in one pass)
+        (
+            lambda o: o["meta_info"].__setitem__("finish_reason", {"type": "length"}),
+            dataclasses.replace(PARSED, finish_reason="length"),
+        ),
+        (
+            lambda o: o["meta_info"].pop("weight_version"),
+            dataclasses.replace(PARSED, weight_version="default", token_versions=["default"] * 3),
+        ),
+        (lambda o: o["meta_info"].pop("cached_tokens"), dataclasses.replace(PARSED, cached_tokens=0)),
+        # Replies the one-pass parse leaves to the field-by-field checks, with the same results:
+        (lambda o: o.pop("output_ids"), PARSED),  # ids from the log-prob entries
+        (lambda o: o["meta_info"].__setitem__("output_token_weight_versions", None), PARSED),
+        (
+            lambda o: o["meta_info"]["output_token_logprobs"][0].__setitem__(0, 0),  # an int log-prob
+            dataclasses.replace(PARSED, logprobs=[0.0, -0.21, -0.0009]),
+        ),
+    ],
+    ids=[
+        "common",
+        "length",
+        "no-weight-version",
+        "no-cached-tokens",
+        "no-output-ids",
+        "null-versions",
+        "int",
     ],
 )
-def test_one_pass_and_checked_parse_agree_on_valid_replies(mutate: Any) -> None:
-    from pipeline.engine import protocol
-
+def test_valid_replies_parse_to_exactly_their_fields(mutate: Any, expected: GenerateResult) -> None:
     obj = valid_response()
     mutate(obj)
-    fast = protocol._parse_complete_fast(obj, "r1")
-    checked = parse_generate_response(obj, expected_rid="r1")
-    assert fast is None or fast == checked
-    assert (
-        checked.output_ids == [12366, 13, 151645] and checked.token_versions == [checked.weight_version] * 3
-    )
+    result = parse_generate_response(obj, expected_rid="r1")
+    assert result == expected
+    assert all(type(lp) is float for lp in result.logprobs)
+    assert all(type(t) is int for t in result.output_ids)
 
 
 @pytest.mark.parametrize(
@@ -220,23 +250,31 @@ def test_one_pass_and_checked_parse_agree_on_valid_replies(mutate: Any) -> None:
         ),
     ],
 )
-def test_replies_the_one_pass_parse_declines_still_raise_their_defect(mutate: Any, defect: str) -> None:
-    from pipeline.engine import protocol
-
+def test_replies_with_one_defect_raise_it(mutate: Any, defect: str) -> None:
     obj = valid_response()
     mutate(obj)
-    assert protocol._parse_complete_fast(obj, "r1") is None
     with pytest.raises(EngineProtocolError, match=defect):
         parse_generate_response(obj, expected_rid="r1")
 
 
-def test_client_reuses_its_request_timeout_and_follows_changed_settings() -> None:
-    c = EngineClient("http://127.0.0.1:9", request_timeout_s=7.0, connect_timeout_s=2.0)
-    first = c._timeout(7.0)
-    assert (first.total, first.sock_connect) == (7.0, 2.0) and c._timeout(7.0) is first
-    assert c._timeout(25.0).total == 25.0 and c._timeout(7.0) is first  # a health probe's own limit
-    c.request_timeout_s, c.connect_timeout_s = 0.5, 1.0
-    assert (c._timeout(0.5).total, c._timeout(0.5).sock_connect) == (0.5, 1.0)
+async def test_generate_keeps_its_request_timeout_after_health_probes_and_follows_changes(
+    fake: FakeSGLang,
+) -> None:
+    lengths = {"quick": 4, "slow": 40, "medium": 20}  # at 0.02 s a token: 0.08 s, 0.8 s, 0.4 s
+    fake.token_delay_s = 0.02
+    fake.script = lambda call: Plan(list(range(5, 5 + lengths[call.rid])), [-0.1] * lengths[call.rid])
+    async with EngineClient(fake.base_url, request_timeout_s=0.3, retries=0, **FAST_BACKOFF) as c:
+        quick = await c.generate([1, 2], SamplingParams(max_new_tokens=50), "quick")
+        assert quick.output_ids == [5, 6, 7, 8]
+        assert await c.health(timeout_s=25.0) is True  # a probe's own, longer limit
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable, match=r"no complete reply within 0.3 s"):
+            await c.generate([1, 2], SamplingParams(max_new_tokens=50), "slow")
+        assert time.monotonic() - started < 0.7  # the 0.3 s limit held, not the probe's 25 s
+        c.request_timeout_s = 5.0
+        medium = await c.generate([1, 2], SamplingParams(max_new_tokens=50), "medium")
+        assert medium.output_ids == list(range(5, 25))  # 0.4 s: longer than the old limit
+    assert fake.count("/generate") == 3
 
 
 def test_parse_rejects_a_json_array() -> None:

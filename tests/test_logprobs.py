@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from learner.logprobs import (
     DEFAULT_CHUNK_SIZE,
-    _row_blocks,
     entropy_from_logits,
     naive_sampled_token_logprobs,
     sampled_token_logprobs,
@@ -106,13 +107,29 @@ def test_bf16_logits_get_a_bf16_gradient_close_to_fp32() -> None:
     torch.testing.assert_close(leaf.grad.float(), reference.grad, atol=8e-3, rtol=0)
 
 
+def _largest_allocation(call: Callable[[], object]) -> int:
+    """Bytes of the largest CPU allocation while `call` runs, as torch's profiler records them."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    return max((event.self_cpu_memory_usage for event in prof.events()), default=0)
+
+
 def test_sliced_model_output_is_neither_copied_nor_mishandled() -> None:
     """logits[:, :-1] (drop the last position) is the usual way to align logits with next tokens."""
     full, _ = _logits_and_tokens((3, 10), vocab=29, seed=8)
     sliced_values = full[:, :-1]
     tokens = torch.multinomial(torch.softmax(sliced_values.reshape(-1, 29), -1), 1).view(3, 9)
     assert not sliced_values.is_contiguous()
-    assert _row_blocks(sliced_values).data_ptr() == full.data_ptr()  # a view, not a copy
+    # Not copied: the largest tensor the chunked forward allocates is one (chunk, V) fp32 buffer, where a
+    # copy of the slice would be 3 x 9 x 29 floats (the size of the naive version's logits / T).
+    chunked_peak = _largest_allocation(
+        lambda: sampled_token_logprobs(sliced_values, tokens, temperature=0.9, chunk_size=4)
+    )
+    naive_peak = _largest_allocation(
+        lambda: naive_sampled_token_logprobs(sliced_values, tokens, temperature=0.9)
+    )
+    assert chunked_peak == 4 * 29 * 4
+    assert naive_peak == 3 * 9 * 29 * 4
 
     leaf = full.clone().requires_grad_(True)
     chunked = sampled_token_logprobs(leaf[:, :-1], tokens, temperature=0.9, chunk_size=4)
@@ -195,15 +212,58 @@ def test_entropy_needs_no_grad_and_keeps_none() -> None:
     assert not entropy_from_logits(logits).requires_grad
 
 
-def test_benchmark_runs_small_and_reports_equal_results(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline.bench.logprobs import main, run
+def test_benchmark_measures_the_memory_each_variant_materialises() -> None:
+    from pipeline.bench.logprobs import MEMORY_GOAL, run
 
-    report = run(vocab=97, seq_len=40, repeats=1, chunk_size=8, temperature=0.7)
-    for mode in ("forward", "forward_backward"):
-        assert report[mode]["max_abs_diff"] <= 1e-6
-        for variant in ("naive", "chunked"):
-            assert report[mode][variant]["seconds"] > 0.0
-            assert report[mode][variant]["peak_extra_bytes"] >= 0
+    # One (T, V) fp32 tensor is 39 MiB: above glibc's largest mmap threshold (32 MiB), so each one is
+    # freshly mapped and shows in the peak RSS that the CPU measurement reads (see the bench's docstring).
+    seq_len, vocab, chunk_size = 256, 40_000, 8
+    full = seq_len * vocab * 4
+    report = run(vocab=vocab, seq_len=seq_len, repeats=2, chunk_size=chunk_size, temperature=0.7)
+    assert report["config"] == {
+        "vocab": vocab,
+        "seq_len": seq_len,
+        "repeats": 2,
+        "chunk_size": chunk_size,
+        "device": "cpu",
+        "dtype": "float32",
+        "temperature": 0.7,
+        "torch_threads": torch.get_num_threads(),
+    }
+    forward, both = report["forward"], report["forward_backward"]
+    assert forward["max_abs_diff"] <= 1e-6 and both["max_abs_diff"] <= 1e-6
+    peak = {
+        (mode, variant): report[mode][variant]["peak_extra_bytes"]
+        for mode in ("forward", "forward_backward")
+        for variant in ("naive", "chunked")
+    }
+    # Naive forward: logits / T and its log_softmax, two (T, V) tensors; backward adds the (T, V)
+    # gradient. Chunked: two (chunk, V) buffers (2.5 MB here), plus the (T, V) gradient in backward.
+    # A peak-RSS reading can miss one tensor's worth (seen on Linux 6.x), so the lower bounds allow that.
+    assert 0.95 * full <= peak["forward", "naive"] <= 2.2 * full
+    assert peak["forward", "chunked"] <= 0.25 * full
+    assert 1.9 * full <= peak["forward_backward", "naive"] <= 3.2 * full
+    assert peak["forward_backward", "chunked"] <= 1.25 * full
+    for entry in (forward, both):
+        ratio = entry["chunked"]["peak_extra_bytes"] / entry["naive"]["peak_extra_bytes"]
+        assert entry["memory_ratio"] == pytest.approx(ratio, rel=1e-12)
+        seconds = [entry[variant]["seconds"] for variant in ("naive", "chunked")]
+        assert all(0.0 < s < 30.0 for s in seconds)
+        assert entry["time_ratio"] == pytest.approx(seconds[1] / seconds[0], rel=1e-12)
+    assert forward["memory_ratio"] <= MEMORY_GOAL and both["memory_ratio"] < 0.66
+
+
+def test_benchmark_cli_prints_the_forward_only_report(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.bench.logprobs import main
+
     assert main(["--vocab", "97", "--seq-len", "40", "--repeats", "1", "--no-backward"]) == 0
-    printed = capsys.readouterr().out
-    assert "forward" in printed and "max |diff|" in printed and "forward_backward" not in printed
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "sampled-token log-probs: vocab=97, seq_len=40, repeats=1, chunk_size=256, device=cpu, "
+        f"dtype=float32, temperature=1.0, torch_threads={torch.get_num_threads()}"
+    )
+    assert lines[1].split() == ["mode", "variant", "time", "(s)", "peak", "extra", "(MiB)"]
+    assert [line.split()[:2] for line in lines[2:4]] == [["forward", "naive"], ["forward", "chunked"]]
+    assert lines[4].split()[0] == "ratio" and "max |diff| " in lines[4]
+    assert lines[5].startswith("goal (forward: memory <= 0.35x, time <= 1.2x naive): ")
+    assert len(lines) == 6  # no forward_backward rows with --no-backward

@@ -17,7 +17,7 @@ from learner.schema import batch_to_segments, validate_segment
 from pipeline.actors.rollout import EpisodeOutcome, GroupOutcome, RolloutSettings, run_episode, run_group
 from pipeline.engine.client import EngineClient
 from pipeline.engine.pool import EnginePool
-from pipeline.engine.protocol import SamplingParams
+from pipeline.engine.protocol import GenerateResult, SamplingParams
 from pipeline.observability.metrics import REGISTRY
 from tests.fakes.sglang_fake import FakeSGLang, GenerateCall, Plan
 
@@ -526,15 +526,18 @@ async def test_abort_without_retry_or_past_the_bound_is_an_engine_error(
     assert engine_errors("abort") == before + 2
 
 
-async def test_cancelled_episode_still_closes_its_env(fake: FakeSGLang, pool: EnginePool, tok: Any) -> None:
+async def test_cancelled_episode_cancels_the_step_in_progress_and_closes_its_env(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
     eos = tok.eos_token_id
     fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), eos])})
-    env = ScriptedEnv(["higher"], step_delay_s=30.0)
+    env = SlowStepEnv(busy_s=0.0, sleep_s=30.0, step_timeout_s=60.0)
     running = asyncio.create_task(play(pool, tok, env, settings(tok)))
     await asyncio.wait_for(env.stepping.wait(), 5.0)
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running
+    assert env.events == ["cancelled", "finally"]  # the step itself was cancelled, not left running
     assert env.closed == 1
 
 
@@ -610,100 +613,123 @@ async def test_group_member_whose_factory_fails_is_an_env_error(
 # ---------------------------------------------------------------------------- bounded env calls
 
 
-async def test_bounded_call_that_never_suspends_returns_without_a_timer() -> None:
-    from pipeline.actors.rollout import _within
+async def test_env_calls_that_never_suspend_finish_under_any_step_timeout(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    # reset, step and close return without yielding to the event loop: no timer can fire in between,
+    # however short the bound (asyncio.timeout around such a call would not fire either).
+    eos = tok.eos_token_id
+    fake.script = scripted({f"ep-t{k}": Plan([*enc(tok, "8"), eos]) for k in range(2)})
+    env = ScriptedEnv(["higher"], rewards=[0.25, 1.0], step_timeout_s=1e-9)
+    before = env_errors("scripted-instant", "timeout")
+    result = await play(pool, tok, env, settings(tok), env_name="scripted-instant")
+    assert (result.finish_reason, result.error, result.turn_rewards) == ("stop", None, [0.25, 1.0])
+    assert [a.text for a in env.actions] == ["8", "8"] and env.closed == 1
+    assert env_errors("scripted-instant", "timeout") == before
 
-    async def instant() -> int:
-        return 42
 
-    loop = asyncio.get_running_loop()
-    scheduled = len(loop._scheduled)  # type: ignore[attr-defined]
-    assert await _within(instant(), 0.0) == 42  # asyncio.timeout(0) around it would not fire either
-    assert len(loop._scheduled) == scheduled  # type: ignore[attr-defined]
+class SuspendingEnv(ScriptedEnv):
+    """Each step suspends several times before it answers: on a future resolved later by the loop, on a
+    wait_for of its own that times out (and is caught), and optionally it then raises."""
 
+    def __init__(self, raise_after: BaseException | None = None) -> None:
+        super().__init__([])
+        self.raise_after = raise_after
+        self.seen: list[str] = []
 
-async def test_bounded_call_passes_values_and_exceptions_through_its_suspensions() -> None:
-    from pipeline.actors.rollout import _within
-
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[str] = loop.create_future()
-    loop.call_later(0.01, future.set_result, "sent")
-    seen: list[str] = []
-
-    async def waits() -> str:
+    async def step(self, action: Action) -> StepResult:
+        loop = asyncio.get_running_loop()
         await asyncio.sleep(0)
+        future: asyncio.Future[str] = loop.create_future()
+        loop.call_later(0.01, future.set_result, "sent")
         value = await future
         try:
             await asyncio.wait_for(asyncio.sleep(5), 0.01)
         except TimeoutError:
-            seen.append("inner timeout")
-        return value + "!"
-
-    assert await _within(waits(), 5.0) == "sent!"
-    assert seen == ["inner timeout"]
-
-    async def raises() -> None:
-        await asyncio.sleep(0)
-        raise ValueError("boom")
-
-    with pytest.raises(ValueError, match="boom"):
-        await _within(raises(), 5.0)
-    done: asyncio.Future[int] = loop.create_future()
-    done.set_result(7)
-    assert await _within(done, 5.0) == 7  # any awaitable, not only coroutines
+            self.seen.append("inner timeout")
+        if self.raise_after is not None:
+            raise self.raise_after
+        self.actions.append(action)
+        done = len(self.actions) == 2
+        return StepResult([{"role": "user", "content": value + "!"}], reward=0.5, done=done, outcome=1.0)
 
 
-async def test_bounded_call_past_its_deadline_is_cancelled_and_its_own_timeout_error_is_not_ours() -> None:
-    from pipeline.actors.rollout import _DeadlinePassed, _within
+class FutureStepEnv(ScriptedEnv):
+    """`step` is a plain method that returns an awaitable (a Task), not a coroutine."""
 
-    cleaned: list[str] = []
+    def step(self, action: Action) -> Any:  # type: ignore[override]
+        return asyncio.ensure_future(super().step(action))
 
-    async def slow() -> None:
-        try:
-            await asyncio.sleep(5)
-        finally:
-            cleaned.append("finally")
 
-    with pytest.raises(_DeadlinePassed):
-        await _within(slow(), 0.02)
-    assert cleaned == ["finally"]
+async def test_env_calls_that_suspend_pass_their_values_and_exceptions_through(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    eos = tok.eos_token_id
+    outs = [[*enc(tok, "8"), eos], [*enc(tok, "9"), eos]]
+    fake.script = scripted({"ep-t0": Plan(outs[0]), "ep-t1": Plan(outs[1])})
+    env = SuspendingEnv()
+    result = await play(pool, tok, env, settings(tok), env_name="scripted-suspends")
+    assert (result.finish_reason, result.error, result.turn_rewards) == ("stop", None, [0.5, 0.5])
+    assert env.seen == ["inner timeout", "inner timeout"]  # the env's own timeouts stay its own
+    [row] = result.rows
+    prompt = enc(tok, f"<|im_start|>user\n{FIRST_USER}<|im_end|>\n<|im_start|>assistant\n")
+    assert row.token_ids == prompt + outs[0] + reply_ids(tok, "sent!") + outs[1]
 
-    async def busy_then_wait() -> None:
-        deadline = time.monotonic() + 0.05  # a synchronous start counts against the bound too
+    fake.script = scripted({"ep-t0": Plan(outs[0])})
+    failing = SuspendingEnv(raise_after=ValueError("boom"))
+    before = env_errors("scripted-suspends", "error")
+    failed = await play(pool, tok, failing, settings(tok), env_name="scripted-suspends")
+    assert failed.finish_reason == "env_error" and failed.error == "env.step raised ValueError('boom')"
+    assert env_errors("scripted-suspends", "error") == before + 1 and failing.closed == 1
+
+    fake.script = scripted({"ep-t0": Plan(outs[0]), "ep-t1": Plan(outs[1])})
+    awaitable = FutureStepEnv(["higher"])
+    via_task = await play(pool, tok, awaitable, settings(tok), env_name="scripted-suspends")
+    assert (via_task.finish_reason, via_task.num_turns, via_task.outcome) == ("stop", 2, 1.0)
+    assert [a.text for a in awaitable.actions] == ["8", "9"]
+
+
+class SlowStepEnv(ScriptedEnv):
+    """A step that first computes synchronously for `busy_s`, then waits `sleep_s` (cleaning up after)."""
+
+    def __init__(self, busy_s: float, sleep_s: float, step_timeout_s: float) -> None:
+        super().__init__(["higher"], step_timeout_s=step_timeout_s)
+        self.busy_s, self.sleep_s = busy_s, sleep_s
+        self.events: list[str] = []
+
+    async def step(self, action: Action) -> StepResult:
+        self.stepping.set()
+        deadline = time.monotonic() + self.busy_s
         while time.monotonic() < deadline:
             pass
-        await asyncio.sleep(0)
-
-    with pytest.raises(_DeadlinePassed):
-        await _within(busy_then_wait(), 0.02)
-
-    async def own_timeout() -> None:
-        await asyncio.sleep(0)
-        raise TimeoutError("the env's own")
-
-    with pytest.raises(TimeoutError, match="the env's own") as info:
-        await _within(own_timeout(), 5.0)
-    assert not isinstance(info.value, _DeadlinePassed)
-
-
-async def test_cancelling_a_bounded_call_cancels_the_coroutine_inside() -> None:
-    from pipeline.actors.rollout import _within
-
-    cancelled = asyncio.Event()
-
-    async def waits() -> None:
         try:
-            await asyncio.sleep(5)
+            await asyncio.sleep(self.sleep_s)
         except asyncio.CancelledError:
-            cancelled.set()
+            self.events.append("cancelled")
             raise
+        finally:
+            self.events.append("finally")
+        return await super().step(action)
 
-    task = asyncio.create_task(_within(waits(), 5.0))
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert cancelled.is_set()
+
+@pytest.mark.parametrize(
+    ("busy_s", "sleep_s"),
+    [(0.0, 5.0), (0.05, 0.0)],  # waits past the bound; computes past it before its first suspension
+)
+async def test_env_step_past_its_bound_is_cancelled_and_ends_the_episode_as_timeout(
+    fake: FakeSGLang, pool: EnginePool, tok: Any, busy_s: float, sleep_s: float
+) -> None:
+    fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), tok.eos_token_id])})
+    env = SlowStepEnv(busy_s, sleep_s, step_timeout_s=0.02)
+    before = env_errors("scripted-overrun", "timeout")
+    started = time.monotonic()
+    result = await play(pool, tok, env, settings(tok), env_name="scripted-overrun")
+    assert time.monotonic() - started < 2.0
+    assert result.finish_reason == "timeout"
+    assert result.error == "env.step exceeded step_timeout_s=0.02"
+    assert env.events == ["cancelled", "finally"] and env.closed == 1
+    assert env_errors("scripted-overrun", "timeout") == before + 1
+    assert result.turn_rewards == [0.0] and env.actions == []  # the step never answered
 
 
 class OwnTimeoutEnv(ScriptedEnv):
@@ -723,16 +749,63 @@ async def test_env_raising_its_own_timeout_error_is_an_env_error(
     assert env_errors("scripted-own-timeout", "error") == before + 1 and env.closed == 1
 
 
-def test_token_versions_map_to_ints_uniform_or_mixed() -> None:
-    from types import SimpleNamespace
+class VersionedEngine:
+    """An engine that answers the k-th call with turns[k]: the output ids and each token's weight version."""
 
-    from pipeline.actors.rollout import _EpisodeRun
-    from pipeline.engine.protocol import EngineProtocolError
+    def __init__(self, turns: list[tuple[list[int], list[str]]]) -> None:
+        self.turns = turns
+        self.calls = 0
 
-    state = SimpleNamespace(_version_ints={})
-    assert _EpisodeRun._versions(state, ["default"] * 3) == [0, 0, 0]  # type: ignore[arg-type]
-    assert _EpisodeRun._versions(state, ["3", "3", "4"]) == [3, 3, 4]  # type: ignore[arg-type]
-    assert _EpisodeRun._versions(state, []) == []  # type: ignore[arg-type]
-    assert state._version_ints == {"default": 0, "3": 3, "4": 4}
-    with pytest.raises(EngineProtocolError, match="'v2' is neither"):
-        _EpisodeRun._versions(state, ["v2", "v2"])  # type: ignore[arg-type]
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
+    ) -> GenerateResult:
+        ids, versions = self.turns[self.calls]
+        self.calls += 1
+        return GenerateResult(
+            rid=rid,
+            output_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason="stop",
+            weight_version=versions[-1],
+            token_versions=versions,
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(ids),
+            cached_tokens=0,
+        )
+
+
+async def test_token_versions_become_ints_whether_uniform_or_mixed(tok: Any) -> None:
+    eos = tok.eos_token_id
+    outs = [[*enc(tok, "8"), eos], [*enc(tok, "I say 12"), eos], [*enc(tok, "10"), eos]]
+    mixed = ["3"] * (len(outs[1]) - 2) + ["4", "4"]  # an in-place update landed mid-turn
+    engine = VersionedEngine(
+        [(outs[0], ["default"] * len(outs[0])), (outs[1], mixed), (outs[2], ["4"] * len(outs[2]))]
+    )
+    env = ScriptedEnv(["higher", "lower"])
+    result = await run_episode(
+        engine, tok, env, TASK, settings(tok), episode_id="ep", group_id="g", env_name="x"
+    )
+    assert result.finish_reason == "stop" and engine.calls == 3
+    [row] = result.rows
+    generated = [v for v, m in zip(row.versions, row.loss_mask, strict=True) if m]
+    assert generated == [0] * len(outs[0]) + [int(v) for v in mixed] + [4] * len(outs[2])
+    assert validate_segment(row) is None
+
+
+@pytest.mark.parametrize("versions", [["v2", "v2"], ["3", "v2"]], ids=["uniform", "mixed"])
+async def test_a_token_version_that_is_not_a_number_is_an_engine_protocol_error(
+    tok: Any, versions: list[str]
+) -> None:
+    engine = VersionedEngine([([*enc(tok, "8"), tok.eos_token_id], versions)])
+    env = ScriptedEnv(["higher"])
+    before = engine_errors("protocol")
+    result = await run_episode(
+        engine, tok, env, TASK, settings(tok), episode_id="ep", group_id="g", env_name="x"
+    )
+    assert result.finish_reason == "engine_error"
+    assert (result.error or "").endswith(
+        "broke the protocol: weight_version 'v2' is neither 'default' nor a decimal integer"
+    )
+    assert engine_errors("protocol") == before + 1 and env.closed == 1
+    [row] = result.rows  # the prompt alone: the reply with the bad version was not appended
+    assert row.num_turns == 0 and row.prompt_len == len(row.token_ids)

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pyarrow as pa
 import pytest
@@ -114,10 +115,23 @@ def test_foreign_schema_is_refused() -> None:
         batch_to_segments(old)
 
 
-def test_fast_token_check_agrees_with_the_per_token_loop_on_random_corruptions() -> None:
-    import random
+def first_bad_position(ep: EpisodeSegment) -> int | None:
+    """The per-token invariants of a row, position by position (an oracle independent of learner.schema):
+    the first position that breaks one, or None."""
+    for t, (m, turn, lp, v) in enumerate(
+        zip(ep.loss_mask, ep.turn_index, ep.logprobs, ep.versions, strict=True)
+    ):
+        in_prompt = t < ep.prompt_len
+        if m not in (0, 1) or not -1 <= turn < max(ep.num_turns, 1) or (in_prompt and (m or turn != -1)):
+            return t
+        generated_ok = turn >= 0 and math.isfinite(lp) and lp <= 0.0 and v >= 0
+        if (m == 1 and not generated_ok) or (m == 0 and (v != -1 or lp != 0.0)):
+            return t
+    return None
 
-    from learner.schema import _first_token_violation, _tokens_valid
+
+def test_random_per_token_corruptions_are_rejected_at_their_first_position() -> None:
+    import random
 
     rng = random.Random(0)
     values = {
@@ -134,9 +148,15 @@ def test_fast_token_check_agrees_with_the_per_token_loop_on_random_corruptions()
             column = list(getattr(ep, name))
             column[rng.randrange(len(column))] = rng.choice(values[name])
             setattr(ep, name, column)
-        slow = _first_token_violation(ep)
-        assert _tokens_valid(ep) == (slow is None), (ep, slow)
-        assert validate_segment(ep) == slow
-        seen_valid += slow is None
-        seen_invalid += slow is not None
+        bad = first_bad_position(ep)
+        reason = validate_segment(ep)
+        if bad is None:
+            assert reason is None, (ep, reason)
+            assert batch_to_segments(segments_to_batch([ep])) == ([ep], [])
+            seen_valid += 1
+        else:
+            assert reason is not None and f"[{bad}]" in reason, (ep, bad, reason)
+            with pytest.raises(InvalidSegmentError, match=re.escape(f"[{bad}]")):
+                segments_to_batch([ep])
+            seen_invalid += 1
     assert seen_valid > 100 and seen_invalid > 1000

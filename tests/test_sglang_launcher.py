@@ -197,13 +197,27 @@ async def test_wait_ready_times_out_while_health_stays_503(tmp_path: Path) -> No
 
 
 async def test_wait_ready_and_double_start_need_a_sane_state(tmp_path: Path) -> None:
-    server = SGLangServer(stub_spec(tmp_path))
+    server = SGLangServer(stub_spec(tmp_path), env={"STUB_READY_AFTER_S": "0"})
     with pytest.raises(RuntimeError, match="not started"):
         await server.wait_ready(1.0)
+    # Stopping a server that never started is a no-op: no exit code, no process, no log written.
     assert await server.stop() is None
-    await server.start(tmp_path / "a.log")
+    assert (server.pid, server.returncode, server.log_path) == (None, None, None)
+    assert os.listdir(tmp_path) == ["python-stub"]  # the launcher wrapper alone: no log file
+    first_log = tmp_path / "a.log"
+    await server.start(first_log)
+    pid = server.pid
+    assert pid is not None
     try:
-        with pytest.raises(RuntimeError, match="already running"):
+        await server.wait_ready(10.0, poll_interval_s=0.05)
+        with pytest.raises(RuntimeError, match=rf"already running \(pid {pid}\)"):
             await server.start(tmp_path / "b.log")
+        # The refused start left the running server alone and opened no second log.
+        assert (server.pid, server.returncode, server.log_path) == (pid, None, first_log)
+        assert not (tmp_path / "b.log").exists()
     finally:
-        await server.stop(grace_s=5.0)
+        code = await server.stop(grace_s=5.0)
+    assert code == 0 and server.returncode == 0
+    assert_gone(pid)
+    assert first_log.read_text().count("# rollwise: launching ") == 1
+    assert "stub sglang: SIGTERM received, shutting down" in first_log.read_text()

@@ -55,18 +55,16 @@ def quiet_transformers() -> None:
 def load_policy(
     model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model (train mode, on `device`, in `dtype`) and tokenizer from an HF directory.
+    """Model (train mode, on `device`, its weights in `dtype`) and tokenizer from an HF directory.
 
-    bf16 is accepted on CUDA only: CPU training is the fp32 path whose log-probs must match the engine's to
-    well inside GSPO's 3e-4 clip band, and bf16 log-prob spacing (~0.01) cannot.
+    The weights' dtype is learner.precision's (bf16 only for the pure-bf16 mode); bf16 on a CPU works but
+    is slow, and is meant for tests and experiments.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     target = resolve_device(device) if isinstance(device, str) else device
-    if target.type == "cpu" and dtype != "float32":
-        raise ValueError(f"dtype {dtype!r} on device 'cpu' is not supported; use float32 on CPU")
     quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
     torch.nn.Module.to(model, target)  # transformers' typed `to` wrapper rejects a plain device

@@ -29,6 +29,7 @@ from learner.groups import TrainGroup
 from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
 from learner.mismatch import Correction, correct
+from learner.precision import compute, resolve_precision
 from learner.schema import EpisodeSegment, RejectedRow
 from pipeline.config import LearnerConfig
 
@@ -287,6 +288,17 @@ def _param_groups(
     ]
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in backward, non-reentrant (works when the inputs need
+    no grad). transformers 5.24 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+    and warns on the old name; older releases have only the old one."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def episode_return(ep: EpisodeSegment) -> float:
     """Total reward of an episode: its turn rewards plus its outcome (0 when the env set none)."""
     return sum(ep.turn_rewards) + (ep.outcome if ep.outcome is not None else 0.0)
@@ -327,6 +339,9 @@ class Trainer:
         self.cfg = cfg
         self.temperature = float(temperature)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.precision = resolve_precision(cfg.precision, self.device)
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(model)
         # On the device once: the prior indexes the logits with them in every forward.
         self.action_ids = torch.tensor(sorted(set(action_token_ids)), dtype=torch.long, device=self.device)
         self.model.to(self.device)
@@ -422,9 +437,10 @@ class Trainer:
         """`pack` with the learner's own log-probs (the proximal policy), the mismatch correction's
         importance weights, and its rejected tokens taken out of the loss mask (learner.mismatch)."""
         batch = pack.to(self.device)
-        logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).logits
+        with compute(self.precision, self.device):
+            logits = self.model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            ).logits
         proximal = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature).float()
         del logits
         m = self.cfg.mismatch
@@ -491,9 +507,10 @@ class Trainer:
         self, batch: PackedBatch, totals: _WindowTotals, stats: _UpdateStats
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         # use_cache=False: a training forward has no use for a KV cache and would allocate one per layer.
-        logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        ).logits
+        with compute(self.precision, self.device):
+            logits = self.model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            ).logits
         logprobs = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature)
         if batch.proximal_logprobs is None:
             # The engine's log-probs are the old policy: measure the gap on every mini-batch as it is

@@ -152,13 +152,15 @@ class LearnerWorker:
 
         from learner.checkpoint import load_latest_checkpoint, restore
         from learner.model import load_policy, resolve_device
+        from learner.precision import resolve_precision
         from learner.trainer import Trainer
 
         cfg = self.cfg
         torch.set_num_threads(cfg.learner.threads)
         device = resolve_device(cfg.learner.device)
+        precision = resolve_precision(cfg.learner.precision, device)
         model, self.tokenizer = load_policy(
-            self.run_dir.initial_model, device=device, dtype=cfg.learner.dtype
+            self.run_dir.initial_model, device=device, dtype=precision.param_dtype_name
         )
         self.trainer = Trainer(
             model,

@@ -27,6 +27,7 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "actors"): ("pipeline.bench.actors", "main", "episode runner turns/s vs a bare aiohttp loop"),
     ("bench", "async"): ("pipeline.bench.async_", "main", "learner steps/hour, eta=2 vs eta=0"),
     ("bench", "sync"): ("pipeline.bench.weight_sync", "main", "weight publish -> version served latency"),
+    ("bench", "learner"): ("pipeline.bench.learner", "main", "learner step memory and time per precision"),
     ("report",): (
         "pipeline.observability.report",
         "main",

@@ -154,6 +154,16 @@ class MismatchConfig(_Section):
 
 
 class LearnerConfig(_Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_dtype(cls, data: Any) -> Any:
+        """Run directories written before `precision` existed say `dtype`; resume them as the same thing."""
+        if isinstance(data, dict) and "dtype" in data and "precision" not in data:
+            data = dict(data)
+            legacy = data.pop("dtype")
+            data["precision"] = {"float32": "fp32", "bfloat16": "bf16"}.get(legacy, legacy)
+        return data
+
     batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step (the rollout batch).")
     mini_batches: int = Field(4, ge=1, description="Mini-batches per rollout batch (paper: 4).")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
@@ -235,7 +245,18 @@ class LearnerConfig(_Section):
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of the turn-reward return-to-go.")
     lam: float = Field(1.0, ge=0, description="Weight of the shaping (turn reward) channel.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Learner device.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype (bf16: CUDA only).")
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
+        "auto",
+        description=(
+            "fp32; bf16-mixed (fp32 master weights and optimizer state, bf16 autocast compute); or bf16 "
+            "(pure: weights and AdamW state in bf16, so updates smaller than bf16's spacing, ~0.4% of a "
+            "weight, are lost). auto = bf16-mixed on CUDA, fp32 on CPU."
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward (less memory, more compute).",
+    )
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every n steps (and on shutdown).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     threads: int = Field(1, ge=1, description="torch intra-op threads of the learner process.")
@@ -276,8 +297,6 @@ class Config(_Section):
             raise ValueError(
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
             )
-        if self.learner.dtype == "bfloat16" and self.learner.device == "cpu":
-            raise ValueError("learner.dtype = 'bfloat16' needs learner.device = 'cuda' (or 'auto' on a GPU)")
         return self
 
 

@@ -208,9 +208,9 @@ def test_failed_save_leaves_no_partial_directory(model_dir: Path, tmp_path: Path
     assert os.listdir(tmp_path) == []
 
 
-def test_load_policy_refuses_bf16_on_cpu_and_unknown_devices(model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="'bfloat16' on device 'cpu'"):
-        load_policy(model_dir, dtype="bfloat16")
+def test_load_policy_takes_the_weights_dtype_and_refuses_unknown_ones(model_dir: Path) -> None:
+    model, _ = load_policy(model_dir, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="unknown dtype"):
         load_policy(model_dir, dtype="float16")
     with pytest.raises(ValueError, match="unknown device 'tpu'"):

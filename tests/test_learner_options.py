@@ -195,7 +195,11 @@ def test_learner_proximal_reports_weights_truncation_and_rejection(policy: tuple
     assert metrics["mismatch_abs_mean_lag0"] == pytest.approx((0.211 + 0.202 + 0.149 + 0.209) / 4, abs=0.01)
     assert metrics["mismatch_abs_mean_lag1plus"] == 0.0
     engine = Trainer(model, _cfg(), temperature=1.0).step(groups_of(rows))
-    assert (engine["is_weight_mean"], engine["rejected_fraction"], engine["is_truncated_fraction"]) == (1, 0, 0)
+    assert (engine["is_weight_mean"], engine["rejected_fraction"], engine["is_truncated_fraction"]) == (
+        1,
+        0,
+        0,
+    )
 
 
 def test_learner_proximal_on_policy_equals_the_engine_path(tiny_model_dir: Path) -> None:
@@ -233,3 +237,81 @@ def test_entropy_bonus_and_prior_keep_their_weight_under_accumulation(tiny_model
         assert metrics["optimizer_updates"] == 1.0
         norms.append(metrics["grad_norm"])
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
+# --- precision and memory ----------------------------------------------------------------------------------
+def _on_policy(model: Any, rows: list[EpisodeSegment], prompt_len: int) -> None:
+    """Set the rows' engine log-probs to the fp32 model's own (an fp32 engine on the same weights)."""
+    with torch.no_grad():
+        for row in rows:
+            lp = torch.log_softmax(model(input_ids=torch.tensor([row.token_ids])).logits[0].double(), dim=-1)
+            row.logprobs = [0.0] * prompt_len + [
+                float(lp[t - 1, row.token_ids[t]]) for t in range(prompt_len, len(row.token_ids))
+            ]
+
+
+def test_precision_modes_keep_the_right_dtypes_and_show_bf16_numerics(tiny_model_dir: Path) -> None:
+    results = {}
+    for precision, weights in (("fp32", "float32"), ("bf16-mixed", "float32"), ("bf16", "bfloat16")):
+        model, tokenizer = load_policy(tiny_model_dir, dtype=weights)
+        reference, _ = load_policy(tiny_model_dir)
+        rows = _group(tokenizer, "g")
+        _on_policy(reference, rows, len(_prompt(tokenizer)))
+        trainer = Trainer(model, _cfg(mini_batches=1, precision=precision), temperature=1.0)
+        metrics = trainer.step(groups_of(rows))
+        assert math.isfinite(metrics["loss"]) and metrics["optimizer_updates"] == 1.0
+        state = next(iter(trainer.optimizer.state.values()))
+        results[precision] = (
+            metrics["mismatch_abs_mean_lag0"],
+            next(model.parameters()).dtype,
+            state["exp_avg"].dtype,
+        )
+    assert results["fp32"][0] < 1e-5  # the same numerics as the fp32 "engine"
+    assert results["bf16-mixed"][0] > 1e-3  # bf16 compute: its log-prob spacing shows
+    assert results["bf16-mixed"][1:] == (torch.float32, torch.float32)  # master weights and moments in fp32
+    assert results["bf16"][1:] == (torch.bfloat16, torch.bfloat16)
+
+
+def test_auto_precision_is_fp32_on_cpu() -> None:
+    from learner.precision import resolve_precision
+
+    assert resolve_precision("auto", torch.device("cpu")).name == "fp32"
+    assert resolve_precision("auto", torch.device("cuda")).name == "bf16-mixed"
+    with pytest.raises(ValueError, match="unknown precision"):
+        resolve_precision("fp8", torch.device("cpu"))
+
+
+def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir: Path) -> None:
+    results = []
+    for checkpointing in (False, True):
+        model, tokenizer = load_policy(tiny_model_dir)
+        cfg = _cfg(mini_batches=1, gradient_checkpointing=checkpointing)
+        results.append(Trainer(model, cfg, temperature=1.0).step(groups_of(_group(tokenizer, "g"))))
+        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert layers and all(m.gradient_checkpointing == checkpointing for m in layers)
+    assert results[1]["loss"] == pytest.approx(results[0]["loss"], abs=1e-7)
+    assert results[1]["grad_norm"] == pytest.approx(results[0]["grad_norm"], rel=1e-5)
+
+
+def test_a_run_directory_written_with_dtype_resumes_as_precision(tmp_path: Path) -> None:
+    old = tmp_path / "config.toml"
+    old.write_text('[learner]\ndtype = "float32"\n')
+    assert load_config(old).learner.precision == "fp32"
+    old.write_text('[learner]\ndtype = "bfloat16"\n')
+    assert load_config(old).learner.precision == "bf16"
+
+
+@pytest.mark.slow
+def test_learner_bench_measures_every_variant_against_fp32() -> None:
+    """Each variant in its own process; on the tiny preset checkpointing and bf16 weights cut the peak."""
+    from pipeline.bench.learner import run
+
+    report = run(
+        ["--preset", "tiny", "--repeats", "1", "--groups", "1", "--prompt", "128", "--generated", "128"]
+    )
+    results = report["results"]
+    assert list(results) == ["fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16"]
+    assert results["fp32"]["time_ratio"] == 1.0 and results["fp32"]["memory_ratio"] == 1.0
+    assert all(r["peak_extra_bytes"] > 0 and r["seconds"] > 0 for r in results.values())
+    assert results["fp32+ckpt"]["memory_ratio"] < 0.9
+    assert results["bf16"]["memory_ratio"] < 0.9

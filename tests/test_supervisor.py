@@ -266,6 +266,7 @@ def test_observe_many_equals_repeated_observe() -> None:
         many.observe_many(amount, count)
         for _ in range(count):
             one.observe(amount)
+
     def samples(histogram: metrics.CountedHistogram, prefix: str) -> dict[tuple[str, str], float]:
         family = next(iter(histogram.collect()))
         return {

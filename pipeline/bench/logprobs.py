@@ -40,7 +40,7 @@ EQUALITY_TOLERANCE = 1e-6
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class _PeakMemory:
+class PeakMemory:
     """Peak bytes in use during a `with` block, above the level at its start."""
 
     def __init__(self, device: torch.device) -> None:
@@ -48,7 +48,7 @@ class _PeakMemory:
         self.peak_extra_bytes = 0
         self._baseline = 0
 
-    def __enter__(self) -> _PeakMemory:
+    def __enter__(self) -> PeakMemory:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -104,7 +104,7 @@ def _measure(
     for _ in range(repeats):
         for name, call in calls.items():
             results.pop(name, None)
-            with _PeakMemory(device) as memory:
+            with PeakMemory(device) as memory:
                 start = time.perf_counter()
                 result = call()
                 if device.type == "cuda":

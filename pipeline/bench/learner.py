@@ -1,0 +1,196 @@
+"""`rollwise bench learner`: peak memory and time of one learner step per precision, with and without
+gradient checkpointing, as ratios against fp32 without checkpointing in the same process.
+
+The model is a preset (default `small`, ~10M parameters) built from its config; the batch is synthetic:
+`--groups` groups of `--group-size` one-turn episodes of `--prompt` prompt and `--generated` generated
+tokens with random ids, outcomes alternating 0/1 (every group carries signal). One warm-up step, then
+`--repeats` measured steps per variant (median time, highest peak). Peak memory: CUDA's
+max_memory_allocated, or on a CPU the process's high-water mark (VmHWM) above its level before the step.
+Each variant runs in a process of its own, with glibc's mmap threshold fixed at 128 KiB: otherwise memory
+one variant (or the warm-up step) freed stays in the allocator's pool, the next step reuses it without
+raising the high-water mark, and its peak reads as zero. On a CPU bf16 is emulated: its times say little
+about a GPU, its memory does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.bench.logprobs import PeakMemory
+
+VARIANTS: tuple[tuple[str, bool], ...] = (
+    ("fp32", False),
+    ("fp32", True),
+    ("bf16-mixed", False),
+    ("bf16-mixed", True),
+    ("bf16", False),
+)
+
+
+def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
+    from learner.groups import TrainGroup
+    from learner.schema import EpisodeSegment
+
+    rng = random.Random(0)
+    groups = []
+    for g in range(args.groups):
+        episodes = []
+        for i in range(args.group_size):
+            n, k = args.prompt, args.generated
+            episodes.append(
+                [
+                    EpisodeSegment(
+                        episode_id=f"g{g}-{i}",
+                        group_id=f"g{g}",
+                        task_id="t",
+                        env="bench",
+                        token_ids=[rng.randrange(1, vocab) for _ in range(n + k)],
+                        prompt_len=n,
+                        loss_mask=[0] * n + [1] * k,
+                        logprobs=[0.0] * n + [-5.0] * k,
+                        turn_index=[-1] * n + [0] * k,
+                        versions=[-1] * n + [0] * k,
+                        turn_rewards=[0.0],
+                        outcome=float(i % 2),
+                        num_turns=1,
+                        finish_reason="stop",
+                    )
+                ]
+            )
+        groups.append(TrainGroup(group_id=f"g{g}", episodes=episodes))
+    return groups
+
+
+def _measure(
+    model_dir: Path, precision: str, checkpointing: bool, args: argparse.Namespace
+) -> dict[str, float]:
+    from learner.model import load_policy
+    from learner.precision import resolve_precision
+    from learner.trainer import Trainer
+    from pipeline.config import LearnerConfig
+
+    device = torch.device(args.device)
+    weights = resolve_precision(precision, device).param_dtype_name
+    model, _ = load_policy(model_dir, device=device, dtype=weights)
+    cfg = LearnerConfig(
+        lr=1e-5, mini_batches=args.mini_batches, precision=precision, gradient_checkpointing=checkpointing
+    )
+    trainer = Trainer(model, cfg, temperature=1.0, device=device)
+    groups = _groups(model.config.vocab_size, args)
+    trainer.step(groups)  # warm-up: optimizer state, allocator pools
+    seconds, peaks = [], []
+    for _ in range(args.repeats):
+        with PeakMemory(device) as memory:
+            started = time.perf_counter()
+            trainer.step(groups)
+            seconds.append(time.perf_counter() - started)
+        peaks.append(memory.peak_extra_bytes)
+    return {"seconds": statistics.median(seconds), "peak_extra_bytes": float(max(peaks))}
+
+
+def _variant_name(precision: str, checkpointing: bool) -> str:
+    return f"{precision}{'+ckpt' if checkpointing else ''}"
+
+
+def _in_own_process(model_dir: Path, name: str, argv: list[str]) -> dict[str, float]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.bench.learner",
+        *argv,
+        "--variant",
+        name,
+        "--model",
+        str(model_dir),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"variant {name} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """Every variant, each in its own process, and their ratios against fp32 (`argv`: this bench's flags)."""
+    from learner.model_init import init_model
+
+    args = _parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rollwise-bench-learner-") as tmp:
+        model_dir = init_model(Path(tmp) / "model", preset=args.preset, seed=0)
+        results = {
+            _variant_name(p, c): _in_own_process(model_dir, _variant_name(p, c), argv) for p, c in VARIANTS
+        }
+    base = results["fp32"]
+    for entry in results.values():
+        entry["time_ratio"] = entry["seconds"] / base["seconds"]
+        entry["memory_ratio"] = entry["peak_extra_bytes"] / max(base["peak_extra_bytes"], 1.0)
+    return {
+        "preset": args.preset,
+        "device": args.device,
+        "tokens_per_step": _tokens(args),
+        "results": results,
+    }
+
+
+def _tokens(args: argparse.Namespace) -> int:
+    return args.groups * args.group_size * (args.prompt + args.generated)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"learner step, preset {report['preset']} on {report['device']}, {report['tokens_per_step']} tokens",
+        f"{'variant':<18}{'time (s)':>10}{'peak (MiB)':>12}{'time x':>9}{'memory x':>10}",
+    ]
+    for name, r in report["results"].items():
+        lines.append(
+            f"{name:<18}{r['seconds']:>10.3f}{r['peak_extra_bytes'] / 2**20:>12.1f}"
+            f"{r['time_ratio']:>9.2f}{r['memory_ratio']:>10.3f}"
+        )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollwise bench learner", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="model preset (tiny, small)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--groups", type=int, default=2, help="groups per step")
+    p.add_argument("--group-size", type=int, default=4, help="episodes per group")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens per episode")
+    p.add_argument("--generated", type=int, default=256, help="generated tokens per episode")
+    p.add_argument("--mini-batches", type=int, default=2, help="mini-batches per step")
+    p.add_argument("--repeats", type=int, default=2, help="measured steps per variant")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in this process (the runner's call)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    args = _parser().parse_args(argv)
+    if args.variant is not None:
+        torch.set_num_threads(args.threads)
+        precision, _, ckpt = args.variant.partition("+")
+        print(json.dumps(_measure(Path(args.model), precision, ckpt == "ckpt", args)))
+        return 0
+    report = run([a for a in argv if a != "--json"])
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

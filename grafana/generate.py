@@ -306,6 +306,16 @@ def learner() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Regularisers",
+                    "rollwise_learner_kl_reference (KL estimate to the initial weights; 0 with kl_coef 0) "
+                    "and rollwise_learner_overlong_turns_ratio (turns DAPO's over-long penalty reached).",
+                    "none",
+                    (
+                        q(f"rollwise_learner_kl_reference{{{SEL}}}", "KL to reference"),
+                        q(f"rollwise_learner_overlong_turns_ratio{{{SEL}}}", "over-long turns"),
+                    ),
+                ),
+                PanelSpec(
                     "Tokens trained per second",
                     "rate(rollwise_learner_tokens_total).",
                     "ops",

@@ -30,6 +30,7 @@ from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
 from learner.mismatch import Correction, correct
 from learner.precision import compute, resolve_precision
+from learner.regularizers import kl_estimate, overlong_penalty
 from learner.schema import EpisodeSegment, RejectedRow
 from pipeline.config import LearnerConfig
 
@@ -47,6 +48,8 @@ class StepInput:
     untrainable_rows: int = 0
     skipped_zero_adv_groups: int = 0
     trained_groups: int = 0
+    turns: int = 0  # turns of the step's episodes (counted when the over-long penalty is on)
+    overlong_turns: int = 0  # of them, turns the over-long penalty reached
 
 
 def lr_factor(cfg: LearnerConfig) -> Callable[[int], float]:
@@ -79,6 +82,16 @@ def _episode_anchors(group: TrainGroup) -> list[list[bytes | None]]:
     return result
 
 
+def _turn_lengths(segments: Sequence[EpisodeSegment], num_turns: int) -> list[int]:
+    """Generated tokens of each turn of one episode, over all its segments."""
+    lengths = [0] * num_turns
+    for seg in segments:
+        for turn, generated in zip(seg.turn_index, seg.loss_mask, strict=True):
+            if generated and 0 <= turn < num_turns:
+                lengths[turn] += 1
+    return lengths
+
+
 def build_step_input(
     groups: Sequence[TrainGroup],
     *,
@@ -87,8 +100,12 @@ def build_step_input(
     lam: float,
     keep_zero_advantage: bool = False,
     norm: Norm = "std",
+    overlong: tuple[int, int] | None = None,
 ) -> StepInput:
     """Annotate the groups' rows with per-token advantages (pure; no model involved).
+
+    ``overlong = (budget, slope)`` adds DAPO's soft over-long penalty of each turn's generated length to
+    that turn's reward before the advantages (learner.regularizers.overlong_penalty).
 
     The groups were decoded, validated and triaged once by the learner (learner.groups.triage_group).
     Segments of one episode share its turn_rewards and outcome, so advantages are computed once per
@@ -107,8 +124,20 @@ def build_step_input(
     result.episodes = [ep for group in members for ep in group]
     if not groups:
         return result
+    rewards = [[list(ep.turn_rewards) for ep in group] for group in members]
+    if overlong is not None:
+        for group, group_rewards in zip(groups, rewards, strict=True):
+            for segments, turn_rewards in zip(group.episodes, group_rewards, strict=True):
+                for k, length in enumerate(_turn_lengths(segments, len(turn_rewards))):
+                    penalty = overlong_penalty(length, *overlong)
+                    turn_rewards[k] += penalty
+                    result.overlong_turns += penalty < 0.0
+                result.turns += len(turn_rewards)
     advantages = turn_advantages(
-        [[(list(ep.turn_rewards), ep.outcome) for ep in group] for group in members],
+        [
+            [(r, ep.outcome) for r, ep in zip(group_rewards, group, strict=True)]
+            for group_rewards, group in zip(rewards, members, strict=True)
+        ],
         gamma=gamma,
         lam=lam,
         estimator=estimator,
@@ -167,6 +196,8 @@ class _UpdateStats:
     mismatch: dict[str, list[float]] = field(
         default_factory=lambda: {"lag0": [0.0, 0.0], "lag1plus": [0.0, 0.0], "k3": [0.0, 0.0]}
     )
+    kl_sum: float = 0.0
+    kl_tokens: int = 0
     corrected_tokens: int = 0
     rejected_tokens: int = 0
     truncated_tokens: int = 0
@@ -328,9 +359,16 @@ class Trainer:
         device: torch.device | str | None = None,
         pad_token_id: int | None = None,
         action_token_ids: Sequence[int] = (),
+        reference: Any = None,
     ) -> None:
         if not (math.isfinite(temperature) and temperature > 0.0):
             raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
+        if cfg.kl_coef > 0.0 and reference is None:
+            raise ValueError("kl_coef > 0 needs the frozen reference policy (reference), got none")
+        self.reference = reference
+        if reference is not None:
+            reference.eval()
+            reference.requires_grad_(False)
         if cfg.action_prior_coef > 0.0 and not action_token_ids:
             raise ValueError(
                 "action_prior_coef > 0 needs the environment's action tokens (action_token_ids), got none"
@@ -404,6 +442,9 @@ class Trainer:
             # states are exactly where a rarely sampled answer has to be kept alive.
             keep_zero_advantage=self.entropy_coef > 0.0 or self.action_prior_coef > 0.0,
             norm=self.cfg.advantage_norm,
+            overlong=(
+                (self.cfg.overlong_budget, self.cfg.overlong_slope) if self.cfg.overlong_budget else None
+            ),
         )
         self.last_rejected = data.rejected
         stats = _UpdateStats()
@@ -458,6 +499,21 @@ class Trainer:
         return dataclasses.replace(
             batch, loss_mask=c.keep.float(), proximal_logprobs=proximal, token_weights=c.weights
         )
+
+    def _kl_to_reference(
+        self, batch: PackedBatch, logprobs: torch.Tensor, stats: _UpdateStats
+    ) -> torch.Tensor:
+        """Per-token KL estimate of the policy against the frozen reference (learner.regularizers)."""
+        with torch.no_grad(), compute(self.precision, self.device):
+            ref_logits = self.reference(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            ).logits
+        ref = sampled_token_logprobs(ref_logits, batch.targets, temperature=self.temperature)
+        kl = kl_estimate(logprobs, ref, self.cfg.kl_estimator)
+        keep = batch.loss_mask > 0
+        stats.kl_sum += float(kl.detach()[keep].sum())
+        stats.kl_tokens += int(keep.sum())
+        return kl
 
     def _lag(self, batch: PackedBatch) -> torch.Tensor:
         """Versions behind the learner of each generated token at the step's start (negative elsewhere)."""
@@ -518,10 +574,18 @@ class Trainer:
             # (lag >= 1), so lag 0 stays the engine's numerics alone.
             moved = 1 if stats.applied > 0 else 0
             stats.add_mismatch(logprobs, batch.old_logprobs, batch.loss_mask, self._lag(batch) + moved)
+        advantages, kl_term = batch.advantages, None
+        if self.cfg.kl_coef > 0.0:
+            kl = self._kl_to_reference(batch, logprobs, stats)
+            if self.cfg.kl_mode == "reward":
+                advantages = advantages - self.cfg.kl_coef * kl.detach()
+            else:
+                keep = batch.loss_mask > 0
+                kl_term = torch.where(keep, kl, 0.0).sum() / max(totals.tokens, 1)
         loss, loss_stats = gspo_token_loss(
             logprobs,
             batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.old_logprobs,
-            batch.advantages,
+            advantages,
             batch.loss_mask,
             clip_low=self.cfg.clip_low,
             clip_high=self.cfg.clip_high,
@@ -531,6 +595,8 @@ class Trainer:
             num_global_tokens=max(totals.tokens, 1),
             token_weights=batch.token_weights,
         )
+        if kl_term is not None:  # this micro-batch's tokens over the window's: they sum to the token mean
+            loss = loss + self.cfg.kl_coef * kl_term
         entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
         # The bonus and the prior are means over this micro-batch; weighted by its share of the window's
         # tokens (turn starts), they sum to the window's mean, as the policy-gradient term does.
@@ -555,6 +621,8 @@ class Trainer:
             "ratio_min": stats.ratio_min if stats.ratio_means else 1.0,
             "ratio_max": stats.ratio_max if stats.ratio_means else 1.0,
             **stats.mismatch_metrics(),
+            "kl_reference": _ratio(stats.kl_sum, stats.kl_tokens),
+            "overlong_fraction": _ratio(data.overlong_turns, data.turns),
             "entropy": _mean(stats.entropies),
             "entropy_coef": self.entropy_coef,
             "action_prior_coef": self.action_prior_coef,

@@ -162,6 +162,11 @@ class LearnerWorker:
         model, self.tokenizer = load_policy(
             self.run_dir.initial_model, device=device, dtype=precision.param_dtype_name
         )
+        reference = None
+        if cfg.learner.kl_coef > 0.0:
+            # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
+            dtype = "bfloat16" if precision.autocast_dtype is not None else precision.param_dtype_name
+            reference, _ = load_policy(self.run_dir.initial_model, device=device, dtype=dtype)
         self.trainer = Trainer(
             model,
             cfg.learner,
@@ -169,6 +174,7 @@ class LearnerWorker:
             seed=cfg.run.seed,
             device=device,
             action_token_ids=env_action_token_ids(cfg, self.tokenizer),
+            reference=reference,
         )
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None

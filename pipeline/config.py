@@ -189,6 +189,36 @@ class LearnerConfig(_Section):
     )
     lr_min_ratio: float = Field(0.0, ge=0, le=1, description="The decay's floor as a fraction of lr.")
     mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of a KL penalty towards the initial weights (0 = off). The learner then holds a frozen "
+            "copy of them (one more set of weights, no gradients or optimizer state) and runs it on every "
+            "mini-batch."
+        ),
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL estimate: k1 = log ratio, k2 = squared / 2, k3 = low-variance."
+    )
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss",
+        description=(
+            "loss: kl_coef x the token-mean estimate is added to the loss (differentiated); reward: the "
+            "estimate (detached) is subtracted from each token's advantage, a per-token reward penalty."
+        ),
+    )
+    overlong_budget: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "DAPO's soft over-long penalty (None = off): a turn longer than this many generated tokens "
+            "gets -1 added to its reward, and one within overlong_slope tokens of it a linear share."
+        ),
+    )
+    overlong_slope: int = Field(
+        0, ge=0, description="Tokens before the budget over which the penalty ramps in."
+    )
     clip_low: float = Field(3e-4, ge=0, description="GSPO epsilon below 1.")
     clip_high: float = Field(4e-4, ge=0, description="GSPO epsilon above 1.")
     loss_level: Literal["sequence_token", "sequence", "token"] = Field(
@@ -293,6 +323,9 @@ class Config(_Section):
         if self.async_.max_staleness < self.async_.sync_every_steps - 1:
             # Admission counts versions the engines serve; they lag the learner by up to k-1 versions.
             raise ValueError("async.max_staleness must be >= async.sync_every_steps - 1 (actors would wait)")
+        budget = self.learner.overlong_budget
+        if budget is not None and self.learner.overlong_slope > budget:
+            raise ValueError("learner.overlong_slope must be <= learner.overlong_budget")
         if self.learner.lr_schedule != "constant" and self.learner.lr_decay_steps < 1:
             raise ValueError(
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"

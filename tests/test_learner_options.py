@@ -315,3 +315,102 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
     assert all(r["peak_extra_bytes"] > 0 and r["seconds"] > 0 for r in results.values())
     assert results["fp32+ckpt"]["memory_ratio"] < 0.9
     assert results["bf16"]["memory_ratio"] < 0.9
+
+
+# --- regularisers ------------------------------------------------------------------------------------------
+def test_kl_estimators_hand_computed() -> None:
+    from learner.regularizers import kl_estimate
+
+    lp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])  # d = ref - lp = [-0.5, 1.0]
+    assert torch.allclose(kl_estimate(lp, ref, "k1"), torch.tensor([[0.5, -1.0]]))
+    assert torch.allclose(kl_estimate(lp, ref, "k2"), torch.tensor([[0.125, 0.5]]))
+    expected_k3 = [math.exp(-0.5) - 1 + 0.5, math.e - 1 - 1.0]
+    assert torch.allclose(kl_estimate(lp, ref, "k3"), torch.tensor([expected_k3]))
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_estimate(lp, ref, "k4")  # type: ignore[arg-type]
+
+
+def test_overlong_penalty_is_dapos_ramp() -> None:
+    from learner.regularizers import overlong_penalty
+
+    assert [overlong_penalty(n, budget=10, slope=4) for n in (0, 6, 7, 8, 10, 11)] == [
+        0.0,
+        0.0,
+        -0.25,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]
+    assert (
+        overlong_penalty(10, budget=10, slope=0) == 0.0 and overlong_penalty(11, budget=10, slope=0) == -1.0
+    )
+    with pytest.raises(ValueError, match="slope"):
+        overlong_penalty(1, budget=4, slope=5)
+
+
+def test_overlong_penalty_reaches_the_turn_advantages(policy: tuple[Any, Any]) -> None:
+    from learner.trainer import build_step_input
+
+    _, tokenizer = policy
+    rows = _group(tokenizer, "g", outcomes=(1, 1, 1, 1))  # no signal except the penalty
+    for row in rows[:2]:  # two answers get three more generated tokens
+        for field, extra in (
+            ("token_ids", 7),
+            ("loss_mask", 1),
+            ("logprobs", -2.0),
+            ("turn_index", 0),
+            ("versions", 0),
+        ):
+            getattr(row, field).extend([extra] * 3)
+    lengths = [sum(r.loss_mask) for r in rows]
+    assert lengths[0] == lengths[2] + 3 and lengths[1] == lengths[3] + 3
+    budget = max(lengths[2:])  # the short ones fit exactly, the long ones are over
+    plain = build_step_input(groups_of(rows), estimator="turn", gamma=1.0, lam=1.0)
+    penalised = build_step_input(groups_of(rows), estimator="turn", gamma=1.0, lam=1.0, overlong=(budget, 0))
+    assert plain.skipped_zero_adv_groups == 1 and plain.sequences == []
+    assert (penalised.overlong_turns, penalised.turns) == (2, 4)
+    # Rewards -1, -1, 0, 0: the long turns get a negative advantage, the short ones a positive one.
+    assert [seq.advantages[-1] < 0 for seq in penalised.sequences] == [True, True, False, False]
+    assert [seq.advantages[-1] > 0 for seq in penalised.sequences] == [False, False, True, True]
+
+
+def test_kl_to_a_reference_that_equals_the_policy_is_zero_then_grows(tiny_model_dir: Path) -> None:
+    model, tokenizer = load_policy(tiny_model_dir)
+    reference, _ = load_policy(tiny_model_dir)
+    with pytest.raises(ValueError, match="reference"):
+        Trainer(model, _cfg(kl_coef=0.1), temperature=1.0)
+    trainer = Trainer(model, _cfg(lr=1e-2, mini_batches=1, kl_coef=0.1), temperature=1.0, reference=reference)
+    first = trainer.step(groups_of(_group(tokenizer, "g")))
+    second = trainer.step(groups_of(_group(tokenizer, "h")))
+    assert first["kl_reference"] == pytest.approx(0.0, abs=1e-7)  # trained on the reference's own weights
+    assert second["kl_reference"] > 1e-4  # one update later the policy has moved away
+    assert not any(p.requires_grad for p in reference.parameters())
+    off = Trainer(load_policy(tiny_model_dir)[0], _cfg(mini_batches=1), temperature=1.0)
+    assert off.step(groups_of(_group(tokenizer, "g")))["kl_reference"] == 0.0
+
+
+def test_kl_in_reward_mode_shifts_the_advantages_by_the_estimate(tiny_model_dir: Path) -> None:
+    from learner.model_init import init_model
+
+    def step(reference_dir: Path | None, **kw: Any) -> dict[str, float]:
+        model, tokenizer = load_policy(tiny_model_dir)
+        reference = load_policy(reference_dir)[0] if reference_dir is not None else None
+        rows = _group(tokenizer, "g")
+        _on_policy(model, rows, len(_prompt(tokenizer)))  # ratio 1: the loss is -token_mean(A)
+        cfg = _cfg(mini_batches=1, loss_agg="token_mean", **kw)
+        return Trainer(model, cfg, temperature=1.0, reference=reference).step(groups_of(rows))
+
+    plain = step(None)
+    same = step(tiny_model_dir, kl_coef=0.5, kl_mode="reward")
+    assert same["loss"] == pytest.approx(plain["loss"], abs=1e-7)  # kl = 0: nothing shifts
+    other_dir = init_model(tiny_model_dir.parent / "other-ref", preset="tiny", seed=1)
+    other = step(other_dir, kl_coef=0.5, kl_mode="reward", kl_estimator="k1")
+    # k1 = log pi - log pi_ref per token; the advantages drop by 0.5 k1, so the on-policy loss
+    # -token_mean(A) rises by 0.5 x the token mean of k1.
+    assert other["loss"] == pytest.approx(plain["loss"] + 0.5 * other["kl_reference"], rel=1e-4, abs=1e-6)
+
+
+def test_overlong_slope_beyond_the_budget_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"learner\.overlong_slope must be <= learner\.overlong_budget"):
+        load_config(None, ["learner.overlong_budget=8", "learner.overlong_slope=9"])

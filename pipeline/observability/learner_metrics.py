@@ -21,6 +21,8 @@ _STEP_GAUGES = {
     "is_weight_max": metrics.LEARNER_IS_WEIGHT.labels(stat="max"),
     "is_truncated_fraction": metrics.LEARNER_IS_TRUNCATED,
     "rejected_fraction": metrics.LEARNER_REJECTED,
+    "kl_reference": metrics.LEARNER_KL_REFERENCE,
+    "overlong_fraction": metrics.LEARNER_OVERLONG,
     "entropy": metrics.LEARNER_ENTROPY,
     "grad_norm": metrics.LEARNER_GRAD_NORM,
     "lr": metrics.LEARNER_LR,

@@ -245,6 +245,17 @@ LEARNER_REJECTED = Gauge(
     "Fraction of generated tokens learner.mismatch.reject took out of the last step's loss.",
     registry=REGISTRY,
 )
+LEARNER_KL_REFERENCE = Gauge(
+    "rollwise_learner_kl_reference",
+    "Token-mean KL estimate (learner.kl_estimator) of the policy against the initial weights, last step; "
+    "0 while learner.kl_coef is 0.",
+    registry=REGISTRY,
+)
+LEARNER_OVERLONG = Gauge(
+    "rollwise_learner_overlong_turns_ratio",
+    "Fraction of the last step's turns that DAPO's over-long penalty reached (learner.overlong_budget).",
+    registry=REGISTRY,
+)
 LEARNER_ENTROPY = Gauge(
     "rollwise_learner_entropy_nats", "Mean token entropy of the policy.", registry=REGISTRY
 )

@@ -79,7 +79,7 @@ class SamplingConfig(_Section):
     )
     top_k: int = Field(-1, description="-1 = whole vocabulary.")
     min_p: float = Field(0.0, ge=0, lt=1, description="Min-p filter.")
-    max_new_tokens: int = Field(16, ge=1, description="Tokens one turn may generate.")
+    max_new_tokens: int = Field(1024, ge=1, description="Tokens one turn may generate.")
 
 
 class EnvConfig(_Section):
@@ -89,7 +89,7 @@ class EnvConfig(_Section):
     )
     group_size: int = Field(8, ge=1, le=1024, description="G: episodes per task.")
     max_context_tokens: int = Field(
-        512, ge=16, description="Token budget of one episode; over it = truncated."
+        8192, ge=16, description="Token budget of one episode; over it = truncated."
     )
     tool_parser: str = Field("hermes", description="Tool-call parser name (envs.toolcalls).")
     system_prompt: str | None = Field(None, description="Optional system message before the env's messages.")
@@ -113,14 +113,14 @@ class MismatchConfig(_Section):
     """Training/inference mismatch correction (docs/operations.md, "Mismatch correction")."""
 
     proximal: Literal["engine", "learner"] = Field(
-        "engine",
+        "learner",
         description=(
             "Which log-probs the clip is centred on: the engine's (engine, no extra pass) or the learner's "
             "own at the start of the step (learner: one no-grad forward over the batch, decoupled PPO)."
         ),
     )
     is_weights: Literal["none", "token", "sequence"] = Field(
-        "none",
+        "token",
         description=(
             "Truncated importance weights w = min(pi_prox / pi_engine, is_cap) on each token (token) or "
             "the product over the sequence (sequence); needs proximal = learner."
@@ -166,7 +166,7 @@ class LearnerConfig(_Section):
 
     batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step (the rollout batch).")
     mini_batches: int = Field(4, ge=1, description="Mini-batches per rollout batch (paper: 4).")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (1e-6: a pretrained LLM, full weights).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     embedding_weight_decay: float | None = Field(
         None,
@@ -180,7 +180,9 @@ class LearnerConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     grad_accum: int = Field(1, ge=1, description="Mini-batches accumulated per optimizer update.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    warmup_steps: int = Field(
+        10, ge=0, description="Linear learning-rate warm-up over the first optimizer updates (AdamW's moments)."
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="After warm-up: constant, or a linear or cosine decay to lr * lr_min_ratio."
     )

@@ -91,8 +91,18 @@ def test_token_weights_scale_each_token_loss_and_gradient() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["learner.mismatch.is_weights='token'"], r"learner\.mismatch\.is_weights = 'token' needs"),
-        (["learner.mismatch.reject='geometric'"], r"learner\.mismatch\.reject = 'geometric' needs"),
+        (
+            ["learner.mismatch.proximal='engine'", "learner.mismatch.is_weights='token'"],
+            r"learner\.mismatch\.is_weights = 'token' needs",
+        ),
+        (
+            [
+                "learner.mismatch.proximal='engine'",
+                "learner.mismatch.is_weights='none'",
+                "learner.mismatch.reject='geometric'",
+            ],
+            r"learner\.mismatch\.reject = 'geometric' needs",
+        ),
         (["learner.mismatch.reject_band=[1.1, 2.0]"], "reject_band must satisfy"),
         (["learner.mismatch.is_cap=0.5"], r"is_cap"),
         (["learner.lr_schedule='cosine'"], r"learner\.lr_decay_steps >= 1"),
@@ -117,7 +127,9 @@ def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
         LearnerConfig(warmup_steps=2, lr_schedule="linear", lr_decay_steps=4, lr_min_ratio=0.2)
     )
     assert [round(linear(u), 6) for u in range(8)] == [0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
-    cosine = lr_factor(LearnerConfig(lr_schedule="cosine", lr_decay_steps=4, lr_min_ratio=0.0))
+    cosine = lr_factor(
+        LearnerConfig(warmup_steps=0, lr_schedule="cosine", lr_decay_steps=4, lr_min_ratio=0.0)
+    )
     assert [round(cosine(u), 6) for u in range(6)] == [1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
     constant = lr_factor(LearnerConfig(warmup_steps=4))
     assert [constant(u) for u in (0, 3, 100)] == [0.25, 1.0, 1.0]
@@ -171,7 +183,9 @@ def _group(
 
 
 def _cfg(**kw: Any) -> LearnerConfig:
-    return LearnerConfig(**({"lr": 1e-3, "mini_batches": 2, "device": "cpu"} | kw))
+    """The toy's mechanics: no warm-up, engine log-probs as the old policy unless a test says otherwise."""
+    base = {"lr": 1e-3, "mini_batches": 2, "device": "cpu", "warmup_steps": 0}
+    return LearnerConfig(**(base | {"mismatch": {"proximal": "engine", "is_weights": "none"}} | kw))
 
 
 def test_learner_proximal_reports_weights_truncation_and_rejection(policy: tuple[Any, Any]) -> None:

@@ -36,7 +36,15 @@ def policy(model_dir: Path) -> tuple[Any, Any]:
 
 
 def _cfg(**overrides: Any) -> LearnerConfig:
-    base: dict[str, Any] = {"lr": 1e-2, "mini_batches": 2, "device": "cpu"}
+    # The trainer's mechanics on the toy: no warm-up, the engine's log-probs as the old policy (the real-model
+    # defaults' mismatch correction has tests of its own, tests/test_learner_options.py).
+    base: dict[str, Any] = {
+        "lr": 1e-2,
+        "mini_batches": 2,
+        "device": "cpu",
+        "warmup_steps": 0,
+        "mismatch": {"proximal": "engine", "is_weights": "none"},
+    }
     base.update(overrides)
     return LearnerConfig(**base)
 

@@ -181,7 +181,9 @@ class LearnerConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     grad_accum: int = Field(1, ge=1, description="Mini-batches accumulated per optimizer update.")
     warmup_steps: int = Field(
-        10, ge=0, description="Linear learning-rate warm-up over the first optimizer updates (AdamW's moments)."
+        10,
+        ge=0,
+        description="Linear learning-rate warm-up over the first optimizer updates (AdamW's moments).",
     )
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="After warm-up: constant, or a linear or cosine decay to lr * lr_min_ratio."

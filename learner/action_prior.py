@@ -71,5 +71,13 @@ def action_prior_loss(logits: Tensor, loss_mask: Tensor, action_ids: Tensor, tem
     starts = turn_start_mask(loss_mask)
     if not bool(starts.any()):
         return logits.sum() * 0.0
-    logp = torch.log_softmax(logits[starts].float() / temperature, dim=-1)
+    return action_prior_loss_of_rows(logits[starts], action_ids, temperature)
+
+
+def action_prior_loss_of_rows(rows: Tensor, action_ids: Tensor, temperature: float) -> Tensor:
+    """The same mean for (S, V) logits rows that are already the turn starts (the fused learner path
+    makes only those rows)."""
+    if rows.shape[0] == 0:
+        return rows.sum() * 0.0
+    logp = torch.log_softmax(rows.float() / temperature, dim=-1)
     return -logp.index_select(-1, action_ids.to(logp.device)).mean()  # no copy when already there

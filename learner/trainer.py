@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from learner.action_prior import action_prior_loss, turn_start_mask
+from learner.action_prior import action_prior_loss_of_rows, turn_start_mask
 from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, pack_sequences
 from learner.groups import TrainGroup
 from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
-from learner.logprobs import entropy_from_logits, sampled_token_logprobs
 from learner.mismatch import Correction, correct
-from learner.precision import compute, resolve_precision
+from learner.policy_forward import PolicyForward, forward_policy
+from learner.precision import resolve_precision
 from learner.regularizers import kl_estimate, overlong_penalty
 from learner.schema import EpisodeSegment, RejectedRow
 from pipeline.config import LearnerConfig
@@ -286,16 +286,12 @@ def _linear_decay(coef: float, decay_steps: int, updates: int) -> float:
     return coef * max(0.0, 1.0 - updates / decay_steps)
 
 
-def generated_token_entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Differentiable mean entropy of softmax(logits / T) over the generated positions (mask > 0).
-
-    Only those positions are materialised in fp32 ((N, V) with N generated tokens), never (B, T, V).
-    """
-    keep = mask > 0
-    if not bool(keep.any()):
-        return logits.sum() * 0.0
-    selected = logits[keep].float() / temperature
-    logp = torch.log_softmax(selected, dim=-1)
+def generated_token_entropy(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Differentiable mean entropy of softmax(rows / T) over (N, V) logits rows, the generated positions
+    (made by PolicyForward.logits_at, never a (B, T, V) tensor); a zero with the graph when N = 0."""
+    if rows.shape[0] == 0:
+        return rows.sum() * 0.0
+    logp = torch.log_softmax(rows.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(dim=-1).mean()
 
 
@@ -478,12 +474,7 @@ class Trainer:
         """`pack` with the learner's own log-probs (the proximal policy), the mismatch correction's
         importance weights, and its rejected tokens taken out of the loss mask (learner.mismatch)."""
         batch = pack.to(self.device)
-        with compute(self.precision, self.device):
-            logits = self.model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).logits
-        proximal = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature).float()
-        del logits
+        proximal = self._forward(self.model, batch).logprobs.float()
         m = self.cfg.mismatch
         c = correct(
             proximal,
@@ -504,16 +495,25 @@ class Trainer:
         self, batch: PackedBatch, logprobs: torch.Tensor, stats: _UpdateStats
     ) -> torch.Tensor:
         """Per-token KL estimate of the policy against the frozen reference (learner.regularizers)."""
-        with torch.no_grad(), compute(self.precision, self.device):
-            ref_logits = self.reference(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).logits
-        ref = sampled_token_logprobs(ref_logits, batch.targets, temperature=self.temperature)
+        with torch.no_grad():
+            ref = self._forward(self.reference, batch).logprobs
         kl = kl_estimate(logprobs, ref, self.cfg.kl_estimator)
         keep = batch.loss_mask > 0
         stats.kl_sum += float(kl.detach()[keep].sum())
         stats.kl_tokens += int(keep.sum())
         return kl
+
+    def _forward(self, model: Any, batch: PackedBatch) -> PolicyForward:
+        return forward_policy(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.targets,
+            temperature=self.temperature,
+            precision=self.precision,
+            device=self.device,
+            fused=self.cfg.fused_logprobs,
+        )
 
     def _lag(self, batch: PackedBatch) -> torch.Tensor:
         """Versions behind the learner of each generated token at the step's start (negative elsewhere)."""
@@ -562,12 +562,8 @@ class Trainer:
     def _forward_loss(
         self, batch: PackedBatch, totals: _WindowTotals, stats: _UpdateStats
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
-        # use_cache=False: a training forward has no use for a KV cache and would allocate one per layer.
-        with compute(self.precision, self.device):
-            logits = self.model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).logits
-        logprobs = sampled_token_logprobs(logits, batch.targets, temperature=self.temperature)
+        out = self._forward(self.model, batch)
+        logprobs = out.logprobs
         if batch.proximal_logprobs is None:
             # The engine's log-probs are the old policy: measure the gap on every mini-batch as it is
             # trained. Once this step has updated the weights, they are a newer policy than any token's
@@ -597,17 +593,19 @@ class Trainer:
         )
         if kl_term is not None:  # this micro-batch's tokens over the window's: they sum to the token mean
             loss = loss + self.cfg.kl_coef * kl_term
-        entropy = float(entropy_from_logits(logits.detach(), batch.loss_mask, temperature=self.temperature))
+        entropy = out.entropy(batch.loss_mask, self.temperature)
         # The bonus and the prior are means over this micro-batch; weighted by its share of the window's
         # tokens (turn starts), they sum to the window's mean, as the policy-gradient term does.
         coef = self.entropy_coef
         if coef > 0.0:
             share = batch.num_loss_tokens / max(totals.tokens, 1)
-            loss = loss - coef * share * generated_token_entropy(logits, batch.loss_mask, self.temperature)
+            rows = out.logits_at(batch.loss_mask > 0)
+            loss = loss - coef * share * generated_token_entropy(rows, self.temperature)
         prior = self.action_prior_coef
         if prior > 0.0:
             share = int(turn_start_mask(batch.loss_mask).sum()) / max(totals.turn_starts, 1)
-            floor = action_prior_loss(logits, batch.loss_mask, self.action_ids, self.temperature)
+            rows = out.logits_at(turn_start_mask(batch.loss_mask))
+            floor = action_prior_loss_of_rows(rows, self.action_ids, self.temperature)
             loss = loss + prior * share * floor
         return loss, loss_stats, entropy
 

@@ -287,6 +287,13 @@ class LearnerConfig(_Section):
             "weight, are lost). auto = bf16-mixed on CUDA, fp32 on CPU."
         ),
     )
+    fused_logprobs: bool = Field(
+        True,
+        description=(
+            "Sampled-token log-probs from the final hidden states through the output layer, fused per "
+            "chunk: no (tokens x vocabulary) logits tensor in forward or backward."
+        ),
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer's activations in backward (less memory, more compute).",

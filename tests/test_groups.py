@@ -17,25 +17,11 @@ from pipeline.run_dir import (
     prune_weights,
     published_version,
 )
+from tests.train_groups import one_turn_row
 
 
 def row(index: int, version: int, *, finish: str = "stop", episode: str | None = None) -> EpisodeSegment:
-    return EpisodeSegment(
-        episode_id=episode or f"g-{index}",
-        group_id="g",
-        task_id="task",
-        env="test-env",
-        token_ids=[5, 6, 7, 8, 30 + index, 40 + index, 50],
-        prompt_len=4,
-        loss_mask=[0, 0, 0, 0, 1, 1, 1],
-        logprobs=[0.0, 0.0, 0.0, 0.0, -2.0, -1.5, -3.0],
-        turn_index=[-1, -1, -1, -1, 0, 0, 0],
-        versions=[-1, -1, -1, -1, version, version, version],
-        turn_rewards=[0.0],
-        outcome=float(index % 2),
-        num_turns=1,
-        finish_reason=finish,
-    )
+    return one_turn_row("g", index, version, finish=finish, episode_id=episode)
 
 
 def verdict(rows: list[EpisodeSegment], version: int, eta: int, vocab: int | None = None) -> str | None:

@@ -428,3 +428,23 @@ def test_kl_in_reward_mode_shifts_the_advantages_by_the_estimate(tiny_model_dir:
 def test_overlong_slope_beyond_the_budget_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"learner\.overlong_slope must be <= learner\.overlong_budget"):
         load_config(None, ["learner.overlong_budget=8", "learner.overlong_slope=9"])
+
+
+def test_fused_log_probs_train_like_the_logits_path(tiny_model_dir: Path) -> None:
+    """Same loss, entropy, gradient and weights after a step, with the entropy bonus and the action prior
+    on (they take logits rows at generated positions and turn starts)."""
+    from learner.policy_forward import fused_head
+
+    results, weights = [], []
+    for fused in (False, True):
+        model, tokenizer = load_policy(tiny_model_dir)
+        assert fused_head(model) is model.get_output_embeddings()
+        ids = action_token_ids(tokenizer, [str(n) for n in range(1, 17)])
+        cfg = _cfg(mini_batches=2, fused_logprobs=fused, entropy_coef=0.1, action_prior_coef=0.2)
+        trainer = Trainer(model, cfg, temperature=0.8, action_token_ids=ids)
+        results.append(trainer.step(groups_of(_group(tokenizer, "g"))))
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    for key in ("loss", "entropy", "grad_norm", "mismatch_abs_mean"):
+        assert results[1][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-7), key
+    # AdamW divides by sqrt(v): a near-zero gradient's float noise still moves a weight by up to ~lr (1e-3)
+    assert (weights[1] - weights[0]).abs().max() < 1e-4

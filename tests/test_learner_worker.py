@@ -23,40 +23,20 @@ from typing import Any
 
 import pytest
 
-from learner.schema import EpisodeSegment, segments_to_batch
+from learner.schema import segments_to_batch
 from learner.worker import env_action_token_ids
 from pipeline.config import load_config
 from pipeline.run_dir import RunDir, acquire_learner_lock
 from pipeline.transport.spool import SpoolWriter, spool_name
+from tests.train_groups import one_turn_row
 
 B = 2
-
-
-def episode(
-    group_id: str, index: int, version: int, *, finish: str = "stop", outcome: float | None = None
-) -> EpisodeSegment:
-    return EpisodeSegment(
-        episode_id=f"{group_id}-{index}",
-        group_id=group_id,
-        task_id="task",
-        env="test-env",
-        token_ids=[5, 6, 7, 8, 30 + index, 40 + index, 50],
-        prompt_len=4,
-        loss_mask=[0, 0, 0, 0, 1, 1, 1],
-        logprobs=[0.0, 0.0, 0.0, 0.0, -2.0, -1.5, -3.0],
-        turn_index=[-1, -1, -1, -1, 0, 0, 0],
-        versions=[-1, -1, -1, -1, version, version, version],
-        turn_rewards=[0.0],
-        outcome=float(index % 2) if outcome is None else outcome,
-        num_turns=1,
-        finish_reason=finish,
-    )
 
 
 def write_group(
     spool: SpoolWriter, group_id: str, version: int, members: int = 2, outcome: float | None = None
 ) -> int:
-    batch = segments_to_batch([episode(group_id, i, version, outcome=outcome) for i in range(members)])
+    batch = segments_to_batch([one_turn_row(group_id, i, version, outcome=outcome) for i in range(members)])
     return spool.write_group(batch, group_id=group_id).seq
 
 

@@ -496,11 +496,11 @@ def test_generated_token_entropy_is_exact_and_ignores_masked_positions() -> None
     logits[1, 2] = torch.tensor([50.0] + [0.0] * (vocab - 1))  # near one-hot, but masked out below
     logits.requires_grad_(True)
     mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    ent = generated_token_entropy(logits, mask, temperature=1.0)
+    ent = generated_token_entropy(logits[mask > 0], temperature=1.0)
     assert float(ent.detach()) == pytest.approx(math.log(vocab), abs=1e-6)
     ent.backward()
     assert logits.grad is not None and torch.all(logits.grad[1, 2] == 0) and torch.all(logits.grad[0, 0] == 0)
-    none = generated_token_entropy(logits, torch.zeros(2, 3), temperature=1.0)
+    none = generated_token_entropy(logits[torch.zeros(2, 3) > 0], temperature=1.0)
     assert float(none.detach()) == 0.0
 
 

@@ -12,7 +12,6 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from learner import events
 from pipeline.daemon.children import Child, ChildSpec, keep_running
@@ -87,10 +86,6 @@ class LearnerChild:
                     f"the learner exited {self.failed_starts} times before reporting ready; "
                     f"see {child.spec.log_path}"
                 )
-
-    @property
-    def log_path(self) -> Path:
-        return self.spec.log_path
 
     async def stop(self, grace_s: float) -> None:
         """Ask the learner to finish its step and checkpoint; kill it if it does not exit in time.

@@ -89,7 +89,6 @@ class Supervisor:
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
-            self.run_dir.logs.mkdir(parents=True, exist_ok=True)
             self.step_log = self.run_dir.step_log.open("a", encoding="utf-8")
             await self.endpoints.start()
             self.progress.start()

@@ -16,14 +16,17 @@ Default estimator ``"turn"``, two channels:
   the baseline does not depend on episode i's own later actions or on when it stopped (no length bias,
   pitfall P1), and every episode counts once however many turns it took (P2).
 
-Each channel is divided by its own batch-level population std (+1e-6) over every value it has in the call
-(one A^o per episode, one A^s per turn of the episodes that have shaping), so a dense shaping reward
-cannot swamp the outcome, and tiny groups do not blow up: A_{i,k} = A^o_i / sigma_o + lam * A^s_{i,k} /
-sigma_s. With ``norm="none"`` (Dr. GRPO, verl's ``norm_adv_by_std_in_grpo=False``) sigma_o = sigma_s = 1:
-the channels keep their reward units, so lam must bring them to one scale, and a batch whose groups have
-little left to learn yields small advantages instead of being rescaled to unit spread, so an entropy
-bonus keeps its weight relative to them as the signal thins out (guess-number: entropy stayed 1.1-1.4
-nats instead of falling to 0.3; docs/training_curve.md, run d9).
+The channels are added in reward units and the sum is scaled once: A_{i,k} = (A^o_i + lam * A^s_{i,k}) /
+sigma, sigma the batch-level population std (+1e-6) of every (episode, turn) sum in the call. One scale
+for both keeps each channel's size relative to the other: a shaping channel that holds one -0.1 format
+penalty stays a -0.1-sized correction. (Scaling each channel by its own std, as "turn" did before, blew
+such a channel up to the outcome's size: 8 three-turn episodes, half solved, one solved episode with a
+single -0.1 penalty got -2.24 on its first turns while the outcome channel gave +-1.) lam sets the
+channels' relative weight in reward units. With ``norm="none"`` (Dr. GRPO, verl's
+``norm_adv_by_std_in_grpo=False``) sigma = 1: a batch whose groups have little left to learn yields small
+advantages instead of being rescaled to unit spread, so an entropy bonus keeps its weight relative to them
+as the signal thins out (guess-number: entropy stayed 1.1-1.4 nats instead of falling to 0.3;
+docs/training_curve.md, run d9).
 
 Estimator ``"outcome"``: classic GRPO broadcast, per group (r_i - mean) / (std + 1e-6) with r_i the
 outcome, the same value on every turn. A group where no episode has an outcome uses the sums of the turn
@@ -40,7 +43,9 @@ engine was given). Those peers had the same information as episode i when it cho
 the baseline is a Monte-Carlo estimate of that state's value: each turn is credited against what other
 actions from the *same* state earned, not against episodes that were elsewhere. Turns with no such peer
 (or no anchor) fall back to the peers that reached turn k. The baseline never uses episode i itself, so
-it stays unbiased. Scaling as for "turn", with sigma_o over every (i, k) outcome term.
+it stays unbiased. Each channel is still scaled by its own batch std (sigma_o over every (i, k) outcome
+term, sigma_s over every shaping term): the default task's measured config depends on it, and moving it
+to the single scale of "turn" waits for new measurements of that task.
 
 Sums use math.fsum, which is exactly rounded, so results do not depend on episode order, not even in
 the last bit.
@@ -204,24 +209,16 @@ def turn_advantages(
         return _anchored(_validated(groups), anchors, gamma=gamma, lam=lam, scale=scale)
 
     raw = raw_channels(groups, gamma=gamma)
-    sigma_outcome = scale(
+    # One outcome term per episode, on every turn of it, plus that turn's shaping term; one scale for all.
+    sums = [
         [
-            a
-            for group, has in zip(raw.outcome, raw.has_outcome, strict=True)
-            for a, h in zip(group, has, strict=True)
-            if h
-        ]
-    )
-    shaping_values = [a for group in raw.shaping for episode in group for a in episode]
-    # One outcome term per episode: every turn of the episode gets it.
-    per_turn_outcome = [
-        [
-            [a_o] * len(episode_shaping)
+            [a_o + lam * a_s for a_s in episode_shaping]
             for a_o, episode_shaping in zip(group_outcome, group_shaping, strict=True)
         ]
         for group_outcome, group_shaping in zip(raw.outcome, raw.shaping, strict=True)
     ]
-    return _combine(per_turn_outcome, raw.shaping, sigma_outcome, scale(shaping_values), lam)
+    sigma = scale([a for group in sums for episode in group for a in episode])
+    return [[[a / sigma for a in episode] for episode in group] for group in sums]
 
 
 def _combine(

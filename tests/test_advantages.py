@@ -33,31 +33,40 @@ def test_hand_computed_raw_channels_for_one_two_three_turns() -> None:
 
 def test_hand_computed_advantages_for_one_two_three_turns() -> None:
     advantages = turn_advantages([K123])
-    # sigma_o: population std of [0.5, -1, 0.5] = sqrt((0.25 + 1 + 0.25) / 3) = sqrt(0.5) = 0.70711.
-    # sigma_s: population std of [-1, 0.5, 1, 0.5, -1, 0] (mean 0) = sqrt(3.5 / 6) = 0.76376.
-    sigma_o = math.sqrt(0.5) + 1e-6
-    sigma_s = math.sqrt(3.5 / 6) + 1e-6
-    expected = [
-        [0.5 / sigma_o - 1.0 / sigma_s],  # 0.70711 - 1.30931 = -0.60220
-        [-1.0 / sigma_o + 0.5 / sigma_s, -1.0 / sigma_o + 1.0 / sigma_s],  # -0.75956, -0.10491
-        [
-            0.5 / sigma_o + 0.5 / sigma_s,
-            0.5 / sigma_o - 1.0 / sigma_s,
-            0.5 / sigma_o,
-        ],  # 1.36176, -0.60220, 0.70711
-    ]
+    # Sums A^o + A^s per turn: e0 [0.5 - 1]; e1 [-1 + 0.5, -1 + 1]; e2 [0.5 + 0.5, 0.5 - 1, 0.5 + 0]
+    # = [-0.5], [-0.5, 0], [1, -0.5, 0.5]: mean 0, population std sqrt(2 / 6) = 0.57735.
+    sigma = math.sqrt(2 / 6) + 1e-6
+    expected = [[-0.5 / sigma], [-0.5 / sigma, 0.0], [1.0 / sigma, -0.5 / sigma, 0.5 / sigma]]
     assert [len(e) for e in advantages[0]] == [1, 2, 3]
     for got, want in zip(advantages[0], expected, strict=True):
         assert got == pytest.approx(want, abs=1e-12)
-    assert advantages[0][0][0] == pytest.approx(-0.60220, abs=1e-5)
-    assert advantages[0][1] == pytest.approx([-0.75956, -0.10491], abs=1e-5)
-    assert advantages[0][2] == pytest.approx([1.36176, -0.60220, 0.70711], abs=1e-5)
+    assert advantages[0][2] == pytest.approx([1.73205, -0.86603, 0.86603], abs=1e-5)
+
+
+def test_a_sparse_shaping_penalty_stays_small_next_to_the_outcome() -> None:
+    """The issue's case: 8 three-turn episodes, half solved, one solved episode with a single -0.1 format
+    penalty on its first turn. Scaled per channel, its first turns got -2.24; with one scale they keep the
+    outcome's sign and lose a tenth of it."""
+    group = [([0.0, 0.0, 0.0], 1.0 if i < 4 else 0.0) for i in range(8)]
+    group[0] = ([-0.1, 0.0, 0.0], 1.0)
+    (advantages,) = turn_advantages([group])
+    raw = raw_channels([group])
+    # Outcome LOO: solved 1 - 3/7 = 4/7, failed 0 - 4/7 = -4/7. Shaping (gamma 1): e0's return-to-go at
+    # turn 0 is -0.1 against peers' 0 -> -0.1; every other episode's turn 0 gets +0.1/7; later turns 0.
+    assert raw.outcome[0][:2] == pytest.approx([4 / 7, 4 / 7]) and raw.outcome[0][4] == pytest.approx(-4 / 7)
+    assert raw.shaping[0][0] == pytest.approx([-0.1, 0.0, 0.0])
+    assert raw.shaping[0][1] == pytest.approx([0.1 / 7, 0.0, 0.0])
+    sums = [a_o + a_s for a_o, shaping in zip(raw.outcome[0], raw.shaping[0], strict=True) for a_s in shaping]
+    sigma = statistics.pstdev(sums) + 1e-6
+    assert advantages[0] == pytest.approx([(4 / 7 - 0.1) / sigma, 4 / 7 / sigma, 4 / 7 / sigma], abs=1e-12)
+    assert advantages[0][0] > 0.8 * advantages[1][1] > 0  # the penalty costs about a sixth, not the sign
 
 
 def test_lambda_scales_only_the_shaping_channel() -> None:
-    sigma_o = math.sqrt(0.5) + 1e-6
+    # lam 0: the per-turn outcome terms [0.5], [-1, -1], [0.5, 0.5, 0.5]: mean 0, std sqrt(3 / 6).
+    sigma = math.sqrt(0.5) + 1e-6
     outcome_only = turn_advantages([K123], lam=0.0)
-    assert outcome_only == [[[0.5 / sigma_o], [-1.0 / sigma_o] * 2, [0.5 / sigma_o] * 3]]
+    assert outcome_only == [[[0.5 / sigma], [-1.0 / sigma] * 2, [0.5 / sigma] * 3]]
 
 
 def test_discounted_returns_to_go() -> None:
@@ -142,17 +151,19 @@ def test_an_episode_without_an_outcome_has_no_outcome_channel_and_keeps_its_shap
     # e2 3 - (2+0.5)/2 = 1.75. Turn 1 (e0, e2): e0 1 - 3 = -2; e2 3 - 1 = 2.
     assert raw.shaping == [[[0.25, -2.0], [-2.0], [1.75, 2.0]]]
     advantages = turn_advantages([group])
-    # sigma_o over e1, e2: std([-1, 1]) = 1; sigma_s over all five terms: sqrt(15.125 / 5).
-    sigma_o = 1.0 + 1e-6
+    # Sums: e0 [0 + 0.25, 0 - 2]; e1 [-1 - 2]; e2 [1 + 1.75, 1 + 2]; one scale over the five.
+    sums = [0.25, -2.0, -3.0, 2.75, 3.0]
+    sigma = statistics.pstdev(sums) + 1e-6
+    assert advantages[0][0] == pytest.approx([0.25 / sigma, -2.0 / sigma], abs=1e-12)
+    assert advantages[0][1] == pytest.approx([-3.0 / sigma], abs=1e-12)
+    assert advantages[0][2] == pytest.approx([2.75 / sigma, 3.0 / sigma], abs=1e-12)
+    # The anchor estimator (still scaled per channel): sigma_s over the five shaping terms.
     sigma_s = math.sqrt(15.125 / 5) + 1e-6
-    assert advantages[0][0] == pytest.approx([0.25 / sigma_s, -2.0 / sigma_s], abs=1e-12)
-    assert advantages[0][1] == pytest.approx([-1.0 / sigma_o - 2.0 / sigma_s], abs=1e-12)
-    assert advantages[0][2] == pytest.approx([1.0 / sigma_o + 1.75 / sigma_s, 1.0 / sigma_o + 2.0 / sigma_s])
     # Anchor without anchors: the peers that reached each turn. e2's turn 1 has only e0 as a peer, which
     # has no outcome: no outcome baseline, term 0. sigma_o is over every (episode, turn) term: [-1, 1, 0].
     anchored = turn_advantages([group], estimator="anchor")
     sigma_a = math.sqrt(2 / 3) + 1e-6
-    assert anchored[0][0] == pytest.approx(advantages[0][0], abs=1e-12)
+    assert anchored[0][0] == pytest.approx([0.25 / sigma_s, -2.0 / sigma_s], abs=1e-12)
     assert anchored[0][1] == pytest.approx([-1.0 / sigma_a - 2.0 / sigma_s], abs=1e-12)
     assert anchored[0][2] == pytest.approx([1.0 / sigma_a + 1.75 / sigma_s, 2.0 / sigma_s], abs=1e-12)
 
@@ -182,8 +193,8 @@ def test_channel_scales_are_batch_level_across_groups() -> None:
     alone = turn_advantages([K123], lam=0.0)
     wide = [([0.0], 10.0), ([0.0], -10.0)]
     together = turn_advantages([K123, wide], lam=0.0)
-    # Outcome channel values in the call: [0.5, -1, 0.5, 20, -20] -> population std sqrt(161.5 / 5).
-    sigma = math.sqrt((0.25 + 1 + 0.25 + 400 + 400) / 5) + 1e-6
+    # Per-turn terms in the call: [0.5], [-1, -1], [0.5] x 3, [20], [-20] -> mean 0, std sqrt(803 / 8).
+    sigma = math.sqrt((0.25 + 1 + 1 + 0.25 * 3 + 400 + 400) / 8) + 1e-6
     assert together[0][0] == pytest.approx([0.5 / sigma], abs=1e-12)
     assert abs(together[0][0][0]) < abs(alone[0][0][0])
 

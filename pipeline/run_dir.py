@@ -6,7 +6,7 @@ one reader of "which version did the last checkpoint publish".
     <run_dir>/spool/g<seq>.arrow       finished groups (pipeline.transport.spool)
     <run_dir>/weights/v<n>/            published policy version n, HF format (the newest few are kept)
     <run_dir>/checkpoints/step<n>/     learner checkpoints (learner.checkpoint), `latest` names the newest
-    <run_dir>/logs/                    supervisor.log, learner.log, engine-<i>.log, steps.jsonl
+    <run_dir>/logs/                    supervisor.log, learner.log, engine<i>.log, steps.jsonl
     <run_dir>/supervisor.lock          one daemon per run directory
     <run_dir>/learner.lock             one learner per run directory
 

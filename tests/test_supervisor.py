@@ -354,3 +354,38 @@ async def test_a_background_task_that_dies_stops_the_daemon_with_its_error(tmp_p
     assert task.done()
     assert sup.fatal is not None and "scheduler" in sup.fatal and "boom" in sup.fatal
     await sup.engines.pool.close()
+
+
+async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed learner trains its unconsumed groups and publishes while the tokenizer loads; the
+    scheduler must start from what happened by then, or admission waits forever for a version the
+    engines already serve (seen as a stalled daemon after a kill -9)."""
+    import pipeline.daemon.supervisor as supervisor_module
+    from pipeline.daemon.supervisor import Supervisor
+
+    setup = resolve_config(_ns(run_dir=str(tmp_path), log_format="json", set=["learner.batch_groups=2"]))
+    sup = Supervisor(setup)
+    setup.run.spool.mkdir(parents=True)
+    loading = asyncio.Event()
+
+    def slow_tokenizer(model_dir: Path) -> object:
+        loop.call_soon_threadsafe(loading.set)
+        time.sleep(0.3)
+        return object()
+
+    async def learner_events_meanwhile() -> None:
+        await loading.wait()
+        sup.version = 24  # what publish() leaves behind for versions 23 and 24
+        sup.on_dropped(seq=45, reason="stale")
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(supervisor_module, "load_tokenizer", slow_tokenizer)
+    sup.version = 22
+    ready = events.Ready(version=22, step=22, consumed_seq=44, path=str(tmp_path))
+    scheduler, _ = await asyncio.gather(sup.start_scheduler(ready), learner_events_meanwhile())
+    assert scheduler is sup.scheduler
+    assert scheduler.version == 24
+    assert scheduler.accepted == 22 * 2 - 1  # v·B, nothing unconsumed in the spool, one drop
+    await sup.engines.pool.close()

@@ -36,7 +36,13 @@ from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
 from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
 from pipeline.daemon.weightsync import sync_weights
-from pipeline.daemon.wiring import RunSetup, build_scheduler, ensure_initial_model, resolve_config
+from pipeline.daemon.wiring import (
+    RunSetup,
+    build_scheduler,
+    ensure_initial_model,
+    load_tokenizer,
+    resolve_config,
+)
 from pipeline.observability import learner_metrics, metrics
 from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 
@@ -99,15 +105,9 @@ class Supervisor:
                 ready = await self.until_stopping(self.start_children())
                 if ready is not None:
                     # 2. Actors fill the spool; learner events drive weight syncs (on_learner_event).
-                    self.scheduler = await build_scheduler(
-                        self.setup,
-                        engine=self.engines.pool,
-                        ready=ready,
-                        served_version=self.version,
-                        dropped_already=self.drops_before_scheduler,
-                    )
+                    scheduler = await self.start_scheduler(ready)
                     background = [
-                        self.watch(self.scheduler.run(self.stopping), "scheduler"),
+                        self.watch(scheduler.run(self.stopping), "scheduler"),
                         self.watch(self.report_status(), "status"),
                         self.watch(measure_loop_lag(self.stopping), "loop-lag"),
                     ]
@@ -143,6 +143,20 @@ class Supervisor:
             await self.publish(ready.version, ready.path, received_at=time.monotonic())
         metrics.POLICY_VERSION.set(ready.version)
         return ready
+
+    async def start_scheduler(self, ready: events.Ready) -> GroupScheduler:
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.run_dir.initial_model)
+        # No await from here to the assignment: versions published and groups dropped until now are in
+        # self.version and drops_before_scheduler; later ones reach the scheduler via on_learner_event.
+        self.scheduler = build_scheduler(
+            self.setup,
+            engine=self.engines.pool,
+            tokenizer=tokenizer,
+            ready=ready,
+            served_version=self.version,
+            dropped_already=self.drops_before_scheduler,
+        )
+        return self.scheduler
 
     # --- learner events -----------------------------------------------------------------------------
     async def on_learner_event(self, event: events.LearnerEvent) -> None:

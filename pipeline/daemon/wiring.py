@@ -5,7 +5,6 @@ before anything starts; the rest builds what the schedule in supervisor.py asks 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import os
@@ -17,6 +16,7 @@ from typing import Any
 from envs.api import EnvFactory, Environment
 from learner import events
 from pipeline.actors.admission import AdmissionController
+from pipeline.actors.chat import ChatTokenizer
 from pipeline.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import Config, ConfigError, load_config
@@ -113,22 +113,24 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
     )
 
 
-async def build_scheduler(
+def build_scheduler(
     setup: RunSetup,
     *,
     engine: GenerateEngine,
+    tokenizer: ChatTokenizer,
     ready: events.Ready,
     served_version: int,
     dropped_already: int,
 ) -> GroupScheduler:
-    """The actor side: tokenizer, spool writer and staleness control around the engine pool.
+    """The actor side: spool writer and staleness control around the engine pool.
 
     The learner may already have trained the unconsumed groups, published newer versions and dropped
-    some groups while the engines and this scheduler were starting: admission starts from the version
-    the engines serve now, and does not count as accepted what the learner already announced it will
-    never train (`dropped_already`)."""
+    some groups while the engines were starting: admission starts from the version the engines serve
+    now, and does not count as accepted what the learner already announced it will never train
+    (`dropped_already`). Synchronous on purpose: the caller reads `served_version` and
+    `dropped_already` and installs the result with no await in between, so no learner event can land
+    between the read and the scheduler that must see it."""
     cfg, run = setup.cfg, setup.run
-    tokenizer = await asyncio.to_thread(load_tokenizer, run.initial_model)
     unconsumed, _ = spool_depth(run.spool, ready.consumed_seq)
     spool = SpoolWriter(run.spool)
     # A resumed run continues the task stream after the groups already produced instead of replaying it.

@@ -44,7 +44,8 @@ from pipeline.run_dir import (
     prune_weights,
     published_version,
 )
-from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader, prune_consumed
+from pipeline.transport.readers import open_spool_reader
+from pipeline.transport.spool import QuarantinedFile, SpoolItem
 
 log = logging.getLogger("rollwise.learner")
 
@@ -139,7 +140,7 @@ class LearnerWorker:
         self.stop = stop
         self.batch_groups = cfg.learner.batch_groups
         self._setup_model()
-        self.reader = SpoolReader(run.spool, after_seq=self.consumed_seq)
+        self.reader = open_spool_reader(cfg, run.spool, after_seq=self.consumed_seq)
         self.queue: collections.deque[SpoolItem] = collections.deque()
         self.pending = _Pending(last_seq=self.consumed_seq)
         self.idle_s = 0.0
@@ -356,7 +357,7 @@ class LearnerWorker:
         )
         if len(self.checkpoint_seqs) == self.checkpoint_seqs.maxlen:
             # The oldest checkpoint kept on disk has consumed these; nothing can need them again.
-            prune_consumed(self.run_dir.spool, self.checkpoint_seqs[0])
+            self.reader.prune(self.checkpoint_seqs[0])
 
     def checkpoint_if_needed(self) -> None:
         if self.trainer.steps > self.last_checkpoint_step:

@@ -20,6 +20,12 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "serve the embedded SGLang-compatible engine",
     ),
+    ("engine", "fetch-agent"): (
+        "pipeline.transport.weights_http",
+        "main",
+        "download published weights over HTTP for an engine that does not share the run dir",
+    ),
+    ("engines",): ("pipeline.daemon.admin", "main", "list, add or drain engines of a running daemon"),
     ("envs",): ("envs.discovery", "main_list", "list installed environments"),
     ("env", "check"): ("envs.checker", "main", "run the environment checker on NAME"),
     ("bench", "logprobs"): ("pipeline.bench.logprobs", "main", "chunked vs naive sampled-token log-probs"),
@@ -28,6 +34,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "async"): ("pipeline.bench.async_", "main", "learner steps/hour, eta=2 vs eta=0"),
     ("bench", "sync"): ("pipeline.bench.weight_sync", "main", "weight publish -> version served latency"),
     ("bench", "learner"): ("pipeline.bench.learner", "main", "learner step memory and time per precision"),
+    ("bench", "transport"): (
+        "pipeline.bench.transport",
+        "main",
+        "groups/s and MB/s through Arrow Flight vs the local spool reader",
+    ),
     ("report",): (
         "pipeline.observability.report",
         "main",

@@ -68,6 +68,45 @@ class EngineConfig(_Section):
             "embedded engine, SGLang's auto). bfloat16 reproduces a GPU engine's log-prob mismatch."
         ),
     )
+    # --- rollout fleet (docs/operations.md, "A fleet across machines") ---
+    router: Literal["none", "sglang-router"] = Field(
+        "none",
+        description=(
+            "sglang-router = start SGLang's router in front of the engines and send every /generate "
+            "through it; control calls (pause, weights, continue, health) still go to each engine."
+        ),
+    )
+    router_host: str = Field("127.0.0.1", description="Bind address of the router rollwise starts.")
+    router_port: int = Field(0, ge=0, le=65535, description="Port of the router (0 = pick a free one).")
+    router_policy: Literal["manual", "cache_aware", "round_robin", "power_of_two"] = Field(
+        "manual",
+        description=(
+            "Router policy. manual = session affinity: the episode id is the X-SMG-Routing-Key, so every "
+            "turn of an episode reaches the same worker (cache_aware matches request *text*, and rollwise "
+            "sends token ids only, so it cannot see an episode's prefix)."
+        ),
+    )
+    router_args: list[str] = Field(
+        default_factory=list, description="Extra sglang_router.launch_router flags."
+    )
+    weight_transport: Literal["shared_fs", "http"] = Field(
+        "shared_fs",
+        description=(
+            "shared_fs = engines read weights/v<n> from the run directory; http = before each sync the "
+            "supervisor asks each engine's fetcher to download the version from its weight endpoint "
+            "(admin.host:admin.port) into the engine's own disk, then loads that local copy."
+        ),
+    )
+    fetch_urls: list[str] = Field(
+        default_factory=list,
+        description=(
+            "With weight_transport = http and kind = external: the fetcher of each engine in urls, in "
+            "order ('rollwise engine fetch-agent' beside SGLang; an embedded engine's own URL)."
+        ),
+    )
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="Time a drained engine gets to finish its in-flight turns before they move."
+    )
 
 
 class SamplingConfig(_Section):
@@ -301,6 +340,62 @@ class LearnerConfig(_Section):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every n steps (and on shutdown).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     threads: int = Field(1, ge=1, description="torch intra-op threads of the learner process.")
+    spool_url: str | None = Field(
+        None,
+        description=(
+            "Where the learner reads groups: None = the run directory's spool; grpc://host:port = a "
+            "supervisor's Flight service (transport.kind = flight; its checkpoint still records the "
+            "consumed sequence, and transport.token authenticates it)."
+        ),
+    )
+
+
+class TransportConfig(_Section):
+    kind: Literal["spool", "flight"] = Field(
+        "spool",
+        description=(
+            "spool = the learner reads run_dir/spool; flight = the supervisor also serves the spool as an "
+            "Arrow Flight service, for a learner that reads it over the network (learner.spool_url)."
+        ),
+    )
+    flight_host: str = Field("127.0.0.1", description="Bind address of the Flight service.")
+    flight_port: int = Field(8815, ge=0, le=65535, description="Port of the Flight service (0 = pick).")
+    token: str | None = Field(
+        None, description="Bearer token the Flight service requires (needed when bound beyond loopback)."
+    )
+    poll_wait_s: float = Field(
+        1.0, gt=0, le=30, description="How long one Flight read waits on the server for a new group."
+    )
+
+
+class AdminConfig(_Section):
+    host: str = Field(
+        "127.0.0.1", description="Bind address of the admin endpoint (engines list/add/drain, weights)."
+    )
+    port: int = Field(9401, ge=0, le=65535, description="Port of the admin endpoint (0 = pick).")
+    token: str | None = Field(
+        None, description="Bearer token of the admin endpoint; required when host is not a loopback address."
+    )
+    advertise_url: str | None = Field(
+        None,
+        description=(
+            "The URL engines' fetchers use to download weights (engine.weight_transport = http); None = "
+            "http://host:port, which must then be reachable from the engine machines."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> AdminConfig:
+        if not _is_loopback(self.host) and not self.token:
+            raise ValueError(
+                f"admin.token must be set when admin.host = {self.host!r} is not a loopback address: the "
+                "endpoint adds and drains engines and serves the weights"
+            )
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class MetricsConfig(_Section):
@@ -318,6 +413,8 @@ class Config(_Section):
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -341,7 +438,29 @@ class Config(_Section):
             raise ValueError(
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
             )
+        self._fleet_rules()
         return self
+
+    def _fleet_rules(self) -> None:
+        """Router, weight transport and Flight settings that only make sense together."""
+        e, t = self.engine, self.transport
+        if e.fetch_urls and (e.weight_transport != "http" or e.kind != "external"):
+            raise ValueError("engine.fetch_urls needs engine.weight_transport = 'http' and kind = 'external'")
+        if e.fetch_urls and len(e.fetch_urls) != len(e.urls):
+            raise ValueError("engine.fetch_urls must name one fetcher per entry of engine.urls")
+        if e.weight_transport == "http" and e.kind == "sglang":
+            raise ValueError(
+                "engine.weight_transport = 'http' needs engines with a fetcher: kind = 'embedded', or "
+                "'external' with engine.fetch_urls (SGLang engines rollwise starts share its disk)"
+            )
+        if t.kind == "flight" and not _is_loopback(t.flight_host) and not t.token:
+            raise ValueError(
+                f"transport.token must be set when transport.flight_host = {t.flight_host!r} is not a "
+                "loopback address: the Flight service hands out every trajectory"
+            )
+        url = self.learner.spool_url
+        if url is not None and not url.startswith(("grpc://", "grpc+tcp://")):
+            raise ValueError(f"learner.spool_url must be grpc://host:port, got {url!r}")
 
 
 class ConfigError(ValueError):

@@ -39,6 +39,7 @@ Decisions:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -142,6 +143,11 @@ class GroupScheduler:
     def on_version(self, version: int) -> None:
         """The engines now serve `version` (a weight sync completed)."""
         self.version = version
+        self._wake.set()
+
+    def set_max_concurrent(self, groups: int) -> None:
+        """The fleet grew or shrank: allow `groups` to run at once (running ones above it finish)."""
+        self.admission = dataclasses.replace(self.admission, max_concurrent=max(1, groups))
         self._wake.set()
 
     def on_dropped(self, n: int = 1) -> None:

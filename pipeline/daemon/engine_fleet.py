@@ -1,10 +1,18 @@
 """The engines of a run: the managed children (none for `engine.kind = "external"`), one EngineClient
-per engine and the EnginePool over them.
+per engine, the EnginePool over them and, with `engine.router = "sglang-router"`, the router in front.
 
 A managed engine is kept running with backoff; each (re)start loads the version the daemon serves at
 that moment (`served_version()`), and an engine that comes up after a newer version was published
 loads it before it is marked up. An engine that fails its start `MAX_FAILED_STARTS` times in a row
 calls `fail(why)`.
+
+With the router: it is a child too (restarted with the engines that are up at that moment as its
+worker list); an engine whose process exits leaves the router's worker list at once, and joins it
+again once it is up on the served version. Engines added or drained while the daemon runs
+(pipeline.daemon.fleet_membership) go through `admit` and `retire`.
+
+Weights: with `engine.weight_transport = "http"` an engine's fetcher downloads each version into the
+engine's own disk before it loads it (`weights_for`; pipeline.transport.weights_http).
 """
 
 from __future__ import annotations
@@ -17,14 +25,18 @@ from dataclasses import dataclass, field
 from pipeline.config import Config
 from pipeline.daemon.children import Child, ChildSpec, keep_running
 from pipeline.engine.client import EngineClient
-from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
+from pipeline.engine.launch import EngineSlot, engine_child_spec, free_port, plan_engines
 from pipeline.engine.pool import EnginePool
+from pipeline.engine.protocol import EngineError
+from pipeline.engine.router import RouterAdmin, RouterError, router_argv
 from pipeline.observability import metrics
 from pipeline.run_dir import RunDir
+from pipeline.transport.weights_http import request_fetch
 
 log = logging.getLogger("rollwise.engine_fleet")
 
 MAX_FAILED_STARTS = 3
+ROUTER_READY_TIMEOUT_S = 60.0
 
 
 @dataclass(eq=False)  # identity, not field-wise equality
@@ -44,24 +56,60 @@ class EngineFleet:
         self.up: dict[str, bool] = {s.name: False for s in self.slots}
         self._up_events = {s.name: asyncio.Event() for s in self.slots}
         e = self.cfg.engine
-        self.clients = [
-            EngineClient(s.url, api_key=e.api_key, request_timeout_s=e.request_timeout_s) for s in self.slots
-        ]
-        self.pool = EnginePool(self.clients)
+        self.clients = [self.make_client(s.url) for s in self.slots]
+        # engine URL -> its fetcher (weights over HTTP): an embedded engine serves the route itself.
+        self.fetchers: dict[str, str] = {}
+        if e.weight_transport == "http":
+            fetch_urls = e.fetch_urls or [s.url for s in self.slots]
+            self.fetchers = {s.url: f.rstrip("/") for s, f in zip(self.slots, fetch_urls, strict=True)}
+        self.capacity: dict[str, int] = {}  # engine URL -> max_running_requests it reported
+        self.engine_tasks: dict[str, asyncio.Task[None]] = {}  # managed slot name -> its keep() task
+        self.router_url: str | None = None
+        self.router_admin: RouterAdmin | None = None
+        self.router_child: Child | None = None
+        self._router_up = False
+        self._router_ready = asyncio.Event()
+        router_client = None
+        if e.router == "sglang-router":
+            port = e.router_port or free_port(e.router_host)
+            self._router_prometheus_port = free_port(e.router_host)
+            self.router_url = f"http://{e.router_host}:{port}"
+            self._router_port = port
+            router_client = self.make_client(self.router_url)
+            self.router_admin = RouterAdmin(self.router_url)
+        self.pool = EnginePool(self.clients, router=router_client)
+        self.weight_source: str | None = None  # the admin endpoint's URL, set by the supervisor
+        self.weight_token: str | None = None
+        self.on_capacity: Callable[[], None] = lambda: None
+
+    def make_client(self, url: str) -> EngineClient:
+        e = self.cfg.engine
+        return EngineClient(url, api_key=e.api_key, request_timeout_s=e.request_timeout_s)
 
     async def start(self) -> None:
         """Start the managed engines and wait until every engine, external ones included, answers
-        /health."""
+        /health; then the router, until it lists every engine as a healthy worker."""
         for slot, client in zip(self.slots, self.clients, strict=True):
             if slot.managed:
-                self._tasks.append(asyncio.create_task(self.keep(slot, client), name=slot.name))
+                task = asyncio.create_task(self.keep(slot, client), name=slot.name)
+                self.engine_tasks[slot.name] = task
+                self._tasks.append(task)
             else:
                 await client.wait_ready(self.cfg.engine.startup_timeout_s)
-                self._mark_up(slot, self.served_version())
+                version = self.served_version()
+                await self.catch_up(client, await self.serves_version(client), version)
+                self._mark_up(slot, version)
         await asyncio.gather(*(e.wait() for e in self._up_events.values()))
+        await asyncio.gather(*(self.read_capacity(c) for c in self.clients))
+        if self.router_admin is not None:
+            self._tasks.append(asyncio.create_task(self.keep_router(), name="router"))
+            await self._router_ready.wait()
 
     def not_up(self) -> list[str]:
-        return [name for name, up in self.up.items() if not up]
+        down = [name for name, up in self.up.items() if not up]
+        if self.router_admin is not None and not self._router_up:
+            down.append("router")
+        return down
 
     def _mark_up(self, slot: EngineSlot, version: int) -> None:
         self.up[slot.name] = True
@@ -71,9 +119,52 @@ class EngineFleet:
     def _spec(self, slot: EngineSlot) -> ChildSpec:
         version = self.served_version()
         weights = self.run_dir.serving_weights(version)
+        fetched = self.run_dir.root / "fetched" / slot.name if slot.url in self.fetchers else None
         return engine_child_spec(
-            self.cfg, slot, model_dir=weights, version=version, log_dir=self.run_dir.logs
+            self.cfg, slot, model_dir=weights, version=version, log_dir=self.run_dir.logs, weights_dir=fetched
         )
+
+    async def weights_for(self, url: str, version: int, published_path: str | None = None) -> str:
+        """The path engine `url` loads `version` from: the run directory's copy, or (weights over HTTP)
+        the copy its fetcher downloads now from the admin endpoint."""
+        fetcher = self.fetchers.get(url)
+        if fetcher is None or version == 0:
+            return published_path or str(self.run_dir.serving_weights(version))
+        if self.weight_source is None:
+            raise RuntimeError("weights over HTTP need the admin endpoint, which is not started")
+        source, token = self.weight_source, self.weight_token
+        return await request_fetch(fetcher, source=source, version=version, token=token)
+
+    async def stage(self, version: int, published_path: str) -> dict[str, str]:
+        """Each engine's path for `version`, fetched in parallel where needed (before any pause)."""
+        urls = [c.base_url for c in self.pool.members]
+        paths = await asyncio.gather(*(self.weights_for(u, version, published_path) for u in urls))
+        return dict(zip(urls, paths, strict=True))
+
+    @staticmethod
+    async def serves_version(client: EngineClient) -> str | None:
+        try:
+            info = await client.model_info()
+        except EngineError:
+            return None
+        version = info.get("weight_version")
+        return str(version) if version is not None else None
+
+    async def catch_up(self, client: EngineClient, serving: str | None, version: int) -> None:
+        """Load `version` into an engine that serves another one (a late start, a joining engine)."""
+        if serving == str(version) or (serving == "default" and version == 0):
+            return
+        path = await self.weights_for(client.base_url, version)
+        await client.update_weights_from_disk(path, weight_version=str(version))
+
+    async def read_capacity(self, client: EngineClient) -> None:
+        """max_running_requests the engine reports (its share of the fleet's concurrency); 1 if none."""
+        try:
+            info = await client.server_info()
+            self.capacity[client.base_url] = max(1, int(info.get("max_running_requests") or 1))
+        except (EngineError, TypeError, ValueError) as exc:
+            log.warning("%s reported no max_running_requests (%r); counting it as 1", client.base_url, exc)
+            self.capacity[client.base_url] = 1
 
     async def keep(self, slot: EngineSlot, client: EngineClient) -> None:
         """Keep one engine running; a restarted engine loads the version served at its start."""
@@ -89,12 +180,12 @@ class EngineFleet:
                 return
             failed_starts = 0
             version = self.served_version()
-            if version != launched:  # a version was published while this engine was starting
-                weights = self.run_dir.serving_weights(version)
-                await client.update_weights_from_disk(str(weights), weight_version=str(version))
+            await self.catch_up(client, str(launched), version)  # published while this engine started
             self._mark_up(slot, version)
+            await self.router_join(slot.url)
             await child.wait()
             self.up[slot.name] = False
+            await self.router_leave(slot.url)
 
         def started(child: Child) -> None:
             self.children[slot.name] = child
@@ -103,13 +194,105 @@ class EngineFleet:
             lambda: self._spec(slot), serve, self.stopping, component="engine", on_start=started
         )
 
+    # --- the router ---------------------------------------------------------------------------------------
+    def _router_spec(self) -> ChildSpec:
+        e = self.cfg.engine
+        up = [u for u in self.pool_urls() if self._is_up(u)]
+        return ChildSpec(
+            name="router",
+            argv=router_argv(
+                host=e.router_host,
+                port=self._router_port,
+                worker_urls=up,
+                policy=e.router_policy,
+                request_timeout_s=e.request_timeout_s,
+                prometheus_port=self._router_prometheus_port,
+                api_key=e.api_key,
+                extra_args=e.router_args,
+            ),
+            log_path=self.run_dir.log_file("router"),
+        )
+
+    def _is_up(self, url: str) -> bool:
+        for slot in self.slots:
+            if slot.url == url:
+                return self.up.get(slot.name, False)
+        return True  # engines added at run time are members only while up
+
+    async def keep_router(self) -> None:
+        """Keep the router running; it is up once it lists every engine it was started with."""
+        admin = self.router_admin
+        assert admin is not None
+        failed_starts = 0
+
+        async def serve(child: Child) -> None:
+            nonlocal failed_starts
+            workers = {u for u in self.pool_urls() if self._is_up(u)}
+            waiting = asyncio.ensure_future(admin.wait_workers(workers, ROUTER_READY_TIMEOUT_S))
+            exited = asyncio.ensure_future(child.wait())
+            await asyncio.wait({waiting, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not (waiting.done() and waiting.exception() is None):
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                failed_starts += 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    self.fail(f"the router failed to start {failed_starts} times; see {child.spec.log_path}")
+                child.kill()
+                await exited
+                return
+            failed_starts = 0
+            self._router_up = True
+            self._router_ready.set()
+            await exited
+            self._router_up = False
+
+        def started(child: Child) -> None:
+            self.router_child = child
+
+        await keep_running(self._router_spec, serve, self.stopping, component="router", on_start=started)
+
+    def pool_urls(self) -> list[str]:
+        return [c.base_url for c in self.pool.members]
+
+    async def router_join(self, url: str) -> None:
+        """Put `url` in the router's worker list and wait until the router routes to it."""
+        if self.router_admin is None or not self._router_up:
+            return
+        try:
+            await self.router_admin.add_worker(url)
+            await self.router_admin.wait_worker(url, ROUTER_READY_TIMEOUT_S)
+        except (RouterError, OSError) as exc:
+            log.error("router did not take worker %s: %s", url, exc)
+
+    async def router_leave(self, url: str) -> None:
+        if self.router_admin is None or not self._router_up:
+            return
+        try:
+            await self.router_admin.remove_worker(url)
+        except (RouterError, OSError) as exc:
+            log.error("router did not drop worker %s: %s", url, exc)
+
+    async def retire(self, slot: EngineSlot) -> None:
+        """Stop keeping a managed engine alive (a drain): its process is killed, not restarted."""
+        task = self.engine_tasks.pop(slot.name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.children.pop(slot.name, None)
+        self.up.pop(slot.name, None)
+        self._up_events.pop(slot.name, None)
+
+    # --- stop ---------------------------------------------------------------------------------------------
     async def stop(self, grace_s: float) -> None:
-        """SIGTERM every engine, SIGKILL after `grace_s`. Idempotent."""
-        await asyncio.gather(*(c.stop(grace_s) for c in self.children.values()), return_exceptions=True)
+        """SIGTERM every engine (and the router), SIGKILL after `grace_s`. Idempotent."""
+        children = [*self.children.values(), *([self.router_child] if self.router_child else [])]
+        await asyncio.gather(*(c.stop(grace_s) for c in children), return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.close()
+        if self.router_admin is not None:
+            await self.router_admin.close()
 
 
 async def ready_or_exited(client: EngineClient, child: Child, timeout_s: float) -> bool:

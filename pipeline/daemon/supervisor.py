@@ -31,7 +31,9 @@ from learner import events
 from pipeline.actors.rollout import ENGINE_LABEL
 from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import ConfigError, write_resolved
+from pipeline.daemon.admin import AdminEndpoint, make_admin_app
 from pipeline.daemon.engine_fleet import EngineFleet
+from pipeline.daemon.fleet_membership import FleetMembership, scaled_concurrency
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
 from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
@@ -45,6 +47,8 @@ from pipeline.daemon.wiring import (
 )
 from pipeline.observability import learner_metrics, metrics
 from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
+from pipeline.transport.flight import SpoolFlightService
+from pipeline.transport.weights_http import WeightServer
 
 log = logging.getLogger("rollwise.supervisor")
 T = TypeVar("T")
@@ -68,13 +72,24 @@ class Supervisor:
             on_event=self.on_learner_event,
             fail=self.fail,
         )
+        self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
         )
         self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
+        # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
+        self.membership = FleetMembership(
+            self.engines, self.publish_lock, lambda: self.version, self.on_fleet_capacity
+        )
+        self.admin = AdminEndpoint(
+            cfg.admin.host,
+            cfg.admin.port,
+            make_admin_app(self.membership, WeightServer(self.run_dir.weights_of), cfg.admin.token),
+        )
+        self.initial_capacity = 0
+        self.flight: SpoolFlightService | None = None
         self.scheduler: GroupScheduler | None = None
         self.version = 0  # the policy version the engines serve
-        self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.step = 0
         self.last_step_time_s: float | None = None
         self.dropped_seqs: set[int] = set()
@@ -97,6 +112,7 @@ class Supervisor:
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
             self.step_log = self.run_dir.step_log.open("a", encoding="utf-8")
             await self.endpoints.start()
+            await self.start_fleet_services()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
             background: list[asyncio.Task[None]] = []
@@ -124,11 +140,37 @@ class Supervisor:
                 await close_env(self.setup.env)
                 self.progress.stop()
                 self.step_log.close()
+                await self.admin.stop()
+                if self.flight is not None:
+                    await asyncio.to_thread(self.flight.stop)
                 await self.endpoints.stop()
         if self.fatal is not None:
             print(f"rollwise: {self.fatal}", file=sys.stderr)
             return 1
         return 0
+
+    async def start_fleet_services(self) -> None:
+        """The admin endpoint (engines add/drain, published weights for fetchers) and, with
+        transport.kind = flight, the spool's Flight service, which a learner may read at once."""
+        cfg = self.cfg
+        await self.admin.start()
+        self.engines.weight_source = cfg.admin.advertise_url or self.admin.url
+        self.engines.weight_token = cfg.admin.token
+        if cfg.transport.kind == "flight":
+            t = cfg.transport
+            self.flight = SpoolFlightService(
+                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=t.token
+            )
+            self.flight.start()
+            self.progress.message(f"spool served over Arrow Flight at {self.flight.url}")
+
+    def on_fleet_capacity(self, capacity: int) -> None:
+        """Engines joined or left: the scheduler's concurrency follows the fleet's capacity."""
+        if self.scheduler is None or self.initial_capacity <= 0:
+            return
+        groups = scaled_concurrency(self.cfg.rollout.max_concurrent_groups, self.initial_capacity, capacity)
+        self.scheduler.set_max_concurrent(groups)
+        log.info("fleet capacity %d: up to %d groups at once", capacity, groups)
 
     async def start_children(self) -> events.Ready:
         """Start the learner and the engines together: the learner restores its latest checkpoint and
@@ -156,6 +198,7 @@ class Supervisor:
             served_version=self.version,
             dropped_already=self.drops_before_scheduler,
         )
+        self.initial_capacity = self.membership.capacity
         return self.scheduler
 
     # --- learner events -----------------------------------------------------------------------------
@@ -218,8 +261,14 @@ class Supervisor:
                 # Never move the engines backwards (a late "ready" after a newer publish, a replayed event).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
                 return
+            # Weights over HTTP: every engine downloads its copy now, while it still generates.
+            local = await self.engines.stage(version, path) if self.engines.fetchers else None
             timings = await sync_weights(
-                self.engines.pool, model_path=path, version=version, mode=self.cfg.async_.weight_sync_mode
+                self.engines.pool,
+                model_path=path,
+                version=version,
+                mode=self.cfg.async_.weight_sync_mode,
+                model_paths=local,
             )
             self.version = version
         metrics.POLICY_VERSION.set(version)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -62,8 +63,16 @@ def _collect(phase: str, outcomes: list[MemberOutcome[Any]], errors: dict[str, s
             errors[outcome.url] = f"{phase}: {outcome.error}"
 
 
-async def sync_weights(pool: ControlPool, *, model_path: str, version: int, mode: SyncMode) -> SyncTimings:
-    """Load the HF directory `model_path` as policy `version` on every engine (see module docstring)."""
+async def sync_weights(
+    pool: ControlPool,
+    *,
+    model_path: str,
+    version: int,
+    mode: SyncMode,
+    model_paths: Mapping[str, str] | None = None,
+) -> SyncTimings:
+    """Load the HF directory `model_path` as policy `version` on every engine (see module docstring).
+    `model_paths` maps an engine URL to its own copy (weights fetched over HTTP before the pause)."""
     if mode not in ("in_place", "retract", "abort"):
         raise ValueError(f"weight sync mode must be in_place, retract or abort, got {mode!r}")
     errors: dict[str, str] = {}
@@ -75,7 +84,10 @@ async def sync_weights(pool: ControlPool, *, model_path: str, version: int, mode
         pause_s = time.perf_counter() - started
         _collect("pause", pause_outcomes, errors)
         load_started = time.perf_counter()
-        update_outcomes = await pool.update_all(model_path, str(version), abort_all_requests=False)
+        per_engine: dict[str, Any] = {"model_paths": model_paths} if model_paths else {}
+        update_outcomes = await pool.update_all(
+            model_path, str(version), abort_all_requests=False, **per_engine
+        )
         load_s = time.perf_counter() - load_started
         _collect("update", update_outcomes, errors)
         loaded = {o.url for o in update_outcomes if o.ok}

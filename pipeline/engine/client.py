@@ -44,6 +44,9 @@ _CONNECT_ERRORS: tuple[type[BaseException], ...] = (
     getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError),
 )
 
+# sglang-router's session-affinity header (policy `manual`): one key, one worker.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
 # /health on late-2025+ SGLang generates one token and waits up to 20 s (SGLANG_HEALTH_CHECK_TIMEOUT).
 HEALTH_TIMEOUT_S = 25.0
 
@@ -199,15 +202,26 @@ class EngineClient:
         return random.uniform(0.5 * cap, cap)
 
     async def _send_once(
-        self, method: str, url: str, body: dict[str, Any] | None, limits: aiohttp.ClientTimeout
+        self,
+        method: str,
+        url: str,
+        body: dict[str, Any] | None,
+        limits: aiohttp.ClientTimeout,
+        headers: dict[str, str] | None = None,
     ) -> _Reply:
         session = self._get_session()
-        async with session.request(method, url, json=body, timeout=limits) as resp:
+        async with session.request(method, url, json=body, timeout=limits, headers=headers) as resp:
             data = await resp.read()
             return _Reply(resp.status, data)
 
     async def _call(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, idempotent: bool = True
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        idempotent: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> _Reply:
         """Send with retries and the circuit breaker. Returns a 2xx reply; raises EngineError else."""
         url = self.base_url + path
@@ -217,7 +231,7 @@ class EngineClient:
         while True:
             is_trial = self.breaker.admit(url)
             try:
-                reply = await self._send_once(method, url, body, limits)
+                reply = await self._send_once(method, url, body, limits, headers)
             except _CONNECT_ERRORS as exc:
                 self.breaker.record_failure()
                 failure = EngineUnavailable(url, f"cannot connect: {exc}", maybe_sent=False)
@@ -255,10 +269,14 @@ class EngineClient:
             raise EngineProtocolError(f"{path} replied {type(obj).__name__}, expected an object")
         return obj
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, routing_key: str | None = None
+    ) -> GenerateResult:
         """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
 
         An aborted request is not an error: it returns with finish_reason "abort" and its partial output.
+        `routing_key` goes out as sglang-router's `X-SMG-Routing-Key` header (its `manual` policy sends
+        every request with one key to the same worker); an engine ignores it.
         """
         body = {
             "input_ids": input_ids,
@@ -267,7 +285,8 @@ class EngineClient:
             "rid": rid,
         }
         url = self.base_url + "/generate"
-        reply = await self._call("POST", "/generate", body, idempotent=False)
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
+        reply = await self._call("POST", "/generate", body, idempotent=False, headers=headers)
         try:
             obj = _decode_json(reply, url)
         except EngineProtocolError as exc:
@@ -351,6 +370,79 @@ class EngineClient:
             raise ValueError("abort_request needs exactly one of rid=... or abort_all=True")
         body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
         await self._call("POST", "/abort_request", body)
+
+    async def server_info(self) -> dict[str, Any]:
+        """`/server_info` (2026 SGLang), falling back to `/get_server_info`: the server's arguments
+        (`max_running_requests`...) and `internal_states` (`num_running_reqs`, `num_queue_reqs`)."""
+        try:
+            return await self._call_json("GET", "/server_info")
+        except EngineHTTPError as exc:
+            if exc.status != 404:
+                raise
+        return await self._call_json("GET", "/get_server_info")
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join the trainer's torch.distributed group for NCCL weight broadcasts (SGLang's GPU path).
+        Fields exactly as SGLang 0.5.x's InitWeightsUpdateGroupReqInput; `success: false` raises."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._control("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """Receive the named tensors over the group while the trainer broadcasts them (the call stays
+        open until they arrived). Fields as SGLang 0.5.x's UpdateWeightsFromDistributedReqInput."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must be parallel lists, got {len(names)}, {len(dtypes)}, "
+                f"{len(shapes)} entries"
+            )
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._control("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await self._call_json("POST", path, body)
+        if reply.get("success") is not True:
+            raise EngineHTTPError(200, str(reply.get("message", "success is not true")), self.base_url + path)
+        return reply
 
     async def flush_cache(self) -> str:
         """Flush the prefix cache. Returns SGLang's plain-text reply; 400 (requests running) raises."""

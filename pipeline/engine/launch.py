@@ -54,10 +54,14 @@ def plan_engines(cfg: Config) -> list[EngineSlot]:
     return [EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True) for i, p in enumerate(ports)]
 
 
-def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int) -> list[str]:
-    """Command line that starts `slot` serving `model_dir` labelled as policy version `version`."""
+def engine_argv(
+    cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, weights_dir: Path | None = None
+) -> list[str]:
+    """Command line that starts `slot` serving `model_dir` labelled as policy version `version`.
+    `weights_dir`: an embedded engine also downloads published versions over HTTP into it."""
     e = cfg.engine
     if e.kind == "embedded":
+        fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
         return [
             sys.executable,
             "-m",
@@ -80,6 +84,7 @@ def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int)
             str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
             *(["--dtype", e.dtype] if e.dtype is not None else []),
             "--enable-metrics",
+            *fetch,
         ]
     if e.kind == "sglang":
         spec = SGLangLaunchSpec(
@@ -98,13 +103,19 @@ def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int)
 
 
 def engine_child_spec(
-    cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, log_dir: Path
+    cfg: Config,
+    slot: EngineSlot,
+    *,
+    model_dir: Path,
+    version: int,
+    log_dir: Path,
+    weights_dir: Path | None = None,
 ) -> ChildSpec:
     threads = str(cfg.engine.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
     return ChildSpec(
         name=slot.name,
-        argv=engine_argv(cfg, slot, model_dir=model_dir, version=version),
+        argv=engine_argv(cfg, slot, model_dir=model_dir, version=version, weights_dir=weights_dir),
         log_path=log_dir / f"{slot.name}.log",
         env=env,
     )

@@ -11,9 +11,15 @@ When a member fails a request that certainly never reached it (connection refuse
 pool sends it to the key's next member instead; a request that may have reached a server is never
 resent (it is not idempotent).
 
-A single sglang-router URL works as a pool of one: the router balances across its workers itself (it
-can route by an `X-SMG-Routing-Key` header for affinity; rollwise does not depend on that). Weight
-updates and pauses must then be sent to each worker directly, i.e. a pool of the worker URLs.
+With a `router` (sglang-router in front of the members), `generate` goes through the router with the
+affinity key as its `X-SMG-Routing-Key` (the router's `manual` policy pins a key to one worker), and
+the members are the workers the control calls fan out to: a router forwards a request to one worker,
+so pauses and weight updates must reach each worker directly.
+
+Membership changes while the pool runs (`add_member`, `remove_member`). A member being drained gets
+no new requests (`set_draining`); `hand_back(url)` aborts the requests still running on it and
+`generate` sends each of them again, from its prompt, to another member: the turn restarts
+elsewhere instead of failing its episode.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -56,6 +62,7 @@ class _Member:
     client: EngineClient
     consecutive_failures: int = 0
     ejected: bool = False
+    draining: bool = False
     probe: asyncio.Task[None] | None = None
 
 
@@ -70,10 +77,15 @@ def _counts_as_failure(exc: EngineError) -> bool:
 
 
 class EnginePool:
-    """A fixed set of EngineClients. The pool owns them: `close()` closes every client."""
+    """A set of EngineClients (and optionally a router). The pool owns them: `close()` closes each."""
 
     def __init__(
-        self, clients: list[EngineClient], *, eject_after_failures: int = 3, probe_interval_s: float = 2.0
+        self,
+        clients: list[EngineClient],
+        *,
+        eject_after_failures: int = 3,
+        probe_interval_s: float = 2.0,
+        router: EngineClient | None = None,
     ) -> None:
         if not clients:
             raise ValueError("EnginePool needs at least one EngineClient")
@@ -88,7 +100,11 @@ class EnginePool:
         self._members = [_Member(c) for c in clients]
         self.eject_after_failures = eject_after_failures
         self.probe_interval_s = probe_interval_s
+        self.router = router
         self._closed = False
+        self._in_flight: dict[str, str] = {}  # rid -> member URL (the router's URL when routed)
+        self._handed_back: set[str] = set()  # rids aborted by hand_back: generate sends them again
+        self.handed_back_total = 0
 
     @property
     def members(self) -> list[EngineClient]:
@@ -106,7 +122,7 @@ class EnginePool:
         return ranked[0].client
 
     def _ranked(self, affinity_key: str) -> list[_Member]:
-        healthy = [m for m in self._members if not m.ejected]
+        healthy = [m for m in self._members if not m.ejected and not m.draining]
         if len(healthy) < 2:  # nothing to rank: skip hashing the key
             return healthy
         return sorted(healthy, key=lambda m: rendezvous_score(affinity_key, m.client.base_url), reverse=True)
@@ -117,7 +133,39 @@ class EnginePool:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
     ) -> GenerateResult:
-        """Generate on the member owning `affinity_key`. Errors as EngineClient.generate."""
+        """Generate on the member owning `affinity_key` (or through the router, keyed by it). A request
+        handed back by a drained member is sent again. Errors as EngineClient.generate."""
+        while True:
+            if self.router is not None:
+                result = await self._tracked(self.router, input_ids, sampling, rid, affinity_key)
+            else:
+                result = await self._generate_direct(input_ids, sampling, rid, affinity_key)
+            if result.finish_reason == "abort" and rid in self._handed_back:
+                self._handed_back.discard(rid)
+                self.handed_back_total += 1
+                continue
+            self._handed_back.discard(rid)
+            return result
+
+    async def _tracked(
+        self,
+        client: EngineClient,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        affinity_key: str,
+    ) -> GenerateResult:
+        self._in_flight[rid] = client.base_url
+        try:
+            if client is self.router:
+                return await client.generate(input_ids, sampling, rid, routing_key=affinity_key)
+            return await client.generate(input_ids, sampling, rid)
+        finally:
+            self._in_flight.pop(rid, None)
+
+    async def _generate_direct(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, affinity_key: str
+    ) -> GenerateResult:
         tried: list[str] = []
         last_failure: EngineUnavailable | None = None
         while True:
@@ -130,7 +178,7 @@ class EnginePool:
             member = candidates[0]
             tried.append(member.client.base_url)
             try:
-                result = await member.client.generate(input_ids, sampling, rid)
+                result = await self._tracked(member.client, input_ids, sampling, rid, affinity_key)
             except EngineError as exc:
                 if _counts_as_failure(exc):
                     self._record_failure(member)
@@ -140,6 +188,54 @@ class EnginePool:
                 raise
             member.consecutive_failures = 0
             return result
+
+    # --- membership ------------------------------------------------------------------------------------
+    def _member(self, url: str) -> _Member:
+        for m in self._members:
+            if m.client.base_url == url.rstrip("/"):
+                return m
+        raise KeyError(f"{url} is not a member of {self._describe()}")
+
+    def add_member(self, client: EngineClient) -> None:
+        """A new member; it receives requests (and control calls) from now on."""
+        if any(m.client.base_url == client.base_url for m in self._members):
+            raise ValueError(f"{client.base_url} is already a member of {self._describe()}")
+        self._members.append(_Member(client))
+
+    def set_draining(self, url: str, draining: bool = True) -> None:
+        """A draining member gets no new requests (its episodes' next turns go to another member)."""
+        self._member(url).draining = draining
+
+    def in_flight(self, url: str | None = None) -> list[str]:
+        """rids running now: all of them, or those sent to member `url` (through the router: all)."""
+        if url is None:
+            return list(self._in_flight)
+        url = url.rstrip("/")
+        return [rid for rid, where in self._in_flight.items() if where in (url, self._router_url)]
+
+    @property
+    def _router_url(self) -> str | None:
+        return self.router.base_url if self.router is not None else None
+
+    async def hand_back(self, url: str) -> list[str]:
+        """Abort the requests still running on member `url`; `generate` sends each again to another
+        member. Through a router the pool cannot tell which worker runs a request, so it asks `url` to
+        abort every rid in flight: SGLang ignores an abort for a rid it does not hold."""
+        member = self._member(url)
+        rids = self.in_flight(url)
+        self._handed_back.update(rids)
+        await asyncio.gather(*(member.client.abort_request(rid=rid) for rid in rids), return_exceptions=True)
+        return rids
+
+    async def remove_member(self, url: str) -> EngineClient:
+        """Take member `url` out (no more requests or control calls) and close its client."""
+        member = self._member(url)
+        self._members.remove(member)
+        if member.probe is not None:
+            member.probe.cancel()
+            await asyncio.gather(member.probe, return_exceptions=True)
+        await member.client.close()
+        return member.client
 
     def _record_failure(self, member: _Member) -> None:
         member.consecutive_failures += 1
@@ -184,10 +280,13 @@ class EnginePool:
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
+        model_paths: Mapping[str, str] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]:
+        """`model_paths` overrides `model_path` per member URL (engines with their own copy)."""
+        paths = model_paths or {}
         return await self._fan_out(
             lambda c: c.update_weights_from_disk(
-                model_path,
+                paths.get(c.base_url, model_path),
                 weight_version=weight_version,
                 abort_all_requests=abort_all_requests,
                 flush_cache=flush_cache,
@@ -210,3 +309,5 @@ class EnginePool:
         for m in self._members:
             m.probe = None
         await asyncio.gather(*(m.client.close() for m in self._members))
+        if self.router is not None:
+            await self.router.close()

@@ -361,3 +361,22 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
         WEIGHT_SYNCS.labels(status=status)
     for component in COMPONENTS:
         PROCESS_RESTARTS.labels(component=component)
+
+
+# --- rollout fleet (pipeline/daemon/fleet_membership.py) --------------------------------------------------
+FLEET_ENGINES = Gauge(
+    "rollwise_fleet_engines",
+    "Engines in the pool that take new work (draining ones excluded).",
+    registry=REGISTRY,
+)
+FLEET_CHANGES = Counter(
+    "rollwise_fleet_changes",
+    "Engines added to or drained from the running fleet (rollwise engines add|drain), by kind.",
+    ["kind"],
+    registry=REGISTRY,
+)
+FLEET_HANDED_BACK = Counter(
+    "rollwise_fleet_handed_back_turns",
+    "In-flight turns a drained engine handed back (aborted there, sent again to another engine).",
+    registry=REGISTRY,
+)

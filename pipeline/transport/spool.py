@@ -285,6 +285,10 @@ class SpoolReader:
         out, self.quarantined = self.quarantined, []
         return out
 
+    def prune(self, through_seq: int) -> int:
+        """Retention after a checkpoint (`prune_consumed`); FlightSpoolReader asks its service instead."""
+        return prune_consumed(self.spool_dir, through_seq)
+
     def _quarantine(self, seq: int, path: Path, kind: str, reason: str) -> QuarantinedFile:
         qdir = self.spool_dir / QUARANTINE_DIR
         qdir.mkdir(exist_ok=True)

@@ -93,6 +93,7 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_prefill_tokens: int = 16384
+    weights_dir: str | None = None  # serve POST /fetch_weights into this directory (weights over HTTP)
 
 
 def load_model(path: str, device: str, dtype: str) -> Any:
@@ -715,6 +716,11 @@ def build_app(config: ServerConfig) -> web.Application:
     if config.enable_metrics:
         routes.append(web.get("/metrics", metrics))
     app.add_routes(routes)
+    if config.weights_dir is not None:
+        from pipeline.transport.weights_http import add_fetch_route
+
+        Path(config.weights_dir).mkdir(parents=True, exist_ok=True)
+        add_fetch_route(app, Path(config.weights_dir))
     return app
 
 
@@ -773,6 +779,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--served-model-name", help="model_name label of the metrics")
     p.add_argument("--api-key", help="require Authorization: Bearer <key> on every route but /health")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
+    p.add_argument(
+        "--weights-dir", help="serve POST /fetch_weights: download published versions over HTTP into it"
+    )
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error("--max-batch must be >= 1")
@@ -792,6 +801,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         served_model_name=a.served_model_name,
         api_key=a.api_key,
         max_prefill_tokens=a.max_prefill_tokens,
+        weights_dir=a.weights_dir,
     )
 
 

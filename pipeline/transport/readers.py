@@ -1,0 +1,39 @@
+"""Which spool reader a learner uses: the run directory's files, or a supervisor's Flight service
+(`learner.spool_url`). Both have the same interface (poll, drain_quarantined, depth, prune,
+take_read_seconds) and the same exactly-once rule (pipeline.transport.flight)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from pipeline.config import Config
+from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader
+
+
+class GroupReader(Protocol):
+    after_seq: int
+
+    def poll(self, limit: int | None = None) -> list[SpoolItem]: ...
+
+    def drain_quarantined(self) -> list[QuarantinedFile]: ...
+
+    def depth(self, after_seq: int | None = None) -> tuple[int, int]: ...
+
+    def prune(self, through_seq: int) -> int: ...
+
+    def take_read_seconds(self) -> float: ...
+
+
+def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupReader:
+    """The reader `cfg` asks for, positioned after `after_seq` (the checkpoint's consumed sequence)."""
+    if cfg.learner.spool_url is None:
+        return SpoolReader(spool_dir, after_seq=after_seq)
+    from pipeline.transport.flight import FlightSpoolReader
+
+    return FlightSpoolReader(
+        cfg.learner.spool_url,
+        after_seq=after_seq,
+        token=cfg.transport.token,
+        wait_s=cfg.transport.poll_wait_s,
+    )

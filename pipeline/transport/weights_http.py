@@ -1,0 +1,225 @@
+"""Published weights over HTTP, for engines that do not share the run directory's disk.
+
+Supervisor side (routes on the admin endpoint, pipeline/daemon/admin.py):
+
+    GET /weights/v<n>/manifest        {"version": n, "files": [{"path", "size", "sha256"}, ...]}
+    GET /weights/v<n>/files/<path>    the file's bytes (sendfile)
+
+Engine side: a *fetcher* answers `POST /fetch_weights {"source": BASE, "version": n, "token": T|null}`
+by downloading version n from BASE into its own directory (staged as `v<n>.tmp`, every file checked
+against the manifest's size and sha256, then renamed to `v<n>`), keeping the newest `KEEP_VERSIONS`,
+and replies `{"success": true, "model_path": "<dir>/v<n>"}`. The supervisor then calls SGLang's
+`update_weights_from_disk` on that engine with that local path. The embedded engine serves the route
+itself (`--weights-dir`); beside an SGLang server runs `rollwise engine fetch-agent --dir D --port P`.
+The download happens while the engines keep generating; only the load runs inside the pause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+KEEP_VERSIONS = 3
+CHUNK = 1 << 20
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def build_manifest(weights_dir: Path, version: int) -> dict[str, Any]:
+    """Every regular file under `weights_dir` (relative POSIX paths, sorted) with size and sha256."""
+    files = []
+    for path in sorted(p for p in weights_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(weights_dir).as_posix()
+        files.append({"path": rel, "size": path.stat().st_size, "sha256": _sha256(path)})
+    if not files:
+        raise FileNotFoundError(f"no files under {weights_dir}")
+    return {"version": version, "files": files}
+
+
+class WeightServer:
+    """The two GET routes over a `weights_of(version) -> Path` function (pipeline.run_dir.RunDir's)."""
+
+    def __init__(self, weights_of: Any) -> None:
+        self.weights_of = weights_of
+        self._manifests: dict[int, dict[str, Any]] = {}  # a published version never changes
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(r"/weights/v{version:\d+}/manifest", self.manifest)
+        app.router.add_get(r"/weights/v{version:\d+}/files/{path:.+}", self.file)
+
+    async def manifest(self, request: web.Request) -> web.Response:
+        version = int(request.match_info["version"])
+        manifest = self._manifests.get(version)
+        if manifest is None:
+            directory = Path(self.weights_of(version))
+            if not (directory / "config.json").is_file():
+                return web.json_response({"error": f"version {version} is not published"}, status=404)
+            manifest = await asyncio.to_thread(build_manifest, directory, version)
+            self._manifests[version] = manifest
+        return web.json_response(manifest)
+
+    async def file(self, request: web.Request) -> web.StreamResponse:
+        version = int(request.match_info["version"])
+        name = request.match_info["path"]
+        target = await asyncio.to_thread(_inside, Path(self.weights_of(version)), name)
+        if target is None:
+            return web.json_response({"error": f"no file {name!r} in v{version}"}, status=404)
+        return web.FileResponse(target)
+
+
+def _inside(root: Path, name: str) -> Path | None:
+    """`root/name` when it is a file under `root` (no escape through `..` or links), else None."""
+    root = root.resolve()
+    target = (root / name).resolve()
+    return target if target.is_relative_to(root) and target.is_file() else None
+
+
+class FetchError(Exception):
+    """A download that could not complete or did not match its manifest."""
+
+
+async def fetch_version(
+    source: str, version: int, dest_root: Path, *, token: str | None = None, timeout_s: float = 3600.0
+) -> Path:
+    """Download version `version` from the weight server at `source` into `dest_root/v<version>`.
+
+    Idempotent: an existing complete copy is returned as is. Raises FetchError naming the file."""
+    final = dest_root / f"v{version}"
+    if (final / "config.json").is_file():
+        return final
+    staged = dest_root / f"v{version}.tmp"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    base = f"{source.rstrip('/')}/weights/v{version}"
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
+        async with http.get(base + "/manifest") as resp:
+            if resp.status != 200:
+                raise FetchError(f"{base}/manifest answered {resp.status}: {(await resp.text())[:200]}")
+            manifest = await resp.json()
+        await asyncio.to_thread(_reset_dir, staged)
+        for entry in manifest["files"]:
+            await _download(http, f"{base}/files/{entry['path']}", staged, entry)
+    await asyncio.to_thread(_install, staged, final, dest_root)
+    return final
+
+
+def _reset_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+async def _download(http: aiohttp.ClientSession, url: str, staged: Path, entry: dict[str, Any]) -> None:
+    rel = Path(entry["path"])
+    if rel.is_absolute() or ".." in rel.parts:
+        raise FetchError(f"manifest names an unsafe path {entry['path']!r}")
+    target = staged / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    size = 0
+    async with http.get(url) as resp:
+        if resp.status != 200:
+            raise FetchError(f"{url} answered {resp.status}")
+        with open(target, "wb") as handle:  # noqa: ASYNC230 - chunked; a thread hop per MiB costs more
+            async for block in resp.content.iter_chunked(CHUNK):
+                handle.write(block)
+                digest.update(block)
+                size += len(block)
+    if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
+        raise FetchError(
+            f"{url}: got {size} bytes sha256 {digest.hexdigest()[:12]}, manifest says {entry['size']} "
+            f"bytes sha256 {entry['sha256'][:12]}"
+        )
+
+
+def _install(staged: Path, final: Path, dest_root: Path) -> None:
+    for path in staged.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(staged, final)
+    versions = sorted(
+        (int(m.group(1)), p) for p in dest_root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
+    )
+    for _, old in versions[:-KEEP_VERSIONS]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def add_fetch_route(app: web.Application, dest_root: Path) -> None:
+    """`POST /fetch_weights` (module docstring) storing versions under `dest_root`."""
+    lock = asyncio.Lock()  # one download at a time: two syncs never race on the same staging dir
+
+    async def fetch(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            source, version = str(body["source"]), int(body["version"])
+            token = body.get("token")
+        except (ValueError, KeyError, TypeError) as exc:
+            return _failed(f"bad fetch_weights body: {exc}")
+        async with lock:
+            try:
+                path = await fetch_version(source, version, dest_root, token=token)
+            except (FetchError, aiohttp.ClientError, TimeoutError, OSError, KeyError) as exc:
+                log.error("fetching version %d from %s failed: %r", version, source, exc)
+                return _failed(f"{type(exc).__name__}: {exc}")
+        return web.json_response({"success": True, "model_path": str(path)})
+
+    app.router.add_post("/fetch_weights", fetch)
+
+
+def _failed(message: str) -> web.Response:
+    return web.json_response({"success": False, "message": message}, status=400)
+
+
+async def request_fetch(
+    fetcher_url: str, *, source: str, version: int, token: str | None, timeout_s: float = 3600.0
+) -> str:
+    """Ask the fetcher at `fetcher_url` to download `version`; returns its local model path."""
+    body = {"source": source, "version": version, "token": token}
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
+    url = fetcher_url.rstrip("/") + "/fetch_weights"
+    async with aiohttp.ClientSession(timeout=timeout) as http, http.post(url, json=body) as resp:
+        text = await resp.text()
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        reply = {}
+    if resp.status != 200 or reply.get("success") is not True:
+        raise FetchError(f"{fetcher_url} could not fetch version {version}: {resp.status} {text[:300]}")
+    return str(reply["model_path"])
+
+
+def main(argv: list[str]) -> int:
+    """`rollwise engine fetch-agent`: the fetcher beside an SGLang server that does not share the disk."""
+    p = argparse.ArgumentParser(prog="rollwise engine fetch-agent", description=main.__doc__)
+    p.add_argument("--dir", required=True, help="where versions are stored (v<n>/, newest 3 kept)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30100)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s fetch-agent %(levelname)s %(message)s")
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    app = web.Application()
+    add_fetch_route(app, root)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+    return 0

@@ -1,6 +1,7 @@
 """The supervisor's admin endpoint (`admin.host:admin.port`, 127.0.0.1:9401 by default) and its client,
 `rollwise engines list|add URL|drain URL`.
 
+    GET  /fleet                   {"router", "router_metrics", "engines": [...]}
     GET  /engines                 [{"url", "managed", "draining", "capacity", "weight_version", ...}]
     POST /engines                 {"url", "fetch_url"?} -> the engine joins on the served version
     POST /engines/drain           {"url"} -> returns once the engine has left (fleet_membership.py)
@@ -87,6 +88,17 @@ def make_admin_app(membership: FleetMembership, weights: WeightServer, token: st
         except MembershipError as exc:
             return _error(str(exc), exc.status)
 
+    async def fleet(request: web.Request) -> web.Response:
+        f = membership.fleet
+        return web.json_response(
+            {
+                "router": f.router_url,
+                "router_metrics": f.router_metrics_url,
+                "engines": await membership.describe(),
+            }
+        )
+
+    app.router.add_get("/fleet", fleet)
     app.router.add_get("/engines", list_engines)
     app.router.add_post("/engines", add_engine)
     app.router.add_post("/engines/drain", drain_engine)

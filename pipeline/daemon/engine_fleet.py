@@ -65,6 +65,7 @@ class EngineFleet:
         self.capacity: dict[str, int] = {}  # engine URL -> max_running_requests it reported
         self.engine_tasks: dict[str, asyncio.Task[None]] = {}  # managed slot name -> its keep() task
         self.router_url: str | None = None
+        self.router_metrics_url: str | None = None
         self.router_admin: RouterAdmin | None = None
         self.router_child: Child | None = None
         self._router_up = False
@@ -74,6 +75,7 @@ class EngineFleet:
             port = e.router_port or free_port(e.router_host)
             self._router_prometheus_port = free_port(e.router_host)
             self.router_url = f"http://{e.router_host}:{port}"
+            self.router_metrics_url = f"http://{e.router_host}:{self._router_prometheus_port}/metrics"
             self._router_port = port
             router_client = self.make_client(self.router_url)
             self.router_admin = RouterAdmin(self.router_url)

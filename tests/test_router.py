@@ -112,7 +112,9 @@ async def test_router_keeps_each_episode_on_one_engine_and_control_calls_reach_e
     assert {label for labels in after for label in labels} == {"7"}  # both engines loaded it directly
 
 
-async def test_killing_one_engine_costs_only_its_in_flight_episodes_and_it_rejoins(fleet: EngineFleet) -> None:
+async def test_killing_one_engine_costs_only_its_in_flight_episodes_and_it_rejoins(
+    fleet: EngineFleet,
+) -> None:
     outcomes: dict[str, str] = {}
     on_engine: dict[str, str] = {}
 

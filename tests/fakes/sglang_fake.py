@@ -212,6 +212,7 @@ class FakeSGLang:
         self.skip_tokenizer_init = skip_tokenizer_init
         self.requests: list[RecordedRequest] = []
         self.update_calls: list[dict[str, Any]] = []
+        self.weight_groups: set[str] = set()  # NCCL groups joined via /init_weights_update_group
         self.pause_mode: str | None = None
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -241,6 +242,10 @@ class FakeSGLang:
         app.router.add_route("GET", "/flush_cache", self._flush_cache)
         app.router.add_route("POST", "/flush_cache", self._flush_cache)
         app.router.add_get("/metrics", self._metrics)
+        # SGLang's NCCL weight path (the GPU option): request shapes only, no tensors move here.
+        app.router.add_post("/init_weights_update_group", self._init_weights_update_group)
+        app.router.add_post("/update_weights_from_distributed", self._update_weights_from_distributed)
+        app.router.add_post("/destroy_weights_update_group", self._destroy_weights_update_group)
         return app
 
     async def start(self, port: int = 0) -> str:
@@ -612,6 +617,39 @@ class FakeSGLang:
         reply = {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         return _json_response(reply)
 
+    async def _init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        self.update_calls.append(body)
+        problem = _check_fields(body, INIT_GROUP_FIELDS)
+        if problem is not None:
+            return _bad_request(problem)
+        self.weight_groups.add(body.get("group_name", "weight_update_group"))
+        return _json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def _update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        self.update_calls.append(body)
+        problem = _check_fields(body, UPDATE_DISTRIBUTED_FIELDS)
+        if problem is None and not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+            problem = "names, dtypes and shapes must have the same length"
+        if problem is not None:
+            return _bad_request(problem)
+        group = body.get("group_name", "weight_update_group")
+        if group not in self.weight_groups:
+            reply = {"success": False, "message": f"Group {group} not in the process groups."}
+            return _json_response(reply, 400)
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+        return _json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        problem = _check_fields(body, DESTROY_GROUP_FIELDS)
+        if problem is not None:
+            return _bad_request(problem)
+        self.weight_groups.discard(body.get("group_name", "weight_update_group"))
+        return _json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
     async def _pause(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
         mode = str(body.get("mode", "abort"))
@@ -652,6 +690,46 @@ class FakeSGLang:
             f'sglang:num_running_reqs{{model_name="{self.model_path}"}} {float(len(self._running))}',
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+# Fields of SGLang 0.5.23's io_struct request structs: name -> (accepted JSON types, required). The fake
+# refuses unknown fields too (SGLang would ignore a misspelt optional one, silently).
+_Fields = dict[str, tuple[tuple[type, ...], bool]]
+INIT_GROUP_FIELDS: _Fields = {  # InitWeightsUpdateGroupReqInput
+    "master_address": ((str,), True),
+    "master_port": ((int,), True),
+    "rank_offset": ((int,), True),
+    "world_size": ((int,), True),
+    "group_name": ((str,), False),
+    "backend": ((str,), False),
+}
+UPDATE_DISTRIBUTED_FIELDS: _Fields = {  # UpdateWeightsFromDistributedReqInput
+    "names": ((list,), True),
+    "dtypes": ((list,), True),
+    "shapes": ((list,), True),
+    "group_name": ((str,), False),
+    "flush_cache": ((bool,), False),
+    "abort_all_requests": ((bool,), False),
+    "weight_version": ((str, type(None)), False),
+    "load_format": ((str, type(None)), False),
+    "torch_empty_cache": ((bool,), False),
+}
+DESTROY_GROUP_FIELDS: _Fields = {"group_name": ((str,), False)}  # DestroyWeightsUpdateGroupReqInput
+
+
+def _check_fields(body: dict[str, Any], fields: _Fields) -> str | None:
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        return f"unknown field(s) {unknown}"
+    for name, (types, required) in fields.items():
+        if name not in body:
+            if required:
+                return f"field required: {name}"
+            continue
+        value = body[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            return f"field {name}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}"
+    return None
 
 
 def _abort_reason(message: str) -> dict[str, Any]:

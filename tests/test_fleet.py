@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 
 from pipeline.config import load_config
-from pipeline.daemon.admin import AdminEndpoint, main as engines_main, make_admin_app
+from pipeline.daemon.admin import AdminEndpoint, make_admin_app
+from pipeline.daemon.admin import main as engines_main
 from pipeline.daemon.engine_fleet import EngineFleet
 from pipeline.daemon.fleet_membership import FleetMembership, MembershipError, scaled_concurrency
 from pipeline.engine.client import EngineClient

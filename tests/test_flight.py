@@ -145,7 +145,7 @@ def test_learner_spool_url_selects_the_flight_reader(tmp_path: Path) -> None:
     cfg = load_config(None, ['learner.spool_url="grpc://10.0.0.5:8815"', 'transport.token="t"'])
     remote = open_spool_reader(cfg, tmp_path, after_seq=7)
     assert isinstance(remote, FlightSpoolReader) and remote.after_seq == 7
-    with pytest.raises(ValueError, match="learner.spool_url"):
+    with pytest.raises(ValueError, match=r"learner\.spool_url"):
         load_config(None, ['learner.spool_url="http://x:1"'])
-    with pytest.raises(ValueError, match="transport.token"):
+    with pytest.raises(ValueError, match=r"transport\.token"):
         load_config(None, ['transport.kind="flight"', 'transport.flight_host="0.0.0.0"'])

@@ -117,6 +117,7 @@ async def test_killing_one_engine_costs_only_its_in_flight_episodes_and_it_rejoi
 ) -> None:
     outcomes: dict[str, str] = {}
     on_engine: dict[str, str] = {}
+    all_placed = asyncio.Event()
 
     async def episode(name: str) -> None:
         ids = [3, 4, 5]
@@ -124,6 +125,8 @@ async def test_killing_one_engine_costs_only_its_in_flight_episodes_and_it_rejoi
             for t in range(30):
                 result = await fleet.pool.generate(ids, SAMPLING, f"{name}-t{t}", affinity_key=name)
                 on_engine.setdefault(name, result.weight_version)
+                if len(on_engine) == 6:
+                    all_placed.set()
                 ids = ids + result.output_ids
                 await asyncio.sleep(0.02)
             outcomes[name] = "ok"
@@ -131,8 +134,7 @@ async def test_killing_one_engine_costs_only_its_in_flight_episodes_and_it_rejoi
             outcomes[name] = "failed"
 
     running = [asyncio.create_task(episode(f"ep{k}")) for k in range(6)]
-    while len(on_engine) < 6:
-        await asyncio.sleep(0.05)
+    await asyncio.wait_for(all_placed.wait(), 60)
     victim = fleet.children["engine1"]
     victim.kill()
     await asyncio.gather(*running)

@@ -65,6 +65,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]
         "--config", str(ROOT / "examples" / "guess_number.toml"),
         "--run-dir", str(run_dir), "--log-format", "json",
         "--set", f"metrics.port={ports['metrics']}", "--set", f"engine.port={ports['engine']}",
+        "--set", "admin.port=0",
         "--set", "env.group_size=4", "--set", "learner.batch_groups=2",
     ]  # fmt: skip
     log = (run_dir.parent / "daemon.log").open("wb")

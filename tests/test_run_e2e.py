@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "engine.port=0",
     "metrics.port=0",
+    "admin.port=0",
     "env.group_size=4",
     "learner.batch_groups=2",
     "learner.mini_batches=1",

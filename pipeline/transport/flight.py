@@ -43,6 +43,7 @@ from pipeline.transport.spool import (
     prune_consumed,
     read_group_file,
     spool_depth,
+    spool_name,
 )
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,7 @@ class _SpoolServer(flight.FlightServerBase):
             seq = int(json.loads(ticket.ticket)["seq"])
         except (ValueError, KeyError, TypeError) as exc:
             raise flight.FlightServerError(f"bad ticket {ticket.ticket!r}: {exc}") from exc
-        path = next((p for s, p in _listed(self.spool_dir) if s == seq), None)
-        if path is None:
-            return _note(MISSING_KEY, {"seq": seq})
+        path = self.spool_dir / spool_name(seq)
         try:
             _, batch = read_group_file(path)
         except FileNotFoundError:

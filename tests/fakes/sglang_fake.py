@@ -633,6 +633,17 @@ class FakeSGLang:
 
     async def _abort_request(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
+        # SGLang validates the body as AbortReq: rid (str | list[str] | None, from BaseReq), abort_all
+        # (bool), finished_reason (dict | None), abort_message (str | None); extra keys are ignored.
+        rid = body.get("rid")
+        if not (
+            rid is None
+            or isinstance(rid, str)
+            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+        ):
+            return _error_response(400, f"rid: Input should be a valid string, got {rid!r}", "Bad Request")
+        if not isinstance(body.get("abort_all", False), bool):
+            return _error_response(400, "abort_all: Input should be a valid boolean", "Bad Request")
         if body.get("abort_all"):
             self._abort("Abort by abort_request (abort_all).")
         elif body.get("rid"):

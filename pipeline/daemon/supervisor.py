@@ -156,8 +156,7 @@ class Supervisor:
             self.step = event.step
             metrics.LEARNER_STEP.set(event.step)
             if event.version != self.version and self.scheduler is not None:
-                # A restarted learner resumed from an older checkpoint; it re-publishes from there.
-                log.warning("learner restarted at version %d, engines serve %d", event.version, self.version)
+                await self.follow_restarted_learner(event)
         elif isinstance(event, events.Finished):
             self.request_stop(f"the learner finished: {event.reason}")
         elif isinstance(event, events.CheckpointSaved):
@@ -194,14 +193,38 @@ class Supervisor:
         else:
             self.drops_before_scheduler += 1
 
-    async def publish(self, version: int, path: str, *, received_at: float) -> None:
+    async def follow_restarted_learner(self, ready: events.Ready) -> None:
+        """A learner that restarted alone resumed its last checkpoint, at version `ready.version`. The
+        learner is the authority on the policy: every version the engines received after that checkpoint
+        belongs to a lineage no checkpoint holds (its optimizer state is gone, and the learner trains the
+        groups after the checkpoint again, re-publishing the same version numbers with new weights). So
+        the engines go back to the learner's version and sync each re-published version again; otherwise
+        they would keep sampling for the lost lineage and stamp its version numbers, ahead of the
+        learner's step, on every new group until the learner passed them."""
+        log.warning(
+            "learner restarted at step %d, version %d; engines serve %d: moving them back to %d",
+            ready.step,
+            ready.version,
+            self.version,
+            ready.version,
+        )
+        self.progress.message(
+            f"learner restarted from its checkpoint at step {ready.step} (version {ready.version}); "
+            f"the engines served version {self.version}, which no checkpoint holds: they go back to "
+            f"{ready.version}"
+        )
+        await self.publish(ready.version, ready.path, received_at=time.monotonic(), rollback=True)
+
+    async def publish(self, version: int, path: str, *, received_at: float, rollback: bool = False) -> None:
         """Load a newly published version into every engine, then let the scheduler admit against it.
+        `rollback` = the learner restarted at an older version (follow_restarted_learner): load it even
+        though the engines serve a higher number.
 
         sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
         that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
         async with self.publish_lock:
-            if version <= self.version:
-                # Never move the engines backwards (a late "ready" after a newer publish, a replayed event).
+            if version == self.version or (version < self.version and not rollback):
+                # Never move the engines backwards otherwise (a late event after a newer publish).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
                 return
             timings = await sync_weights(

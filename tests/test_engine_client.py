@@ -731,9 +731,7 @@ async def test_a_generate_past_its_request_timeout_is_aborted_on_the_server(fake
     async with EngineClient(fake.base_url, retries=0, request_timeout_s=0.2) as slow:
         with pytest.raises(EngineUnavailable, match="no complete reply"):
             await slow.generate([1, 2], SamplingParams(max_new_tokens=1000), "late")
-        deadline = time.monotonic() + 5.0
-        while fake.running_rids and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await fake.wait_idle(5.0)
     assert fake.running_rids == []
     assert [r.json() for r in fake.requests if r.path == "/abort_request"] == [{"rid": "late"}]
 

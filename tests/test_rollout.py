@@ -363,9 +363,7 @@ async def test_an_episode_that_times_out_mid_generation_aborts_its_engine_reques
     aborts_before = REGISTRY.get_sample_value("rollwise_engine_aborts_total", {"reason": "cancelled"}) or 0.0
     result = await play(pool, tok, env, settings(tok, max_new_tokens=1000))
     assert result.finish_reason == "timeout"
-    deadline = time.monotonic() + 5.0
-    while fake.running_rids and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await fake.wait_idle(5.0)
     assert fake.running_rids == [], "the engine still decodes the timed-out episode's request"
     aborts = [r.json() for r in fake.requests if r.path == "/abort_request"]
     assert aborts == [{"rid": "ep-t0"}]

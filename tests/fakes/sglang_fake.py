@@ -297,6 +297,14 @@ class FakeSGLang:
                 raise TimeoutError(f"only {len(self._running)} of {n} requests running")
             await asyncio.sleep(0.005)
 
+    async def wait_idle(self, timeout_s: float = 5.0) -> bool:
+        """Wait until no generation runs; False if some still run after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     # ------------------------------------------------------------------ middlewares
     @web.middleware
     async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:

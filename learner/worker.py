@@ -37,6 +37,7 @@ from learner.groups import TrainGroup, token_staleness, triage_group
 from learner.schema import batch_to_segments
 from pipeline.config import Config, load_config
 from pipeline.run_dir import (
+    DROPPED_GROUPS_KEY,
     PUBLISHED_VERSION_KEY,
     RunDir,
     acquire_learner_lock,
@@ -127,6 +128,7 @@ class _Pending:
     items: list[tuple[SpoolItem, TrainGroup]] = field(default_factory=list)
     last_seq: int = 0
     consumed_ids: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)  # group_id -> reason, of consumed_ids
 
 
 class LearnerWorker:
@@ -145,6 +147,7 @@ class LearnerWorker:
         self.idle_s = 0.0
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
+        self.dropped_since_checkpoint: dict[str, str] = {}
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -280,6 +283,7 @@ class LearnerWorker:
         )
         if isinstance(verdict, str):
             self.drop(item.seq, item.group_id, verdict)
+            self.pending.dropped[item.group_id] = verdict
         else:
             self.pending.items.append((item, verdict))
 
@@ -294,8 +298,10 @@ class LearnerWorker:
             # Keeps the actors' admission count `accepted = v·B + unconsumed` true.
             for item, _ in pending.items:
                 self.drop(item.seq, item.group_id, "no_update")
+                pending.dropped[item.group_id] = "no_update"
         self.consumed_seq = pending.last_seq
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
+        self.dropped_since_checkpoint.update(pending.dropped)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
             self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
@@ -339,11 +345,15 @@ class LearnerWorker:
             self.run_dir.checkpoints,
             self.trainer,
             consumed=consumed,
-            extra={PUBLISHED_VERSION_KEY: self.last_published},
+            extra={
+                PUBLISHED_VERSION_KEY: self.last_published,
+                DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
+            },
             keep=self.cfg.learner.keep_checkpoints,
             tokenizer=self.tokenizer,
         )
         self.consumed_since_checkpoint = []
+        self.dropped_since_checkpoint = {}
         self.last_checkpoint_step = self.trainer.steps
         self.checkpoint_seqs.append(self.consumed_seq)
         self.out.emit(

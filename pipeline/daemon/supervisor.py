@@ -89,6 +89,7 @@ class Supervisor:
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
+            metrics.init_long_run_label_values()
             self.step_log = self.run_dir.step_log.open("a", encoding="utf-8")
             await self.endpoints.start()
             self.progress.start()
@@ -370,12 +371,17 @@ async def close_env(env: Environment) -> None:
 
 
 async def measure_loop_lag(stopping: asyncio.Event) -> None:
-    """How late a 100 ms timer fires: a blocked event loop shows up here first."""
+    """How late a 100 ms timer fires: a blocked event loop shows up here first. Once a second it also
+    counts the loop's tasks (a leak of tasks is a leak of memory a soak would find hours later)."""
     loop = asyncio.get_running_loop()
+    ticks = 0
     while not stopping.is_set():
         started = loop.time()
         await asyncio.sleep(LOOP_LAG_PERIOD_S)
         metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - started - LOOP_LAG_PERIOD_S))
+        ticks += 1
+        if ticks % 10 == 0:
+            metrics.SUPERVISOR_TASKS.set(len(asyncio.all_tasks(loop)))
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Task[Any]]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 from envs.api import Environment
 from learner import events
+from learner.durable import storage_fault_kind
 from pipeline.actors.rollout import ENGINE_LABEL
 from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import ConfigError, write_resolved
@@ -78,6 +80,8 @@ class Supervisor:
         self.staleness_tokens = 0
         self.spool_depth_groups = 0
         self.started_at = time.monotonic()
+        self.step_log_failing = False
+        self.storage_blocked: set[str] = set()  # learner components waiting for the run directory
 
     async def run(self) -> int:
         """The schedule. Returns the process exit code (0 after a requested stop, 1 after a fatal error)."""
@@ -106,6 +110,7 @@ class Supervisor:
                         ready=ready,
                         served_version=self.version,
                         dropped_already=self.drops_before_scheduler,
+                        notify=self.progress.message,
                     )
                     background = [
                         self.watch(self.scheduler.run(self.stopping), "scheduler"),
@@ -124,7 +129,8 @@ class Supervisor:
                 await self.engines.stop(grace)
                 await close_env(self.setup.env)
                 self.progress.stop()
-                self.step_log.close()
+                with contextlib.suppress(OSError):  # its last lines may not fit on a full disk
+                    self.step_log.close()
                 await self.endpoints.stop()
         if self.fatal is not None:
             print(f"rollwise: {self.fatal}", file=sys.stderr)
@@ -162,6 +168,8 @@ class Supervisor:
             self.request_stop(f"the learner finished: {event.reason}")
         elif isinstance(event, events.CheckpointSaved):
             learner_metrics.record_checkpoint(event)
+        elif isinstance(event, events.StorageFault):
+            self.on_storage_fault(event)
         elif isinstance(event, events.Quarantined):
             learner_metrics.record_quarantined(event)
             self.progress.message(f"spool file quarantined: {event.file}: {event.reason}")
@@ -170,9 +178,7 @@ class Supervisor:
 
     def on_step(self, event: events.Step) -> None:
         learner_metrics.record_step(event)
-        # The run's own learning curve: `rollwise report --run-dir` reads it without Prometheus.
-        self.step_log.write(events.encode(event) + "\n")
-        self.step_log.flush()
+        self.append_step_log(event)
         self.step = event.step
         self.last_step_time_s = event.metric("step_time_s")
         if (reward := event.metric("reward_mean")) is not None:
@@ -181,6 +187,43 @@ class Supervisor:
         self.staleness_tokens += sum(event.staleness.values())
         self.spool_depth_groups = event.spool_depth_groups
         self.progress.on_step(step_line(event))
+
+    def on_storage_fault(self, event: events.StorageFault) -> None:
+        """The learner's checkpoint or weight export was refused by the storage (it holds its work and
+        retries), or goes through again."""
+        component = event.component
+        if event.blocked:
+            metrics.STORAGE_ERRORS.labels(component=component, kind=event.kind).inc()
+            if component not in self.storage_blocked:
+                self.storage_blocked.add(component)
+                metrics.STORAGE_BLOCKED.labels(component=component).set(1)
+                self.progress.message(f"learner {component} write refused ({event.kind}): {event.message}")
+        elif component in self.storage_blocked:
+            self.storage_blocked.discard(component)
+            metrics.STORAGE_BLOCKED.labels(component=component).set(0)
+            self.progress.message(f"learner {component} writable again: {event.message}")
+
+    def append_step_log(self, event: events.Step) -> None:
+        """The run's own learning curve: `rollwise report --run-dir` reads it without Prometheus. A full or
+        read-only run directory costs lines of it (counted), never the learner's events."""
+        try:
+            self.step_log.write(events.encode(event) + "\n")
+            self.step_log.flush()
+        except OSError as exc:
+            kind = storage_fault_kind(exc, self.run_dir.logs) or "other"
+            metrics.STORAGE_ERRORS.labels(component="step_log", kind=kind).inc()
+            if not self.step_log_failing:
+                log.error(
+                    "cannot append to %s (%s: %s); step lines are lost meanwhile",
+                    self.run_dir.step_log,
+                    kind,
+                    exc,
+                )
+            self.step_log_failing = True
+        else:
+            if self.step_log_failing:
+                log.warning("%s takes writes again", self.run_dir.step_log)
+            self.step_log_failing = False
 
     def on_dropped(self, seq: int, reason: str) -> None:
         """A written group the learner will never train: admission gets its slot back. Deduplicated by

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,7 @@ async def build_scheduler(
     ready: events.Ready,
     served_version: int,
     dropped_already: int,
+    notify: Callable[[str], None] | None = None,
 ) -> GroupScheduler:
     """The actor side: tokenizer, spool writer and staleness control around the engine pool.
 
@@ -149,4 +151,5 @@ async def build_scheduler(
         initial_version=served_version,
         initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
         - dropped_already,
+        notify=notify,
     )

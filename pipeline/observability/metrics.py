@@ -316,7 +316,8 @@ ENGINE_ABORTS = Counter(
 STORAGE_ERRORS = Counter(
     "rollwise_storage_errors",
     "Durable writes that failed because the run directory is full or read-only, by component (spool, "
-    "checkpoint, weights, step_log) and kind (ENOSPC, EROFS, EDQUOT, EIO, other).",
+    "checkpoint, weights, step_log) and kind (ENOSPC, EROFS, EDQUOT, EIO: also an I/O failure the "
+    "writing library did not name, other).",
     ["component", "kind"],
     registry=REGISTRY,
 )

@@ -6,12 +6,14 @@ anything starts; an unknown key or a bad value raises ConfigError naming the dot
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -54,7 +56,13 @@ class EngineConfig(_Section):
     mem_fraction_static: float = Field(0.8, gt=0, le=1, description="SGLang --mem-fraction-static.")
     tp: int = Field(1, ge=1, description="SGLang tensor parallel size.")
     dp: int = Field(1, ge=1, description="SGLang data parallel size.")
-    api_key: str | None = Field(None, description="Bearer token for the engines' HTTP API.")
+    api_key: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_ENGINE_API_KEY"),
+        description=(
+            "Bearer token for the engines' HTTP API (default: $ROLLWISE_ENGINE_API_KEY); required when "
+            "engine.host is not loopback. Never written to the run directory or logged."
+        ),
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra launch_server flags (sglang).")
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one /generate call.")
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
@@ -306,6 +314,32 @@ class LearnerConfig(_Section):
 class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address of /metrics, /healthz, /readyz.")
     port: int = Field(9400, ge=0, le=65535, description="Port of the supervisor's HTTP endpoint (0 = pick).")
+    api_key: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_METRICS_API_KEY"),
+        description=(
+            "Bearer token /metrics (and every route but /healthz, /readyz) requires (default: "
+            "$ROLLWISE_METRICS_API_KEY); required when metrics.host is not loopback. Never written or logged."
+        ),
+    )
+
+
+def reveal(secret: SecretStr | None) -> str | None:
+    """The plain value of an API key setting, for the one place that sends it."""
+    return secret.get_secret_value() if secret is not None else None
+
+
+def _secret_from_env(name: str) -> SecretStr | None:
+    value = os.environ.get(name)
+    return SecretStr(value) if value else None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Config(_Section):
@@ -337,6 +371,21 @@ class Config(_Section):
         budget = self.learner.overlong_budget
         if budget is not None and self.learner.overlong_slope > budget:
             raise ValueError("learner.overlong_slope must be <= learner.overlong_budget")
+        # A port beyond loopback is open to whoever reaches it (a shared cluster): it needs a key.
+        if (
+            self.engine.kind != "external"
+            and not _is_loopback(self.engine.host)
+            and self.engine.api_key is None
+        ):
+            raise ValueError(
+                f"engine.api_key is required: engine.host = {self.engine.host!r} is not a loopback address "
+                "(set ROLLWISE_ENGINE_API_KEY, or bind 127.0.0.1)"
+            )
+        if not _is_loopback(self.metrics.host) and self.metrics.api_key is None:
+            raise ValueError(
+                f"metrics.api_key is required: metrics.host = {self.metrics.host!r} is not a loopback "
+                "address (set ROLLWISE_METRICS_API_KEY, or bind 127.0.0.1)"
+            )
         if self.learner.lr_schedule != "constant" and self.learner.lr_decay_steps < 1:
             raise ValueError(
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
@@ -375,7 +424,8 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         key = key.replace("async_", "async")
-        lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if "input" in e and e["loc"] else ""))
+        shown = "input" in e and e["loc"] and "api_key" not in key  # a key never appears in a message
+        lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if shown else ""))
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
@@ -422,6 +472,9 @@ def _section_to_toml(name: str, model: BaseModel, out: list[str]) -> None:
         doc = fields[key].description
         if doc:
             out.append(f"# {doc}")
+        if isinstance(child, SecretStr):  # the resolved config is a file in the run dir: no secrets there
+            out.append(f"# {key} = (set; not written)")
+            continue
         out.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
     out.append("")
     for key, child in nested:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline.config import Config
+from pipeline.config import Config, reveal
 from pipeline.daemon.children import Child, ChildSpec, keep_running
 from pipeline.engine.client import EngineClient
 from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
@@ -45,7 +45,8 @@ class EngineFleet:
         self._up_events = {s.name: asyncio.Event() for s in self.slots}
         e = self.cfg.engine
         self.clients = [
-            EngineClient(s.url, api_key=e.api_key, request_timeout_s=e.request_timeout_s) for s in self.slots
+            EngineClient(s.url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s)
+            for s in self.slots
         ]
         self.pool = EnginePool(self.clients)
 

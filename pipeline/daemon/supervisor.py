@@ -32,7 +32,7 @@ from learner import events
 from learner.durable import storage_fault_kind
 from pipeline.actors.rollout import ENGINE_LABEL
 from pipeline.actors.scheduler import GroupScheduler
-from pipeline.config import ConfigError, write_resolved
+from pipeline.config import ConfigError, reveal, write_resolved
 from pipeline.daemon.engine_fleet import EngineFleet
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
@@ -67,7 +67,9 @@ class Supervisor:
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
         )
-        self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
+        self.endpoints = HttpEndpoints(
+            cfg.metrics.host, cfg.metrics.port, self.not_ready, api_key=reveal(cfg.metrics.api_key)
+        )
         self.scheduler: GroupScheduler | None = None
         self.version = 0  # the policy version the engines serve
         self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order

@@ -82,6 +82,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 API_KEY_ENV = ENGINE_API_KEY_ENV
 OPEN_PATHS = frozenset({"/health"})
 SAMPLES_PER_CALL_PER_BATCH_SLOT = 16
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request names none
 
 
 def _dumps(obj: object) -> str:
@@ -416,13 +417,17 @@ def _build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[_Tra
     for i, ids in enumerate(prompts):
         where = f"input_ids[{i}]" if is_batch else "input_ids"
         _check_prompt(ids, where, scheduler.vocab_size, scheduler.context_length)
+    cfg = state.config
+    cap = cfg.max_new_tokens_cap or scheduler.context_length
     raw_params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params")
-    params = [parse_sampling_params(p, vocab_size=scheduler.vocab_size) for p in raw_params]
+    default_new = min(DEFAULT_MAX_NEW_TOKENS, cap)
+    params = [
+        parse_sampling_params(p, vocab_size=scheduler.vocab_size, default_max_new_tokens=default_new)
+        for p in raw_params
+    ]
     n = params[0].n
     if any(p.n != n for p in params):
         raise ValueError("every batch item must use the same sampling_params.n")
-    cfg = state.config
-    cap = cfg.max_new_tokens_cap or scheduler.context_length
     for p in params:
         if p.max_new_tokens > cap:
             raise ValueError(

@@ -371,21 +371,6 @@ class Config(_Section):
         budget = self.learner.overlong_budget
         if budget is not None and self.learner.overlong_slope > budget:
             raise ValueError("learner.overlong_slope must be <= learner.overlong_budget")
-        # A port beyond loopback is open to whoever reaches it (a shared cluster): it needs a key.
-        if (
-            self.engine.kind != "external"
-            and not _is_loopback(self.engine.host)
-            and self.engine.api_key is None
-        ):
-            raise ValueError(
-                f"engine.api_key is required: engine.host = {self.engine.host!r} is not a loopback address "
-                "(set ROLLWISE_ENGINE_API_KEY, or bind 127.0.0.1)"
-            )
-        if not _is_loopback(self.metrics.host) and self.metrics.api_key is None:
-            raise ValueError(
-                f"metrics.api_key is required: metrics.host = {self.metrics.host!r} is not a loopback "
-                "address (set ROLLWISE_METRICS_API_KEY, or bind 127.0.0.1)"
-            )
         if self.learner.lr_schedule != "constant" and self.learner.lr_decay_steps < 1:
             raise ValueError(
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
@@ -395,6 +380,23 @@ class Config(_Section):
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
+
+
+def check_exposed_ports(cfg: Config) -> None:
+    """A port beyond loopback is open to whoever reaches it (a shared cluster): it needs an API key.
+    Raises ConfigError naming the key. Checked where the ports are opened (`rollwise run`), not on every
+    load: the run directory's config.toml never holds the keys, and the learner reads it."""
+    engine, exposed = cfg.engine, cfg.metrics
+    if engine.kind != "external" and not _is_loopback(engine.host) and engine.api_key is None:
+        raise ConfigError(
+            f"engine.api_key is required: engine.host = {engine.host!r} is not a loopback address "
+            "(set ROLLWISE_ENGINE_API_KEY, or bind 127.0.0.1)"
+        )
+    if not _is_loopback(exposed.host) and exposed.api_key is None:
+        raise ConfigError(
+            f"metrics.api_key is required: metrics.host = {exposed.host!r} is not a loopback address "
+            "(set ROLLWISE_METRICS_API_KEY, or bind 127.0.0.1)"
+        )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:

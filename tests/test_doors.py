@@ -4,6 +4,7 @@ file or log; weights load only from allowed directories; an unknown subcommand e
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
@@ -17,9 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pipeline.config import ConfigError, config_to_toml, load_config, write_resolved
+from pipeline.config import ConfigError, check_exposed_ports, config_to_toml, load_config, write_resolved
 from pipeline.daemon.children import Child, ChildSpec, redact_argv
 from pipeline.daemon.http_endpoints import HttpEndpoints
+from pipeline.daemon.wiring import resolve_config
 from pipeline.engine.embedded.server import RunningServer, ServerConfig, main, start_server
 from pipeline.engine.launch import engine_child_spec, plan_engines
 from pipeline.http_guard import DoorLimits, ExposedWithoutKey, is_loopback
@@ -232,11 +234,16 @@ def test_a_config_that_binds_beyond_loopback_without_a_key_stops_naming_the_key(
     monkeypatch.delenv("ROLLWISE_METRICS_API_KEY", raising=False)
     monkeypatch.delenv("ROLLWISE_ENGINE_API_KEY", raising=False)
     with pytest.raises(ConfigError, match=r"metrics\.api_key is required"):
-        load_config(None, ['metrics.host="0.0.0.0"'])
+        check_exposed_ports(load_config(None, ['metrics.host="0.0.0.0"']))
     with pytest.raises(ConfigError, match=r"engine\.api_key is required"):
-        load_config(None, ['engine.host="0.0.0.0"'])
+        check_exposed_ports(load_config(None, ['engine.host="0.0.0.0"']))
+    ns = argparse.Namespace(
+        config=None, set=['metrics.host="0.0.0.0"'], run_dir=None, max_steps=None, log_format=None
+    )
+    with pytest.raises(ConfigError, match=r"metrics\.api_key is required"):  # `rollwise run` checks it
+        resolve_config(ns)
     monkeypatch.setenv("ROLLWISE_METRICS_API_KEY", KEY)
-    assert load_config(None, ['metrics.host="0.0.0.0"']).metrics.host == "0.0.0.0"
+    check_exposed_ports(load_config(None, ['metrics.host="0.0.0.0"']))
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
 
 
@@ -248,6 +255,8 @@ def test_keys_never_reach_the_config_copy_messages_or_child_logs(
     assert cfg.engine.api_key is not None and cfg.engine.api_key.get_secret_value() == KEY
     written = write_resolved(cfg, tmp_path).read_text()
     assert KEY not in written and "api_key = (set; not written)" in written
+    reread = load_config(tmp_path / "config.toml")  # the learner reads this copy: it loads without the key
+    assert reread.metrics.host == "0.0.0.0" and reread.metrics.api_key is None
     assert KEY not in config_to_toml(cfg) and KEY not in repr(cfg) and KEY not in str(cfg)
     with pytest.raises(ConfigError) as bad:
         load_config(None, ["metrics.api_key=[1, 2]", f"engine.extra_args=[{json.dumps(KEY)}, 5]"])

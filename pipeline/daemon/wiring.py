@@ -20,7 +20,7 @@ from learner import events
 from pipeline.actors.admission import AdmissionController
 from pipeline.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.actors.scheduler import GroupScheduler
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import Config, ConfigError, check_exposed_ports, load_config
 from pipeline.engine.protocol import SamplingParams
 from pipeline.run_dir import RunDir, is_model_dir
 from pipeline.transport.spool import SpoolWriter, spool_depth
@@ -48,6 +48,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     if ns.log_format is not None:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
+    check_exposed_ports(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:

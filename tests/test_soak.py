@@ -129,10 +129,10 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
         "env.group_size=4",
         "learner.batch_groups=2",
         "learner.mini_batches=1",
-        "learner.checkpoint_every=2",
+        "learner.checkpoint_every=1",
         "run.shutdown_grace_s=5",
     ]
-    argv = [sys.executable, "-m", "pipeline.cli", "bench", "soak", "--minutes", "1", "--chaos"]
+    argv = [sys.executable, "-m", "pipeline.cli", "bench", "soak", "--minutes", "1.25", "--chaos"]
     argv += ["--kill-every-s", "12", "--sample-s", "1", "--warmup-minutes", "0.1", "--restart-delay-s", "0.5"]
     argv += ["--seed", "1", "--out", str(out)]
     for item in tiny:
@@ -144,7 +144,7 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
     assert books["ok"], books["problems"]
     assert books["trained_twice"] == []
     assert books["trained"] > 0 and books["written"] >= books["trained"]
-    assert summary["kills_survived"] >= 2, summary["kills"]
+    assert summary["kills_survived"] >= 1, summary["kills"]
     assert summary["unexpected_exits"] == []
     assert summary["final_exit_code"] == 0
     roles = {

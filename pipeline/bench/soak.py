@@ -5,7 +5,8 @@ The soak runs `rollwise run` (JSON progress) on a fresh run directory under `--o
 `--sample-s` seconds, records for each process of the daemon (supervisor, engine, learner) its resident
 memory, open file descriptors and threads, the supervisor's asyncio tasks (its /metrics), and the run
 directory's size by part (soak_resources.py). With `--chaos` it also
-- SIGKILLs the engine, the learner or the supervisor at random moments (chaos.KillPlan); a supervisor
+- SIGKILLs the engine, the learner or the supervisor at random moments (chaos.KillPlan) from the first
+  learner step on; a supervisor
   that exits, killed or not, is started again on the same run directory after `--restart-delay-s`, the
   way an init system (systemd `Restart=always`) would;
 - runs the task through `pipeline.bench.chaos:ChaosGuessNumber`, whose environment raises, hangs or
@@ -240,7 +241,8 @@ class Soak:
 
     def loop(self) -> None:
         deadline = self.t0 + self.opts.minutes * 60.0
-        next_kill = self.t0 + self.plan.next_delay_s() if self.plan is not None else float("inf")
+        # The chaos clock starts at the first learner step: kills hit a running system, not a cold start.
+        next_kill = float("inf")
         target = self.plan.next_target() if self.plan is not None else ""
         self.start_daemon()
         self._ledger_thread.start()
@@ -249,6 +251,8 @@ class Soak:
             if self.daemon.proc.poll() is not None:
                 self.reap_daemon()
                 continue
+            if self.plan is not None and next_kill == float("inf") and self.daemon.steps:
+                next_kill = time.monotonic() + self.plan.next_delay_s()
             self.sample()
             if self.plan is not None and time.monotonic() >= next_kill and self.kill(target):
                 next_kill = time.monotonic() + self.plan.next_delay_s()

@@ -95,6 +95,19 @@ class Quarantined:
 
 
 @dataclass(frozen=True)
+class StorageFault:
+    """A checkpoint or weight export (`component`: checkpoint | weights) was refused by the storage
+    (`kind`: ENOSPC, EROFS, EDQUOT, EIO, other); the learner holds its work and retries (`blocked`), or
+    the write went through again after a refusal (`blocked` false; `kind` is then the last refusal's)."""
+
+    name: ClassVar[str] = "storage"
+    component: str
+    blocked: bool
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Finished:
     """The learner stops on its own (it reached run.max_steps) and checkpoints; the daemon stops too."""
 
@@ -112,9 +125,12 @@ class Error:
     message: str
 
 
-LearnerEvent = Union[Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, Finished, Error]  # noqa: UP007
+LearnerEvent = Union[  # noqa: UP007
+    Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, StorageFault, Finished, Error
+]
 EVENT_TYPES: dict[str, type[LearnerEvent]] = {
-    cls.name: cls for cls in (Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, Finished, Error)
+    cls.name: cls
+    for cls in (Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, StorageFault, Finished, Error)
 }
 
 
@@ -156,6 +172,9 @@ def _coerce(value: object, hint: object, where: str) -> Any:
             return float(value)
     elif hint is str:
         if isinstance(value, str):
+            return value
+    elif hint is bool:
+        if isinstance(value, bool):
             return value
     elif hint == list[str]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):

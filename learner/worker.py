@@ -11,6 +11,13 @@ Control (stdin): `{"cmd": "stop"}`, SIGTERM or SIGINT -> finish the current step
 EOF on stdin (the parent died) -> the same. At run.max_steps it sends `finished`, checkpoints and exits 0.
 A second learner on the same run directory waits on `learner.lock` until the first one has exited.
 
+A full or read-only run directory: a checkpoint or weight export the storage refuses
+(learner.durable.storage_fault_kind) is retried with a doubling delay (0.5 s to 10 s), each refusal
+reported as a `storage` event; training waits meanwhile (nothing is consumed, so the actors pause on
+their staleness bound), and a `storage` event with blocked=false says when it went through. A stop
+request while blocked gives up the write (the steps since the last checkpoint are redone on restart).
+Half-written files are never read: every write is staged under a temporary name and renamed.
+
 Retention: weights/v<k> for the last 3 published versions (older ones are deleted after the next
 publish); spool files are deleted once the *oldest retained* checkpoint has consumed them, so falling
 back to any checkpoint on disk still finds every group it has not trained on.
@@ -27,16 +34,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from learner import events
+from learner.durable import storage_fault_kind, storage_retry_delays
 from learner.groups import TrainGroup, token_staleness, triage_group
 from learner.schema import batch_to_segments
 from pipeline.config import Config, load_config
 from pipeline.run_dir import (
+    DROPPED_GROUPS_KEY,
     PUBLISHED_VERSION_KEY,
     RunDir,
     acquire_learner_lock,
@@ -48,6 +58,7 @@ from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import QuarantinedFile, SpoolItem
 
 log = logging.getLogger("rollwise.learner")
+T = TypeVar("T")
 
 POLL_INTERVAL_S = 0.05
 
@@ -121,6 +132,10 @@ def env_action_token_ids(cfg: Config, tokenizer: Any) -> list[int]:
     return action_token_ids(tokenizer, hints)
 
 
+class StorageGaveUp(Exception):
+    """A write the storage kept refusing was given up because the learner is stopping."""
+
+
 @dataclass
 class _Pending:
     """Groups taken since the last step: the ones to train and every seq/id consumed with them."""
@@ -128,6 +143,7 @@ class _Pending:
     items: list[tuple[SpoolItem, TrainGroup]] = field(default_factory=list)
     last_seq: int = 0
     consumed_ids: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)  # group_id -> reason, of consumed_ids
 
 
 class LearnerWorker:
@@ -146,6 +162,7 @@ class LearnerWorker:
         self.idle_s = 0.0
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
+        self.dropped_since_checkpoint: dict[str, str] = {}
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -281,6 +298,7 @@ class LearnerWorker:
         )
         if isinstance(verdict, str):
             self.drop(item.seq, item.group_id, verdict)
+            self.pending.dropped[item.group_id] = verdict
         else:
             self.pending.items.append((item, verdict))
 
@@ -295,8 +313,10 @@ class LearnerWorker:
             # Keeps the actors' admission count `accepted = v·B + unconsumed` true.
             for item, _ in pending.items:
                 self.drop(item.seq, item.group_id, "no_update")
+                pending.dropped[item.group_id] = "no_update"
         self.consumed_seq = pending.last_seq
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
+        self.dropped_since_checkpoint.update(pending.dropped)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
             self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
@@ -321,11 +341,47 @@ class LearnerWorker:
         self.idle_s = 0.0
 
     # ------------------------------------------------------------------ publishing and checkpoints
+    def durably(self, component: str, directory: Path, write: Callable[[], T]) -> T:
+        """`write()`, retried while the storage refuses it (module docstring); StorageGaveUp when a stop
+        is requested meanwhile. Errors that are not the storage's propagate at once."""
+        delays = storage_retry_delays()
+        refused: str | None = None
+        started = time.monotonic()
+        while True:
+            try:
+                result = write()
+            except Exception as exc:
+                kind = storage_fault_kind(exc, directory)
+                if kind is None:
+                    raise
+                if refused is None:
+                    log.error("%s write refused by the storage (%s): %s; retrying", component, kind, exc)
+                refused = kind
+                self.out.emit(events.StorageFault(component, blocked=True, kind=kind, message=str(exc)[:500]))
+                if self.stop.wait(next(delays)):
+                    raise StorageGaveUp(f"{component}: {kind}: {exc}") from exc
+                continue
+            if refused is not None:
+                waited = time.monotonic() - started
+                log.warning("%s written after %.1f s of refusals", component, waited)
+                message = f"written after {waited:.1f} s of refusals"
+                self.out.emit(events.StorageFault(component, blocked=False, kind=refused, message=message))
+            return result
+
     def publish(self, *, announce: bool = True) -> None:
         from learner.model import export_weights
 
         version = self.version
-        path = export_weights(self.trainer, self.tokenizer, self.run_dir.weights_of(version), version)
+        target = self.run_dir.weights_of(version)
+        try:
+            path = self.durably(
+                "weights",
+                target.parent,
+                lambda: export_weights(self.trainer, self.tokenizer, target, version),
+            )
+        except StorageGaveUp as exc:
+            log.error("version %d not published: %s", version, exc)
+            return
         self.last_published = version
         if announce:
             self.out.emit(events.Published(version=version, path=str(path)))
@@ -336,15 +392,28 @@ class LearnerWorker:
 
         started = time.monotonic()
         consumed = ConsumedState(last_seq=self.consumed_seq, group_ids=list(self.consumed_since_checkpoint))
-        path = save_checkpoint(
-            self.run_dir.checkpoints,
-            self.trainer,
-            consumed=consumed,
-            extra={PUBLISHED_VERSION_KEY: self.last_published},
-            keep=self.cfg.learner.keep_checkpoints,
-            tokenizer=self.tokenizer,
-        )
+        extra = {
+            PUBLISHED_VERSION_KEY: self.last_published,
+            DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
+        }
+        try:
+            path = self.durably(
+                "checkpoint",
+                self.run_dir.checkpoints,
+                lambda: save_checkpoint(
+                    self.run_dir.checkpoints,
+                    self.trainer,
+                    consumed=consumed,
+                    extra=extra,
+                    keep=self.cfg.learner.keep_checkpoints,
+                    tokenizer=self.tokenizer,
+                ),
+            )
+        except StorageGaveUp as exc:
+            log.error("step %d not checkpointed (it is redone on restart): %s", self.trainer.steps, exc)
+            return
         self.consumed_since_checkpoint = []
+        self.dropped_since_checkpoint = {}
         self.last_checkpoint_step = self.trainer.steps
         self.checkpoint_seqs.append(self.consumed_seq)
         self.out.emit(
@@ -357,7 +426,10 @@ class LearnerWorker:
         )
         if len(self.checkpoint_seqs) == self.checkpoint_seqs.maxlen:
             # The oldest checkpoint kept on disk has consumed these; nothing can need them again.
-            self.reader.prune(self.checkpoint_seqs[0])
+            try:
+                self.reader.prune(self.checkpoint_seqs[0])
+            except OSError as exc:  # the next checkpoint prunes them (retention.json is written first)
+                log.error("pruning consumed spool files failed: %s", exc)
 
     def checkpoint_if_needed(self) -> None:
         if self.trainer.steps > self.last_checkpoint_step:

@@ -39,6 +39,7 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "groups/s and MB/s through Arrow Flight vs the local spool reader",
     ),
+    ("bench", "soak"): ("pipeline.bench.soak", "main", "hours of the default task: resources, chaos, books"),
     ("report",): (
         "pipeline.observability.report",
         "main",
@@ -107,12 +108,27 @@ def _config_show(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _unknown_subcommand(argv: Sequence[str]) -> str | None:
+    """`rollwise GROUP WORD ...` where GROUP has subcommands and WORD is none of them (argparse would
+    print the group's help for `GROUP WORD --help` and exit 0): the message naming WORD, else None."""
+    if len(argv) < 2 or argv[1].startswith("-"):
+        return None
+    known = [w[1] for w in _DELEGATES if len(w) == 2 and w[0] == argv[0]]
+    if known and argv[1] not in known:
+        return f"unknown {argv[0]} command {argv[1]!r}; known: {', '.join(known)}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     delegate = _find_delegate(args)
     if delegate is not None:
         fn, rest = delegate
         return int(fn(rest) or 0)
+    unknown = _unknown_subcommand(args)
+    if unknown is not None:
+        print(f"rollwise: {unknown}", file=sys.stderr)
+        return 2
 
     parser = _build_parser()
     ns = parser.parse_args(args)

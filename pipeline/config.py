@@ -6,12 +6,14 @@ anything starts; an unknown key or a bad value raises ConfigError naming the dot
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -54,7 +56,13 @@ class EngineConfig(_Section):
     mem_fraction_static: float = Field(0.8, gt=0, le=1, description="SGLang --mem-fraction-static.")
     tp: int = Field(1, ge=1, description="SGLang tensor parallel size.")
     dp: int = Field(1, ge=1, description="SGLang data parallel size.")
-    api_key: str | None = Field(None, description="Bearer token for the engines' HTTP API.")
+    api_key: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_ENGINE_API_KEY"),
+        description=(
+            "Bearer token for the engines' HTTP API (default: $ROLLWISE_ENGINE_API_KEY); required when "
+            "engine.host is not loopback. Never written to the run directory or logged."
+        ),
+    )
     extra_args: list[str] = Field(default_factory=list, description="Extra launch_server flags (sglang).")
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one /generate call.")
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
@@ -360,8 +368,12 @@ class TransportConfig(_Section):
     )
     flight_host: str = Field("127.0.0.1", description="Bind address of the Flight service.")
     flight_port: int = Field(8815, ge=0, le=65535, description="Port of the Flight service (0 = pick).")
-    token: str | None = Field(
-        None, description="Bearer token the Flight service requires (needed when bound beyond loopback)."
+    token: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_TRANSPORT_TOKEN"),
+        description=(
+            "Bearer token the Flight service requires (default: $ROLLWISE_TRANSPORT_TOKEN); required when "
+            "transport.flight_host is not loopback. Never written or logged."
+        ),
     )
     poll_wait_s: float = Field(
         1.0, gt=0, le=30, description="How long one Flight read waits on the server for a new group."
@@ -373,8 +385,12 @@ class AdminConfig(_Section):
         "127.0.0.1", description="Bind address of the admin endpoint (engines list/add/drain, weights)."
     )
     port: int = Field(9401, ge=0, le=65535, description="Port of the admin endpoint (0 = pick).")
-    token: str | None = Field(
-        None, description="Bearer token of the admin endpoint; required when host is not a loopback address."
+    token: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_ADMIN_TOKEN"),
+        description=(
+            "Bearer token of the admin endpoint (default: $ROLLWISE_ADMIN_TOKEN); required when admin.host "
+            "is not loopback. Never written or logged."
+        ),
     )
     advertise_url: str | None = Field(
         None,
@@ -384,23 +400,36 @@ class AdminConfig(_Section):
         ),
     )
 
-    @model_validator(mode="after")
-    def _token_beyond_loopback(self) -> AdminConfig:
-        if not _is_loopback(self.host) and not self.token:
-            raise ValueError(
-                f"admin.token must be set when admin.host = {self.host!r} is not a loopback address: the "
-                "endpoint adds and drains engines and serves the weights"
-            )
-        return self
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
 
 class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address of /metrics, /healthz, /readyz.")
     port: int = Field(9400, ge=0, le=65535, description="Port of the supervisor's HTTP endpoint (0 = pick).")
+    api_key: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_METRICS_API_KEY"),
+        description=(
+            "Bearer token /metrics (and every route but /healthz, /readyz) requires (default: "
+            "$ROLLWISE_METRICS_API_KEY); required when metrics.host is not loopback. Never written or logged."
+        ),
+    )
+
+
+def reveal(secret: SecretStr | None) -> str | None:
+    """The plain value of an API key setting, for the one place that sends it."""
+    return secret.get_secret_value() if secret is not None else None
+
+
+def _secret_from_env(name: str) -> SecretStr | None:
+    value = os.environ.get(name)
+    return SecretStr(value) if value else None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Config(_Section):
@@ -443,7 +472,7 @@ class Config(_Section):
 
     def _fleet_rules(self) -> None:
         """Router, weight transport and Flight settings that only make sense together."""
-        e, t = self.engine, self.transport
+        e = self.engine
         if e.fetch_urls and (e.weight_transport != "http" or e.kind != "external"):
             raise ValueError("engine.fetch_urls needs engine.weight_transport = 'http' and kind = 'external'")
         if e.fetch_urls and len(e.fetch_urls) != len(e.urls):
@@ -453,11 +482,6 @@ class Config(_Section):
                 "engine.weight_transport = 'http' needs engines with a fetcher: kind = 'embedded', or "
                 "'external' with engine.fetch_urls (SGLang engines rollwise starts share its disk)"
             )
-        if t.kind == "flight" and not _is_loopback(t.flight_host) and not t.token:
-            raise ValueError(
-                f"transport.token must be set when transport.flight_host = {t.flight_host!r} is not a "
-                "loopback address: the Flight service hands out every trajectory"
-            )
         url = self.learner.spool_url
         if url is not None and not url.startswith(("grpc://", "grpc+tcp://")):
             raise ValueError(f"learner.spool_url must be grpc://host:port, got {url!r}")
@@ -465,6 +489,36 @@ class Config(_Section):
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
+
+
+def check_exposed_ports(cfg: Config) -> None:
+    """A port beyond loopback is open to whoever reaches it (a shared cluster): it needs an API key.
+    Raises ConfigError naming the key. Checked where the ports are opened (`rollwise run`), not on every
+    load: the run directory's config.toml never holds the keys, and the learner reads it."""
+    engine, exposed = cfg.engine, cfg.metrics
+    if engine.kind != "external" and not _is_loopback(engine.host) and engine.api_key is None:
+        raise ConfigError(
+            f"engine.api_key is required: engine.host = {engine.host!r} is not a loopback address "
+            "(set ROLLWISE_ENGINE_API_KEY, or bind 127.0.0.1)"
+        )
+    if not _is_loopback(exposed.host) and exposed.api_key is None:
+        raise ConfigError(
+            f"metrics.api_key is required: metrics.host = {exposed.host!r} is not a loopback address "
+            "(set ROLLWISE_METRICS_API_KEY, or bind 127.0.0.1)"
+        )
+    if not _is_loopback(cfg.admin.host) and cfg.admin.token is None:
+        raise ConfigError(
+            f"admin.token is required: admin.host = {cfg.admin.host!r} is not a loopback address and the "
+            "endpoint adds and drains engines and serves the weights (set ROLLWISE_ADMIN_TOKEN, or bind "
+            "127.0.0.1)"
+        )
+    t = cfg.transport
+    if t.kind == "flight" and not _is_loopback(t.flight_host) and t.token is None:
+        raise ConfigError(
+            f"transport.token is required: transport.flight_host = {t.flight_host!r} is not a loopback "
+            "address and the Flight service hands out every trajectory (set ROLLWISE_TRANSPORT_TOKEN, or "
+            "bind 127.0.0.1)"
+        )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
@@ -494,7 +548,8 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         key = key.replace("async_", "async")
-        lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if "input" in e and e["loc"] else ""))
+        shown = "input" in e and e["loc"] and "api_key" not in key  # a key never appears in a message
+        lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if shown else ""))
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
@@ -541,6 +596,9 @@ def _section_to_toml(name: str, model: BaseModel, out: list[str]) -> None:
         doc = fields[key].description
         if doc:
             out.append(f"# {doc}")
+        if isinstance(child, SecretStr):  # the resolved config is a file in the run dir: no secrets there
+            out.append(f"# {key} = (set; not written)")
+            continue
         out.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
     out.append("")
     for key, child in nested:

@@ -33,6 +33,9 @@ LATEST_CHECKPOINT = "latest"
 CHECKPOINT_STATE = "state.json"
 # The key of state.json's "extra" under which the learner records the newest version it published.
 PUBLISHED_VERSION_KEY = "published_version"
+# ... and the groups it consumed since the previous checkpoint without training them: {group_id: reason}.
+# With `consumed.group_ids` it makes the checkpoint chain a ledger: trained = consumed - dropped.
+DROPPED_GROUPS_KEY = "dropped_groups"
 _WEIGHTS_DIR = re.compile(r"^v(\d+)$")
 _STEP_DIR = re.compile(r"^step(\d+)$")
 

@@ -426,10 +426,13 @@ async def test_context_length_limits_prompt_and_generation(
         url = server.url + "/generate"
         status, obj = await post(http, url, gen_body(list(range(1, 25)), max_new_tokens=4))
         assert status == 400 and "context length" in obj["error"]["message"]
-        status, obj = await post(http, url, gen_body(list(range(1, 21)), max_new_tokens=50))
+        status, obj = await post(http, url, gen_body(list(range(1, 21)), max_new_tokens=24))
         assert status == 200
         assert len(obj["output_ids"]) == 4
         assert obj["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+        # max_new_tokens beyond the cap (default: the context length) is refused outright
+        status, obj = await post(http, url, gen_body([1, 2], max_new_tokens=25))
+        assert status == 400 and "exceeds this engine's cap of 24" in obj["error"]["message"]
 
 
 async def test_scheduler_stops_on_eos_unless_ignore_eos(model_dirs: tuple[Path, Path]) -> None:

@@ -726,6 +726,26 @@ async def test_abort_all_request_body(fake: FakeSGLang, client: EngineClient) ->
         await client.abort_request("r", abort_all=True)
 
 
+async def test_a_generate_past_its_request_timeout_is_aborted_on_the_server(fake: FakeSGLang) -> None:
+    fake.token_delay_s = 0.01
+    async with EngineClient(fake.base_url, retries=0, request_timeout_s=0.2) as slow:
+        with pytest.raises(EngineUnavailable, match="no complete reply"):
+            await slow.generate([1, 2], SamplingParams(max_new_tokens=1000), "late")
+        await fake.wait_idle(5.0)
+    assert fake.running_rids == []
+    assert [r.json() for r in fake.requests if r.path == "/abort_request"] == [{"rid": "late"}]
+
+
+async def test_fake_abort_request_rejects_fields_of_the_wrong_type(fake: FakeSGLang) -> None:
+    # SGLang's AbortReq: rid (str | list[str] | None), abort_all (bool), finished_reason, abort_message.
+    async with aiohttp.ClientSession() as http:
+        for body in ({"rid": 5}, {"abort_all": "yes"}, {"rid": ["a", 1]}):
+            async with http.post(fake.base_url + "/abort_request", json=body) as r:
+                assert r.status == 400, body
+        async with http.post(fake.base_url + "/abort_request", json={"rid": "nobody"}) as r:
+            assert r.status == 200  # an unknown rid is a no-op, as in SGLang
+
+
 async def test_flush_cache_returns_plain_text_and_fails_while_requests_run(
     fake: FakeSGLang, client: EngineClient
 ) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.flight as flight
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import ConfigError, check_exposed_ports, load_config
 from pipeline.transport.flight import FlightSpoolReader, SpoolFlightService
 from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import SpoolReader, SpoolWriter, spool_name
@@ -147,5 +147,5 @@ def test_learner_spool_url_selects_the_flight_reader(tmp_path: Path) -> None:
     assert isinstance(remote, FlightSpoolReader) and remote.after_seq == 7
     with pytest.raises(ValueError, match=r"learner\.spool_url"):
         load_config(None, ['learner.spool_url="http://x:1"'])
-    with pytest.raises(ValueError, match=r"transport\.token"):
-        load_config(None, ['transport.kind="flight"', 'transport.flight_host="0.0.0.0"'])
+    with pytest.raises(ConfigError, match=r"transport\.token"):
+        check_exposed_ports(load_config(None, ['transport.kind="flight"', 'transport.flight_host="0.0.0.0"']))

@@ -139,6 +139,7 @@ def test_every_event_survives_encode_and_decode() -> None:
         events.Published(version=1, path="/r/weights/v1"),
         events.CheckpointSaved(step=1, path="/r/checkpoints/step1", consumed_seq=2, seconds=0.5),
         events.Quarantined(seq=7, file="g7.arrow", kind="unreadable", reason="not arrow"),
+        events.StorageFault(component="checkpoint", blocked=True, kind="ENOSPC", message="disk full"),
         events.Finished(step=3, reason="run.max_steps = 3"),
         events.Error(message="boom"),
     ]

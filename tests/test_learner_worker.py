@@ -259,6 +259,13 @@ def test_worker_trains_publishes_checkpoints_and_drops(
     assert latest is not None
     assert (latest.step, latest.consumed.last_seq) == (3, 9)
     assert latest.consumed.group_ids == ["old", "lonely", "flat-a", "flat-b"]
+    # the ledger: of the groups consumed since the previous checkpoint, which were dropped and why
+    assert latest.extra["dropped_groups"] == {
+        "old": "stale",
+        "lonely": "too_few_members",
+        "flat-a": "no_update",
+        "flat-b": "no_update",
+    }
     # retention: the oldest kept checkpoint (step 2) consumed seqs 1..4, so their files are gone
     assert sorted(p.name for p in (run_dir / "spool").glob("*.arrow")) == [
         spool_name(s) for s in (5, 6, 8, 9)

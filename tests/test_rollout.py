@@ -352,6 +352,25 @@ async def test_episode_timeout_ends_the_episode_as_timeout(
     assert all(validate_segment(r) is None for r in result.rows)
 
 
+async def test_an_episode_that_times_out_mid_generation_aborts_its_engine_request(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    # A long generation (1000 tokens, 10 ms each) cut by the episode timeout: the server must be told to
+    # stop decoding that rid, not left to finish ten seconds of work for nobody.
+    fake.script = scripted({"ep-t0": Plan(list(range(10, 1010)), finish="length")})
+    fake.token_delay_s = 0.01
+    env = ScriptedEnv(["higher"], episode_timeout_s=0.3)
+    aborts_before = REGISTRY.get_sample_value("rollwise_engine_aborts_total", {"reason": "cancelled"}) or 0.0
+    result = await play(pool, tok, env, settings(tok, max_new_tokens=1000))
+    assert result.finish_reason == "timeout"
+    await fake.wait_idle(5.0)
+    assert fake.running_rids == [], "the engine still decodes the timed-out episode's request"
+    aborts = [r.json() for r in fake.requests if r.path == "/abort_request"]
+    assert aborts == [{"rid": "ep-t0"}]
+    after = REGISTRY.get_sample_value("rollwise_engine_aborts_total", {"reason": "cancelled"})
+    assert after == aborts_before + 1
+
+
 async def test_env_raising_gives_env_error_and_close_is_awaited(
     fake: FakeSGLang, pool: EnginePool, tok: Any
 ) -> None:

@@ -294,18 +294,20 @@ async def test_group_ids_differ_between_scheduler_instances(pool: EnginePool, tm
 
 
 class _BlockingSpool(SpoolWriter):
-    """A spool whose writes wait for `release` (a slow disk) or fail when `fail` is set."""
+    """A spool whose writes wait for `release` (a slow disk) or fail with `fail` while it is set."""
 
     def __init__(self, spool_dir: Path) -> None:
         super().__init__(spool_dir)
         self.release = threading.Event()
         self.entered = threading.Event()
-        self.fail = False
+        self.fail: Exception | None = None
+        self.refused = 0
 
     def write_group(self, batch: pa.RecordBatch, *, group_id: str) -> SpoolEntry:
         self.entered.set()
-        if self.fail:
-            raise OSError(28, "No space left on device")
+        if self.fail is not None:
+            self.refused += 1
+            raise self.fail
         self.release.wait(timeout=10)
         return super().write_group(batch, group_id=group_id)
 
@@ -329,10 +331,73 @@ async def test_group_cancelled_during_its_write_is_still_written_and_counted(
     assert [i.group_id for i in SpoolReader(tmp_path, after_seq=0).poll()] == ["test-g000001"]
 
 
+def _storage_errors(kind: str) -> float:
+    sample = metrics.REGISTRY.get_sample_value(
+        "rollwise_storage_errors_total", {"component": "spool", "kind": kind}
+    )
+    return sample or 0.0
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [(OSError(28, "No space left on device"), "ENOSPC"), (OSError(30, "Read-only file system"), "EROFS")],
+)
+async def test_a_write_the_storage_refuses_holds_the_group_pauses_admission_and_resumes(
+    pool: EnginePool, tmp_path: Path, error: OSError, kind: str
+) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=100, eta=0, max_concurrent=2)
+    sched.storage_retry_s = (0.01, 0.05)
+    notes: list[str] = []
+    sched.notify = notes.append
+    spool = _BlockingSpool(tmp_path)
+    spool.fail = error
+    spool.release.set()
+    sched.spool = spool
+    before = _storage_errors(kind)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: spool.refused >= 6)
+    # Both running groups finished and wait for the disk; nothing new starts meanwhile.
+    assert sched.storage_blocked_since is not None and sched.capacity() == 0
+    started = sched.started
+    await _settle()
+    assert sched.started == started <= 2 and sched.written == 0 and sched.failed == 0
+    assert metrics.REGISTRY.get_sample_value("rollwise_storage_blocked", {"component": "spool"}) == 1.0
+    assert _storage_errors(kind) - before == spool.refused
+    assert len(notes) == 1 and kind in notes[0] and "paused" in notes[0]
+    spool.fail = None  # space returns
+    await until(lambda: sched.written >= started + 2)
+    assert sched.storage_blocked_since is None and sched.failed == 0
+    assert metrics.REGISTRY.get_sample_value("rollwise_storage_blocked", {"component": "spool"}) == 0.0
+    assert "writable again" in notes[-1]
+    stop.set()
+    await runner
+    await sched.drain(5.0)
+    seqs = [i.seq for i in SpoolReader(tmp_path, after_seq=0).poll()]
+    assert seqs == list(range(1, sched.written + 1))  # every finished group, in order, none lost
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+async def test_drain_gives_up_a_write_the_storage_keeps_refusing(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
+    sched.storage_retry_s = (0.01, 0.05)
+    spool = _BlockingSpool(tmp_path)
+    spool.fail = OSError(28, "No space left on device")
+    sched.spool = spool
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: spool.refused >= 2)
+    stop.set()
+    await runner
+    await asyncio.wait_for(sched.drain(0.2), 5.0)
+    assert (sched.written, sched.failed, sched.running) == (0, 1, 0)
+
+
 async def test_failed_write_loses_the_group_and_frees_its_slot(pool: EnginePool, tmp_path: Path) -> None:
+    # A failure that is not the storage's (here a bug in the writer) is not retried.
     sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
     spool = _BlockingSpool(tmp_path)
-    spool.fail = True
+    spool.fail = RuntimeError("a bug, not a full disk")
     sched.spool = spool
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))

@@ -389,3 +389,43 @@ async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
     assert scheduler.version == 24
     assert scheduler.accepted == 22 * 2 - 1  # v·B, nothing unconsumed in the spool, one drop
     await sup.engines.pool.close()
+
+
+class _VersionLog:
+    """The scheduler's side of a weight sync: which versions it was told the engines serve."""
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    def on_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+async def test_a_learner_restarted_alone_takes_the_engines_back_to_its_checkpointed_version(
+    tmp_path: Path,
+) -> None:
+    from pipeline.daemon.supervisor import Supervisor
+    from tests.fakes.sglang_fake import FakeSGLang
+
+    fake = FakeSGLang()
+    await fake.start()
+    overrides = ['engine.kind="external"', f'engine.urls=["{fake.base_url}"]', "metrics.port=0"]
+    sup = Supervisor(
+        resolve_config(_ns(run_dir=str(tmp_path / "run"), log_format="json", set=overrides)),
+        progress_out=io.StringIO(),
+    )
+    sup.scheduler = _VersionLog()  # type: ignore[assignment]
+    try:
+        for v in (1, 2, 3, 4):
+            await sup.on_learner_event(events.Published(version=v, path=f"/run/weights/v{v}"))
+        # The learner dies after its checkpoint at version 2; the restarted one resumes there and trains
+        # the groups after it again, re-publishing version 3 with new weights.
+        await sup.on_learner_event(events.Ready(version=2, step=2, consumed_seq=8, path="/run/weights/v2"))
+        await sup.on_learner_event(events.Published(version=3, path="/run/weights/v3"))
+    finally:
+        await sup.engines.pool.close()
+        await fake.stop()
+    assert [c["weight_version"] for c in fake.update_calls] == ["1", "2", "3", "4", "2", "3"]
+    assert fake.update_calls[-2]["model_path"] == "/run/weights/v2"
+    assert sup.version == 3
+    assert sup.scheduler.versions == [1, 2, 3, 4, 2, 3]  # type: ignore[attr-defined]

@@ -34,6 +34,13 @@ Decisions:
   (written, not yet trained) is a different gauge: rollwise_spool_depth_groups.
 - A group being written when drain cancels it finishes its write (the write is shielded): a group is
   either fully durable and counted, or lost before its write started; never half-written.
+- A write the storage refuses (the run directory is full or read-only: learner.durable.storage_fault_kind)
+  is retried with a doubling delay (0.5 s to 10 s) while the finished group waits in memory, and no new
+  group is admitted until a write succeeds again (`storage_blocked`): production pauses, nothing finished
+  is lost, and the daemon goes on by itself when space returns. Each refused write counts in
+  rollwise_storage_errors_total{component="spool"}; rollwise_storage_blocked{component="spool"} is 1
+  meanwhile, and `notify` gets one line when the outage starts and one when it ends. Drain gives such
+  writes the grace period, then gives up on them (logged as lost: the run directory never took them).
 """
 
 from __future__ import annotations
@@ -43,10 +50,13 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import pyarrow as pa
+
 from envs.api import EnvFactory, Task
+from learner.durable import storage_fault_kind, storage_retry_delays
 from pipeline.actors.admission import AdmissionController
 from pipeline.actors.chat import ChatTokenizer
 from pipeline.actors.rollout import GenerateEngine, RolloutSettings, run_group
@@ -76,6 +86,8 @@ class GroupScheduler:
         initial_accepted: int = 0,
         run_prefix: str | None = None,
         failure_backoff_s: tuple[float, float] = (0.05, 2.0),
+        notify: Callable[[str], None] | None = None,
+        storage_retry_s: tuple[float, float] = (0.5, 10.0),
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -100,6 +112,9 @@ class GroupScheduler:
         self.failure_backoff_s = failure_backoff_s
         self._failure_streak = 0
         self._resume_at = 0.0
+        self.notify = notify or (lambda text: None)
+        self.storage_retry_s = storage_retry_s
+        self.storage_blocked_since: float | None = None  # monotonic time the spool stopped taking writes
         # Observability (plain attributes, read by the supervisor and the bench).
         self.started = 0
         self.written = 0
@@ -126,6 +141,8 @@ class GroupScheduler:
         return self._running * self.group_size
 
     def capacity(self) -> int:
+        if self.storage_blocked_since is not None:
+            return 0  # finished groups wait for the spool; starting more would only add to them
         return self.admission.capacity(self.version, self._accepted, self._running)
 
     @property
@@ -232,7 +249,7 @@ class GroupScheduler:
             self.episodes_finished += len(outcome.episodes)
             self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
             batch = outcome.to_record_batch()
-            write = asyncio.ensure_future(asyncio.to_thread(self.spool.write_group, batch, group_id=group_id))
+            write = asyncio.ensure_future(self._write_durably(batch, group_id))
             self._writes.add(write)
             write.add_done_callback(lambda fut: self._write_done(fut, group_id))
             slot_owned_by_write = True
@@ -250,6 +267,38 @@ class GroupScheduler:
             if not slot_owned_by_write:
                 self._running -= 1
                 self._wake.set()
+
+    async def _write_durably(self, batch: pa.RecordBatch, group_id: str) -> SpoolEntry:
+        """Write the group, retrying while the storage refuses it (module docstring)."""
+        delays = storage_retry_delays(*self.storage_retry_s)
+        while True:
+            try:
+                entry = await asyncio.to_thread(self.spool.write_group, batch, group_id=group_id)
+            except Exception as exc:
+                kind = storage_fault_kind(exc, self.spool.spool_dir)
+                if kind is None:
+                    raise
+                metrics.STORAGE_ERRORS.labels(component="spool", kind=kind).inc()
+                if self.storage_blocked_since is None:
+                    self.storage_blocked_since = time.monotonic()
+                    metrics.STORAGE_BLOCKED.labels(component="spool").set(1)
+                    text = (
+                        f"spool write refused ({kind}: {exc}); finished groups wait in memory and "
+                        f"admission is paused until {self.spool.spool_dir} takes writes again"
+                    )
+                    log.error("%s", text)
+                    self.notify(text)
+                await asyncio.sleep(next(delays))
+                continue
+            if self.storage_blocked_since is not None:
+                blocked_s = time.monotonic() - self.storage_blocked_since
+                self.storage_blocked_since = None
+                metrics.STORAGE_BLOCKED.labels(component="spool").set(0)
+                text = f"spool writable again after {blocked_s:.1f} s; admission resumes"
+                log.warning("%s", text)
+                self.notify(text)
+                self._wake.set()
+            return entry
 
     def _note_outcome(self, group_id: str, any_trainable: bool) -> None:
         """Back off admission while whole groups fail (an engine down, a broken environment): they
@@ -291,7 +340,8 @@ class GroupScheduler:
     # ------------------------------------------------------------------ shutdown
     async def drain(self, grace_s: float) -> tuple[int, int]:
         """Stop admitting; give running groups `grace_s` seconds, then cancel the rest. Pending writes
-        always complete. Returns (groups finished during the drain, groups cancelled)."""
+        complete (a write the storage keeps refusing gets `grace_s` more, then is given up). Returns
+        (groups finished during the drain, groups cancelled)."""
         self._draining = True
         self._wake.set()
         self._publish_queued()
@@ -304,5 +354,17 @@ class GroupScheduler:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         if self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
+            # A write the storage keeps refusing would hold the shutdown forever: it gets the grace too.
+            writes = list(self._writes)
+            _, stuck = await asyncio.wait(writes, timeout=grace_s)
+            if stuck and self.storage_blocked_since is not None:
+                for w in stuck:
+                    w.cancel()
+                log.error(
+                    "%d finished group(s) lost at shutdown: the spool refused their writes for the whole "
+                    "grace period (%.0f s)",
+                    len(stuck),
+                    grace_s,
+                )
+            await asyncio.gather(*writes, return_exceptions=True)
         return self.written - written_before, self.cancelled - cancelled_before

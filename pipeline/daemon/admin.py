@@ -8,56 +8,43 @@
     GET  /weights/v<n>/manifest   published weights for fetchers (pipeline.transport.weights_http)
     GET  /weights/v<n>/files/<f>
 
-Security: with `admin.token` set every route needs `Authorization: Bearer <token>` (compared in
-constant time); the config refuses a non-loopback `admin.host` without one, because these routes
-change the fleet and hand out the policy's weights. Errors are JSON `{"error": "..."}` with 400
-(bad request), 401 (token), 404 (unknown engine), 409 (conflicting state) or 502 (engine unreachable).
+Security: with `admin.token` ($ROLLWISE_ADMIN_TOKEN) set, every route needs `Authorization: Bearer
+<token>` (pipeline.http_guard: constant-time compare, body and idle limits); `rollwise run` refuses a
+non-loopback `admin.host` without one, because these routes change the fleet and hand out the policy's
+weights. Errors are JSON with 400 (bad request), 401 (token), 404 (unknown engine), 409 (conflicting
+state), 413 (body too large) or 502 (engine unreachable).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from pipeline.daemon.fleet_membership import FleetMembership, MembershipError
+from pipeline.http_guard import BadBody, DoorLimits, api_key_middleware, read_json, runner_options
 from pipeline.transport.weights_http import WeightServer
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TOKEN_ENV = "ROLLWISE_ADMIN_TOKEN"
-MAX_BODY_BYTES = 64 * 1024
+# Bodies are a URL or two; the limits of every rollwise door (pipeline.http_guard) otherwise.
+ADMIN_LIMITS = DoorLimits(max_body_bytes=64 * 1024)
 
 
 def _error(message: str, status: int) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _token_middleware(token: str) -> Any:
-    expected = f"Bearer {token}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return _error("missing or wrong admin token (Authorization: Bearer ...)", 401)
-        return await handler(request)
-
-    return check
-
-
 async def _body(request: web.Request, *keys: str) -> dict[str, Any]:
     try:
-        body = await request.json()
-    except ValueError as exc:
-        raise MembershipError(f"body is not JSON: {exc}", 400) from None
+        body = await read_json(request, ADMIN_LIMITS)
+    except BadBody as exc:
+        raise MembershipError(str(exc), exc.status) from None
     if not isinstance(body, dict) or any(not isinstance(body.get(k), str) for k in keys):
         raise MembershipError(f"body must be a JSON object with string field(s) {list(keys)}", 400)
     return body
@@ -65,7 +52,8 @@ async def _body(request: web.Request, *keys: str) -> dict[str, Any]:
 
 def make_admin_app(membership: FleetMembership, weights: WeightServer, token: str | None) -> web.Application:
     app = web.Application(
-        middlewares=[_token_middleware(token)] if token else [], client_max_size=MAX_BODY_BYTES
+        middlewares=[api_key_middleware(token, frozenset())] if token else [],
+        client_max_size=ADMIN_LIMITS.max_body_bytes,
     )
 
     async def list_engines(request: web.Request) -> web.Response:
@@ -112,7 +100,7 @@ class AdminEndpoint:
     def __init__(self, host: str, port: int, app: web.Application) -> None:
         self.host = host
         self.port = port
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, **runner_options(ADMIN_LIMITS))
 
     async def start(self) -> None:
         await self._runner.setup()

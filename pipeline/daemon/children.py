@@ -36,6 +36,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line as it may be logged: the value after any --*key* / --*token* flag is masked."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        previous = argv[i - 1] if i else ""
+        secret = previous.startswith("--") and ("key" in previous or "token" in previous)
+        if (
+            arg.startswith("--")
+            and "=" in arg
+            and ("key" in arg.split("=")[0] or "token" in arg.split("=")[0])
+        ):
+            arg = arg.split("=")[0] + "=***"
+        out.append("***" if secret else arg)
+    return out
+
+
 @dataclass(frozen=True)
 class ChildSpec:
     """How to run one child. `events` = read stdout as JSON lines (the learner); `stdin` = keep a pipe
@@ -44,7 +60,7 @@ class ChildSpec:
     name: str
     argv: list[str]
     log_path: Path
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # may hold an API key
     events: bool = False
     stdin: bool = False
 
@@ -91,7 +107,8 @@ class Child:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Appending to a local log file is not worth a thread hop.
         self._log_file = open(self.spec.log_path, "a", buffering=1)  # noqa: SIM115, ASYNC230
-        self._log_file.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {' '.join(self.spec.argv)}\n")
+        argv = " ".join(redact_argv(self.spec.argv))
+        self._log_file.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} start: {argv}\n")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.spec.env}
         self.proc = await asyncio.create_subprocess_exec(
             *self.spec.argv,

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pipeline.config import Config
+from pipeline.config import Config, reveal
 from pipeline.daemon.children import Child, ChildSpec, keep_running
 from pipeline.engine.client import EngineClient
 from pipeline.engine.launch import EngineSlot, engine_child_spec, free_port, plan_engines
@@ -86,7 +86,7 @@ class EngineFleet:
 
     def make_client(self, url: str) -> EngineClient:
         e = self.cfg.engine
-        return EngineClient(url, api_key=e.api_key, request_timeout_s=e.request_timeout_s)
+        return EngineClient(url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s)
 
     async def start(self) -> None:
         """Start the managed engines and wait until every engine, external ones included, answers
@@ -209,7 +209,7 @@ class EngineFleet:
                 policy=e.router_policy,
                 request_timeout_s=e.request_timeout_s,
                 prometheus_port=self._router_prometheus_port,
-                api_key=e.api_key,
+                api_key=reveal(e.api_key),
                 extra_args=e.router_args,
             ),
             log_path=self.run_dir.log_file("router"),

@@ -20,15 +20,21 @@ from pipeline.run_dir import RunDir
 log = logging.getLogger("rollwise.learner_child")
 
 MAX_FAILED_STARTS = 3
+TRANSPORT_TOKEN_ENV = "ROLLWISE_TRANSPORT_TOKEN"  # pipeline.config reads it as transport.token
 
 
-def learner_child_spec(run: RunDir, threads: int) -> ChildSpec:
+def learner_child_spec(run: RunDir, threads: int, *, transport_token: str | None = None) -> ChildSpec:
+    """The learner's command line. `transport_token` (a Flight reader's key) travels in the environment:
+    the run directory's config.toml never holds secrets, and argv shows in /proc/<pid>/cmdline."""
     argv = ["--config", str(run.config_file), "--run-dir", str(run.root)]
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if transport_token:
+        env[TRANSPORT_TOKEN_ENV] = transport_token
     return ChildSpec(
         name="learner",
         argv=[sys.executable, "-m", "learner.worker", *argv],
         log_path=run.log_file("learner"),
-        env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+        env=env,
         events=True,
         stdin=True,
     )

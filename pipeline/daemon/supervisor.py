@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,9 +29,10 @@ from typing import Any, TypeVar
 
 from envs.api import Environment
 from learner import events
+from learner.durable import storage_fault_kind
 from pipeline.actors.rollout import ENGINE_LABEL
 from pipeline.actors.scheduler import GroupScheduler
-from pipeline.config import ConfigError, write_resolved
+from pipeline.config import ConfigError, reveal, write_resolved
 from pipeline.daemon.admin import AdminEndpoint, make_admin_app
 from pipeline.daemon.engine_fleet import EngineFleet
 from pipeline.daemon.fleet_membership import FleetMembership, scaled_concurrency
@@ -67,7 +69,9 @@ class Supervisor:
         self.stopping = asyncio.Event()  # set once: stop admitting, drain, stop children, exit
         self.fatal: str | None = None  # why the run cannot go on (then exit code 1)
         self.learner = LearnerChild(
-            learner_child_spec(self.run_dir, cfg.learner.threads),
+            learner_child_spec(
+                self.run_dir, cfg.learner.threads, transport_token=reveal(cfg.transport.token)
+            ),
             stopping=self.stopping,
             on_event=self.on_learner_event,
             fail=self.fail,
@@ -76,7 +80,9 @@ class Supervisor:
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
         )
-        self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
+        self.endpoints = HttpEndpoints(
+            cfg.metrics.host, cfg.metrics.port, self.not_ready, api_key=reveal(cfg.metrics.api_key)
+        )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
         self.membership = FleetMembership(
             self.engines, self.publish_lock, lambda: self.version, self.on_fleet_capacity
@@ -84,7 +90,7 @@ class Supervisor:
         self.admin = AdminEndpoint(
             cfg.admin.host,
             cfg.admin.port,
-            make_admin_app(self.membership, WeightServer(self.run_dir.weights_of), cfg.admin.token),
+            make_admin_app(self.membership, WeightServer(self.run_dir.weights_of), reveal(cfg.admin.token)),
         )
         self.initial_capacity = 0
         self.flight: SpoolFlightService | None = None
@@ -99,6 +105,8 @@ class Supervisor:
         self.staleness_tokens = 0
         self.spool_depth_groups = 0
         self.started_at = time.monotonic()
+        self.step_log_failing = False
+        self.storage_blocked: set[str] = set()  # learner components waiting for the run directory
 
     async def run(self) -> int:
         """The schedule. Returns the process exit code (0 after a requested stop, 1 after a fatal error)."""
@@ -110,6 +118,7 @@ class Supervisor:
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
+            metrics.init_long_run_label_values()
             self.step_log = self.run_dir.step_log.open("a", encoding="utf-8")
             await self.endpoints.start()
             await self.start_fleet_services()
@@ -139,7 +148,8 @@ class Supervisor:
                 await self.engines.stop(grace)
                 await close_env(self.setup.env)
                 self.progress.stop()
-                self.step_log.close()
+                with contextlib.suppress(OSError):  # its last lines may not fit on a full disk
+                    self.step_log.close()
                 await self.admin.stop()
                 if self.flight is not None:
                     await asyncio.to_thread(self.flight.stop)
@@ -155,11 +165,11 @@ class Supervisor:
         cfg = self.cfg
         await self.admin.start()
         self.engines.weight_source = cfg.admin.advertise_url or self.admin.url
-        self.engines.weight_token = cfg.admin.token
+        self.engines.weight_token = reveal(cfg.admin.token)
         if cfg.transport.kind == "flight":
             t = cfg.transport
             self.flight = SpoolFlightService(
-                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=t.token
+                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=reveal(t.token)
             )
             self.flight.start()
             self.progress.message(f"spool served over Arrow Flight at {self.flight.url}")
@@ -197,6 +207,7 @@ class Supervisor:
             ready=ready,
             served_version=self.version,
             dropped_already=self.drops_before_scheduler,
+            notify=self.progress.message,
         )
         self.initial_capacity = self.membership.capacity
         return self.scheduler
@@ -213,12 +224,13 @@ class Supervisor:
             self.step = event.step
             metrics.LEARNER_STEP.set(event.step)
             if event.version != self.version and self.scheduler is not None:
-                # A restarted learner resumed from an older checkpoint; it re-publishes from there.
-                log.warning("learner restarted at version %d, engines serve %d", event.version, self.version)
+                await self.follow_restarted_learner(event)
         elif isinstance(event, events.Finished):
             self.request_stop(f"the learner finished: {event.reason}")
         elif isinstance(event, events.CheckpointSaved):
             learner_metrics.record_checkpoint(event)
+        elif isinstance(event, events.StorageFault):
+            self.on_storage_fault(event)
         elif isinstance(event, events.Quarantined):
             learner_metrics.record_quarantined(event)
             self.progress.message(f"spool file quarantined: {event.file}: {event.reason}")
@@ -227,9 +239,7 @@ class Supervisor:
 
     def on_step(self, event: events.Step) -> None:
         learner_metrics.record_step(event)
-        # The run's own learning curve: `rollwise report --run-dir` reads it without Prometheus.
-        self.step_log.write(events.encode(event) + "\n")
-        self.step_log.flush()
+        self.append_step_log(event)
         self.step = event.step
         self.last_step_time_s = event.metric("step_time_s")
         if (reward := event.metric("reward_mean")) is not None:
@@ -238,6 +248,43 @@ class Supervisor:
         self.staleness_tokens += sum(event.staleness.values())
         self.spool_depth_groups = event.spool_depth_groups
         self.progress.on_step(step_line(event))
+
+    def on_storage_fault(self, event: events.StorageFault) -> None:
+        """The learner's checkpoint or weight export was refused by the storage (it holds its work and
+        retries), or goes through again."""
+        component = event.component
+        if event.blocked:
+            metrics.STORAGE_ERRORS.labels(component=component, kind=event.kind).inc()
+            if component not in self.storage_blocked:
+                self.storage_blocked.add(component)
+                metrics.STORAGE_BLOCKED.labels(component=component).set(1)
+                self.progress.message(f"learner {component} write refused ({event.kind}): {event.message}")
+        elif component in self.storage_blocked:
+            self.storage_blocked.discard(component)
+            metrics.STORAGE_BLOCKED.labels(component=component).set(0)
+            self.progress.message(f"learner {component} writable again: {event.message}")
+
+    def append_step_log(self, event: events.Step) -> None:
+        """The run's own learning curve: `rollwise report --run-dir` reads it without Prometheus. A full or
+        read-only run directory costs lines of it (counted), never the learner's events."""
+        try:
+            self.step_log.write(events.encode(event) + "\n")
+            self.step_log.flush()
+        except OSError as exc:
+            kind = storage_fault_kind(exc, self.run_dir.logs) or "other"
+            metrics.STORAGE_ERRORS.labels(component="step_log", kind=kind).inc()
+            if not self.step_log_failing:
+                log.error(
+                    "cannot append to %s (%s: %s); step lines are lost meanwhile",
+                    self.run_dir.step_log,
+                    kind,
+                    exc,
+                )
+            self.step_log_failing = True
+        else:
+            if self.step_log_failing:
+                log.warning("%s takes writes again", self.run_dir.step_log)
+            self.step_log_failing = False
 
     def on_dropped(self, seq: int, reason: str) -> None:
         """A written group the learner will never train: admission gets its slot back. Deduplicated by
@@ -251,14 +298,38 @@ class Supervisor:
         else:
             self.drops_before_scheduler += 1
 
-    async def publish(self, version: int, path: str, *, received_at: float) -> None:
+    async def follow_restarted_learner(self, ready: events.Ready) -> None:
+        """A learner that restarted alone resumed its last checkpoint, at version `ready.version`. The
+        learner is the authority on the policy: every version the engines received after that checkpoint
+        belongs to a lineage no checkpoint holds (its optimizer state is gone, and the learner trains the
+        groups after the checkpoint again, re-publishing the same version numbers with new weights). So
+        the engines go back to the learner's version and sync each re-published version again; otherwise
+        they would keep sampling for the lost lineage and stamp its version numbers, ahead of the
+        learner's step, on every new group until the learner passed them."""
+        log.warning(
+            "learner restarted at step %d, version %d; engines serve %d: moving them back to %d",
+            ready.step,
+            ready.version,
+            self.version,
+            ready.version,
+        )
+        self.progress.message(
+            f"learner restarted from its checkpoint at step {ready.step} (version {ready.version}); "
+            f"the engines served version {self.version}, which no checkpoint holds: they go back to "
+            f"{ready.version}"
+        )
+        await self.publish(ready.version, ready.path, received_at=time.monotonic(), rollback=True)
+
+    async def publish(self, version: int, path: str, *, received_at: float, rollback: bool = False) -> None:
         """Load a newly published version into every engine, then let the scheduler admit against it.
+        `rollback` = the learner restarted at an older version (follow_restarted_learner): load it even
+        though the engines serve a higher number.
 
         sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
         that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
         async with self.publish_lock:
-            if version <= self.version:
-                # Never move the engines backwards (a late "ready" after a newer publish, a replayed event).
+            if version == self.version or (version < self.version and not rollback):
+                # Never move the engines backwards otherwise (a late event after a newer publish).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
                 return
             # Weights over HTTP: every engine downloads its copy now, while it still generates.
@@ -410,12 +481,17 @@ async def close_env(env: Environment) -> None:
 
 
 async def measure_loop_lag(stopping: asyncio.Event) -> None:
-    """How late a 100 ms timer fires: a blocked event loop shows up here first."""
+    """How late a 100 ms timer fires: a blocked event loop shows up here first. Once a second it also
+    counts the loop's tasks (a leak of tasks is a leak of memory a soak would find hours later)."""
     loop = asyncio.get_running_loop()
+    ticks = 0
     while not stopping.is_set():
         started = loop.time()
         await asyncio.sleep(LOOP_LAG_PERIOD_S)
         metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - started - LOOP_LAG_PERIOD_S))
+        ticks += 1
+        if ticks % 10 == 0:
+            metrics.SUPERVISOR_TASKS.set(len(asyncio.all_tasks(loop)))
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Task[Any]]) -> None:

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from pipeline.actors.admission import AdmissionController
 from pipeline.actors.chat import ChatTokenizer
 from pipeline.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.actors.scheduler import GroupScheduler
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import Config, ConfigError, check_exposed_ports, load_config
 from pipeline.engine.protocol import SamplingParams
 from pipeline.run_dir import RunDir, is_model_dir
 from pipeline.transport.spool import SpoolWriter, spool_depth
@@ -47,6 +48,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     if ns.log_format is not None:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
+    check_exposed_ports(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:
@@ -121,6 +123,7 @@ def build_scheduler(
     ready: events.Ready,
     served_version: int,
     dropped_already: int,
+    notify: Callable[[str], None] | None = None,
 ) -> GroupScheduler:
     """The actor side: spool writer and staleness control around the engine pool.
 
@@ -151,4 +154,5 @@ def build_scheduler(
         initial_version=served_version,
         initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
         - dropped_already,
+        notify=notify,
     )

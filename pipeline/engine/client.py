@@ -11,6 +11,12 @@ Retry rules, chosen so that no generation is ever run twice by accident:
 Backoff is exponential with jitter. A circuit breaker counts consecutive connection failures across
 calls (a call that times out counts too); once open it fails calls fast for `circuit_reset_s`, then
 lets one trial call through. `health()` bypasses it: the probe is what closes it again.
+
+A `generate` whose caller stops waiting (the task is cancelled: an episode timeout, a drain) or that
+outlives `request_timeout_s` is aborted on the server by its rid (`POST /abort_request {"rid"}`, SGLang's
+AbortReq), in the background and bounded by `abort_timeout_s`: closing the socket alone does not stop a
+server from decoding (SGLang notices a disconnect late and not at all behind a router), and every token
+it decodes for nobody is capacity taken from live episodes. Aborting an unknown rid is a no-op there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pipeline.engine.protocol import (
     SamplingParams,
     parse_generate_response,
 )
+from pipeline.observability import metrics
 
 PauseMode = Literal["abort", "retract", "in_place"]
 
@@ -137,6 +144,7 @@ class EngineClient:
         backoff_max_s: float = 2.0,
         circuit_failures: int = 5,
         circuit_reset_s: float = 5.0,
+        abort_timeout_s: float = 5.0,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"EngineClient base_url must start with http:// or https://, got {base_url!r}")
@@ -154,6 +162,8 @@ class EngineClient:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.breaker = CircuitBreaker(circuit_failures, circuit_reset_s)
+        self.abort_timeout_s = abort_timeout_s
+        self._aborts: set[asyncio.Task[None]] = set()  # background aborts of abandoned generations
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self._limits: aiohttp.ClientTimeout | None = None
@@ -170,7 +180,10 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the HTTP session. Idempotent; the client cannot be used afterwards."""
+        """Close the HTTP session (after the pending background aborts had their chance). Idempotent;
+        the client cannot be used afterwards."""
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=self.abort_timeout_s)
         self._closed = True
         if self._session is not None:
             await self._session.close()
@@ -286,7 +299,15 @@ class EngineClient:
         }
         url = self.base_url + "/generate"
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
-        reply = await self._call("POST", "/generate", body, idempotent=False, headers=headers)
+        try:
+            reply = await self._call("POST", "/generate", body, idempotent=False, headers=headers)
+        except asyncio.CancelledError:
+            self._abort_in_background(rid, "cancelled")
+            raise
+        except EngineUnavailable as exc:
+            if exc.maybe_sent and isinstance(exc.__cause__, TimeoutError):
+                self._abort_in_background(rid, "timeout")
+            raise
         try:
             obj = _decode_json(reply, url)
         except EngineProtocolError as exc:
@@ -295,6 +316,25 @@ class EngineClient:
             return parse_generate_response(obj, expected_rid=rid)
         except EngineProtocolError as exc:
             raise EngineProtocolError(exc.defect, rid=exc.rid, url=url) from None
+
+    def _abort_in_background(self, rid: str, reason: str) -> None:
+        """Tell the server to stop decoding `rid` (module docstring). Best effort: one attempt, no
+        retries, no circuit breaker, errors only logged as a counter."""
+        if self._closed:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort_once(rid, reason), name=f"abort {rid}")
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort_once(self, rid: str, reason: str) -> None:
+        try:
+            reply = await self._send_once(
+                "POST", self.base_url + "/abort_request", {"rid": rid}, self._timeout(self.abort_timeout_s)
+            )
+        except (aiohttp.ClientError, TimeoutError, EngineUnavailable):
+            return  # the server is gone or unreachable: it decodes nothing for us then either
+        if 200 <= reply.status < 300:
+            metrics.ENGINE_ABORTS.labels(reason=reason).inc()
 
     async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
         """Readiness probe: 200 -> True; 5xx (503 = still starting), refused or timeout -> False.

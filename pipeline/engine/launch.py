@@ -16,9 +16,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import Config
+from pipeline.config import Config, reveal
 from pipeline.daemon.children import ChildSpec
 from pipeline.engine.sglang import SGLangLaunchSpec, build_sglang_command
+from pipeline.http_guard import ENGINE_API_KEY_ENV
+from pipeline.run_dir import RunDir
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ def engine_argv(
     e = cfg.engine
     if e.kind == "embedded":
         fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
+        run = RunDir.at(cfg.run.run_dir, cfg.model.path)
         return [
             sys.executable,
             "-m",
@@ -83,6 +86,11 @@ def engine_argv(
             "--seed",
             str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
             *(["--dtype", e.dtype] if e.dtype is not None else []),
+            # /update_weights_from_disk loads published versions and the initial model, nothing else.
+            "--allowed-weights-dir",
+            str(run.weights),
+            "--allowed-weights-dir",
+            str(run.initial_model),
             "--enable-metrics",
             *fetch,
         ]
@@ -94,7 +102,7 @@ def engine_argv(
             mem_fraction_static=e.mem_fraction_static,
             tp=e.tp,
             dp=e.dp,
-            api_key=e.api_key,
+            api_key=reveal(e.api_key),
             weight_version=str(version),
             extra_args=(*(["--dtype", e.dtype] if e.dtype is not None else []), *e.extra_args),
         )
@@ -113,6 +121,9 @@ def engine_child_spec(
 ) -> ChildSpec:
     threads = str(cfg.engine.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
+    key = reveal(cfg.engine.api_key)
+    if key and cfg.engine.kind == "embedded":
+        env[ENGINE_API_KEY_ENV] = key  # the environment, not argv: /proc/<pid>/cmdline and the log show argv
     return ChildSpec(
         name=slot.name,
         argv=engine_argv(cfg, slot, model_dir=model_dir, version=version, weights_dir=weights_dir),

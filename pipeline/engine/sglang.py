@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.engine.client import EngineClient
@@ -32,7 +32,7 @@ class SGLangLaunchSpec:
     mem_fraction_static: float = 0.8
     tp: int = 1
     dp: int = 1
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     weight_version: str = "0"
     extra_args: tuple[str, ...] = ()
     python_executable: str = sys.executable

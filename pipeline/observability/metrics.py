@@ -305,6 +305,48 @@ SUPERVISOR_UP = Gauge(
     "rollwise_supervisor_start_time_seconds", "Unix time the supervisor started.", registry=REGISTRY
 )
 
+# --- long runs: aborted requests, storage faults, the supervisor's own resources -----------------------
+ENGINE_ABORTS = Counter(
+    "rollwise_engine_aborts",
+    "Engine requests aborted by rid because nobody waits for them any more: the episode was cancelled "
+    "or timed out (cancelled), or the call outlived engine.request_timeout_s (timeout).",
+    ["reason"],
+    registry=REGISTRY,
+)
+STORAGE_ERRORS = Counter(
+    "rollwise_storage_errors",
+    "Durable writes that failed because the run directory is full or read-only, by component (spool, "
+    "checkpoint, weights, step_log) and kind (ENOSPC, EROFS, EDQUOT, EIO: also an I/O failure the "
+    "writing library did not name, other).",
+    ["component", "kind"],
+    registry=REGISTRY,
+)
+STORAGE_BLOCKED = Gauge(
+    "rollwise_storage_blocked",
+    "1 while a component holds its work and retries because the run directory cannot be written.",
+    ["component"],
+    registry=REGISTRY,
+)
+SUPERVISOR_TASKS = Gauge(
+    "rollwise_supervisor_asyncio_tasks",
+    "asyncio tasks alive in the supervisor's event loop.",
+    registry=REGISTRY,
+)
+ABORT_REASONS = ("cancelled", "timeout")
+STORAGE_COMPONENTS = ("spool", "checkpoint", "weights", "step_log")
+STORAGE_ERROR_KINDS = ("ENOSPC", "EROFS", "EDQUOT", "EIO", "other")
+
+
+def init_long_run_label_values() -> None:
+    """Create the label combinations of the block above at zero (see init_label_values)."""
+    for reason in ABORT_REASONS:
+        ENGINE_ABORTS.labels(reason=reason)
+    for component in STORAGE_COMPONENTS:
+        STORAGE_BLOCKED.labels(component=component).set(0)
+        for kind in STORAGE_ERROR_KINDS:
+            STORAGE_ERRORS.labels(component=component, kind=kind)
+
+
 # Known label values, initialised to zero at start-up so every dashboard query has a series before the
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
 FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")

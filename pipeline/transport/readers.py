@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.config import Config
+from pipeline.config import Config, reveal
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader
 
 
@@ -34,6 +34,6 @@ def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupR
     return FlightSpoolReader(
         cfg.learner.spool_url,
         after_seq=after_seq,
-        token=cfg.transport.token,
+        token=reveal(cfg.transport.token),
         wait_s=cfg.transport.poll_wait_s,
     )

@@ -291,11 +291,18 @@ class SpoolReader:
 
     def _quarantine(self, seq: int, path: Path, kind: str, reason: str) -> QuarantinedFile:
         qdir = self.spool_dir / QUARANTINE_DIR
-        qdir.mkdir(exist_ok=True)
-        (qdir / f"{path.name}.reason").write_text(f"{kind}: {reason}\n")
-        os.rename(path, qdir / path.name)
-        fsync_dir(qdir)
-        fsync_dir(self.spool_dir)
+        try:
+            qdir.mkdir(exist_ok=True)
+            os.rename(path, qdir / path.name)
+            fsync_dir(qdir)
+            fsync_dir(self.spool_dir)
+        except OSError as exc:  # a read-only spool: the file stays, and is skipped like a moved one
+            reason = f"{reason} (could not be moved to quarantine: {exc})"
+        else:
+            try:  # the explanation is a courtesy; a full disk must not turn it into a crash
+                (qdir / f"{path.name}.reason").write_text(f"{kind}: {reason}\n")
+            except OSError as exc:
+                log.error("could not write the reason of quarantined %s: %s", path.name, exc)
         # No metric here: the reader runs in the learner process, which reports quarantines as events.
         log.error("quarantined spool file %s (%s): %s", path.name, kind, reason)
         return QuarantinedFile(seq=seq, file=path.name, kind=kind, reason=reason)

@@ -302,6 +302,14 @@ class FakeSGLang:
                 raise TimeoutError(f"only {len(self._running)} of {n} requests running")
             await asyncio.sleep(0.005)
 
+    async def wait_idle(self, timeout_s: float = 5.0) -> bool:
+        """Wait until no generation runs; False if some still run after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     # ------------------------------------------------------------------ middlewares
     @web.middleware
     async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -671,6 +679,17 @@ class FakeSGLang:
 
     async def _abort_request(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
+        # SGLang validates the body as AbortReq: rid (str | list[str] | None, from BaseReq), abort_all
+        # (bool), finished_reason (dict | None), abort_message (str | None); extra keys are ignored.
+        rid = body.get("rid")
+        if not (
+            rid is None
+            or isinstance(rid, str)
+            or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+        ):
+            return _error_response(400, f"rid: Input should be a valid string, got {rid!r}", "Bad Request")
+        if not isinstance(body.get("abort_all", False), bool):
+            return _error_response(400, "abort_all: Input should be a valid boolean", "Bad Request")
         if body.get("abort_all"):
             self._abort("Abort by abort_request (abort_all).")
         elif body.get("rid"):

@@ -23,6 +23,14 @@ with SGLang's JSON shapes, key order and status codes:
   /metrics (only with --enable-metrics).
 - A prompt as long as the context is rejected (400); a generation that reaches the context length
   finishes with `{"type": "length", "length": <tokens generated>}`.
+- Its door (pipeline.http_guard): bodies over `--max-body-bytes` get 413, a body not received within
+  `--body-timeout-s` 408, malformed / non-UTF-8 / too deeply nested JSON 400; `max_new_tokens` over
+  `--max-new-tokens-cap` (default: the context length), `n` over `--max-batch` and more than 16 x
+  `--max-batch` samples in one call get 400; a connection without a complete request for
+  `--idle-timeout-s` is closed (slow-loris clients). Binding anything but loopback needs `--api-key` (or
+  ROLLWISE_ENGINE_API_KEY): without one the server refuses to start (exit 2). /update_weights_from_disk
+  loads only from `--allowed-weights-dir` directories (default: the one holding `--model`), after
+  resolving symbolic links, so a reachable port cannot make it read arbitrary paths.
 """
 
 from __future__ import annotations
@@ -34,11 +42,11 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import random
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pipeline.engine.embedded.batcher import PAUSE_MODES, ContinuousBatcher, EngineRequest
 from pipeline.engine.embedded.metrics import EngineMetrics
 from pipeline.engine.embedded.sampling import RequestSampling, parse_sampling_params
+from pipeline.http_guard import (
+    ENGINE_API_KEY_ENV,
+    BadBody,
+    DoorLimits,
+    ExposedWithoutKey,
+    api_key_middleware,
+    bind_notice,
+    read_json,
+    require_key_off_loopback,
+    runner_options,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +79,10 @@ FLUSH_MESSAGE = (
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+API_KEY_ENV = ENGINE_API_KEY_ENV
+OPEN_PATHS = frozenset({"/health"})
+SAMPLES_PER_CALL_PER_BATCH_SLOT = 16
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request names none
 
 
 def _dumps(obj: object) -> str:
@@ -91,9 +114,18 @@ class ServerConfig:
     threads: int | None = None
     seed: int | None = None
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     max_prefill_tokens: int = 16384
     weights_dir: str | None = None  # serve POST /fetch_weights into this directory (weights over HTTP)
+    limits: DoorLimits = field(default_factory=DoorLimits)
+    max_new_tokens_cap: int | None = None  # None: the context length
+    allowed_weights_dirs: tuple[str, ...] = ()  # empty: the directory holding `model`
+
+    def weights_roots(self) -> list[Path]:
+        dirs = self.allowed_weights_dirs or (str(Path(self.model).resolve().parent),)
+        # Versions this engine downloaded itself (weights over HTTP) are loaded from its weights_dir.
+        fetched = (self.weights_dir,) if self.weights_dir is not None else ()
+        return [Path(d).resolve() for d in (*dirs, *fetched)]
 
 
 def load_model(path: str, device: str, dtype: str) -> Any:
@@ -290,19 +322,20 @@ def _state(request: web.Request) -> EngineState:
 
 
 async def _json_body(request: web.Request, *, required: bool) -> dict[str, Any]:
-    """The JSON object body; an empty body is {} unless required. Raises ValueError if malformed."""
-    raw = await request.read()
-    if not raw.strip():
+    """The JSON object body; an empty body is {} unless required. Raises BadBody (a ValueError with the
+    status to answer: 400, 408 for a body too slow to arrive, 413 for one too large)."""
+    body = await read_json(request, _state(request).config.limits)
+    if body is None:
         if required:
-            raise ValueError("request body is empty, expected a JSON object")
+            raise BadBody("request body is empty, expected a JSON object")
         return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):
-        raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+        raise BadBody(f"request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _bad(exc: ValueError) -> web.Response:
+    return _error(str(exc), exc.status if isinstance(exc, BadBody) else 400)
 
 
 # ---- /generate ---------------------------------------------------------------------------------------
@@ -387,11 +420,28 @@ def _build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[_Tra
     for i, ids in enumerate(prompts):
         where = f"input_ids[{i}]" if is_batch else "input_ids"
         _check_prompt(ids, where, scheduler.vocab_size, scheduler.context_length)
+    cfg = state.config
+    cap = cfg.max_new_tokens_cap or scheduler.context_length
     raw_params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params")
-    params = [parse_sampling_params(p, vocab_size=scheduler.vocab_size) for p in raw_params]
+    default_new = min(DEFAULT_MAX_NEW_TOKENS, cap)
+    params = [
+        parse_sampling_params(p, vocab_size=scheduler.vocab_size, default_max_new_tokens=default_new)
+        for p in raw_params
+    ]
     n = params[0].n
     if any(p.n != n for p in params):
         raise ValueError("every batch item must use the same sampling_params.n")
+    for p in params:
+        if p.max_new_tokens > cap:
+            raise ValueError(
+                f"sampling_params.max_new_tokens={p.max_new_tokens} exceeds this engine's cap of {cap} "
+                "(--max-new-tokens-cap; default: the context length)"
+            )
+    if n > cfg.max_batch:
+        raise ValueError(f"sampling_params.n={n} exceeds --max-batch={cfg.max_batch}")
+    most = SAMPLES_PER_CALL_PER_BATCH_SLOT * cfg.max_batch
+    if len(prompts) * n > most:
+        raise ValueError(f"{len(prompts) * n} samples in one call; at most {most} (16 x --max-batch)")
     is_batch = is_batch or n > 1
     if n > 1:  # prompt-major expansion; every sample gets a fresh rid (as SGLang does)
         prompts = [p for p in prompts for _ in range(n)]
@@ -419,7 +469,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, required=True)
         tracked, is_batch = _build_requests(body, state)
     except ValueError as exc:
-        return _error(str(exc))
+        return _bad(exc)
     scheduler = state.require_scheduler()
     scheduler.submit([t.request for t in tracked])
     if body.get("stream", False):
@@ -490,6 +540,12 @@ async def _stream(request: web.Request, state: EngineState, tracked: list[_Track
 # ---- control --------------------------------------------------------------------------------------
 
 
+def inside_any(path: str, roots: list[Path]) -> bool:
+    """True when `path`, with its symbolic links resolved, is one of `roots` or below one."""
+    resolved = Path(path).resolve()
+    return any(resolved == root or resolved.is_relative_to(root) for root in roots)
+
+
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     state = _state(request)
     scheduler = state.require_scheduler()
@@ -503,10 +559,19 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return failure(str(exc))
     path = body.get("model_path")
     version = body.get("weight_version")
-    if not isinstance(path, str) or not path:
+    if not isinstance(path, str) or not path or "\0" in path:
         return failure("model_path must be a non-empty string")
     if version is not None and not isinstance(version, (str, int)):
         return failure(f"weight_version must be a string, got {version!r}")
+    if not isinstance(body.get("abort_all_requests", False), bool):
+        return failure("abort_all_requests must be a boolean")
+    roots = await asyncio.to_thread(state.config.weights_roots)
+    if not await asyncio.to_thread(inside_any, path, roots):
+        log.warning("refused update_weights_from_disk outside the allowed directories: %s", path)
+        return failure(
+            f"model_path {path!r} is outside the directories this engine may load weights from "
+            f"({', '.join(map(str, roots))}; --allowed-weights-dir)"
+        )
     async with state.update_lock:
         loop = asyncio.get_running_loop()
         cfg = state.config
@@ -554,7 +619,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request, required=False)
     except ValueError as exc:
-        return _error(str(exc))
+        return _bad(exc)
     mode = body.get("mode", "abort")
     if mode not in PAUSE_MODES:
         return _error(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
@@ -567,7 +632,7 @@ async def continue_generation(request: web.Request) -> web.Response:
     try:
         await _json_body(request, required=False)
     except ValueError as exc:
-        return _error(str(exc))
+        return _bad(exc)
     await asyncio.wrap_future(state.require_scheduler().resume())
     return _json({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -577,8 +642,10 @@ async def abort_request(request: web.Request) -> web.Response:
     try:
         body = await _json_body(request, required=True)
     except ValueError as exc:
-        return _error(str(exc))
+        return _bad(exc)
     scheduler = state.require_scheduler()
+    if not isinstance(body.get("abort_all", False), bool):
+        return _error("abort_all must be a boolean")
     if body.get("abort_all", False) is True:
         scheduler.abort(None, "Aborted by /abort_request (abort_all)")
     elif isinstance(body.get("rid"), str):
@@ -670,24 +737,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=_state(request).metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _api_key_middleware(api_key: str) -> Any:
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {api_key}":
-            return _error("missing or wrong API key (Authorization: Bearer ...)", status=401)
-        return await handler(request)
-
-    return check
-
-
 def build_app(config: ServerConfig) -> web.Application:
     """The aiohttp application; call `app[STATE].start()` to load the model (see `serve`)."""
     app = web.Application(
-        middlewares=[_api_key_middleware(config.api_key)] if config.api_key else [],
-        client_max_size=256 * 1024**2,
+        middlewares=[api_key_middleware(config.api_key, OPEN_PATHS)] if config.api_key else [],
+        client_max_size=config.limits.max_body_bytes,
     )
     app[STATE] = EngineState(
         config=config,
@@ -746,13 +800,16 @@ class RunningServer:
 
 
 async def start_server(config: ServerConfig) -> RunningServer:
-    """Bind the HTTP port (so /health answers 503 at once), then load and warm the model."""
+    """Bind the HTTP port (so /health answers 503 at once), then load and warm the model. Raises
+    ExposedWithoutKey for a non-loopback host without an API key (before binding anything)."""
+    require_key_off_loopback("the engine", config.host, config.api_key, f"--api-key or {API_KEY_ENV}")
     app = build_app(config)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, **runner_options(config.limits))
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = int(runner.addresses[0][1]) if runner.addresses else config.port
+    log.info("%s", bind_notice("engine", config.host, port, config.api_key, OPEN_PATHS))
     running = RunningServer(app=app, runner=runner, port=port)
     try:
         await running.state.start()
@@ -777,14 +834,34 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, help="seed of unseeded requests' generators")
     p.add_argument("--served-model-name", help="model_name label of the metrics")
-    p.add_argument("--api-key", help="require Authorization: Bearer <key> on every route but /health")
+    p.add_argument(
+        "--api-key",
+        help=f"require Authorization: Bearer <key> on every route but /health (default: ${API_KEY_ENV}); "
+        "needed to bind anything but loopback",
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="padded tokens per prefill batch")
     p.add_argument(
         "--weights-dir", help="serve POST /fetch_weights: download published versions over HTTP into it"
     )
+    limits = DoorLimits()
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help="larger bodies: 413")
+    p.add_argument("--body-timeout-s", type=float, default=limits.body_timeout_s, help="slower bodies: 408")
+    p.add_argument(
+        "--idle-timeout-s", type=float, default=limits.idle_timeout_s, help="close connections idle this long"
+    )
+    p.add_argument("--max-new-tokens-cap", type=int, help="largest max_new_tokens (default: context length)")
+    p.add_argument(
+        "--allowed-weights-dir",
+        action="append",
+        default=[],
+        help="a directory /update_weights_from_disk may load from (repeatable; default: the one holding "
+        "--model)",
+    )
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error("--max-batch must be >= 1")
+    if a.max_body_bytes < 1024 or a.body_timeout_s <= 0 or a.idle_timeout_s <= 0:
+        p.error("--max-body-bytes must be >= 1024, --body-timeout-s and --idle-timeout-s > 0")
     return ServerConfig(
         model=a.model,
         host=a.host,
@@ -799,9 +876,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
         threads=a.threads,
         seed=a.seed,
         served_model_name=a.served_model_name,
-        api_key=a.api_key,
+        api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
         max_prefill_tokens=a.max_prefill_tokens,
         weights_dir=a.weights_dir,
+        limits=DoorLimits(a.max_body_bytes, a.body_timeout_s, a.idle_timeout_s),
+        max_new_tokens_cap=a.max_new_tokens_cap,
+        allowed_weights_dirs=tuple(a.allowed_weights_dir),
     )
 
 
@@ -816,6 +896,9 @@ async def serve(config: ServerConfig) -> int:
     try:
         try:
             running = await start_server(config)
+        except ExposedWithoutKey as exc:
+            log.error("%s", exc)
+            return 2
         except Exception:
             log.exception("engine failed to start with model %s", config.model)
             return 1

@@ -277,3 +277,29 @@ async def test_once_one_member_is_ejected_every_key_goes_to_the_other(fakes: lis
         assert [pool.member_for(k) for k in keys] == [live] * len(keys)
     finally:
         await pool.close()
+
+
+async def test_a_cancelled_generate_through_a_router_is_aborted_at_every_worker(
+    fakes: list[FakeSGLang],
+) -> None:
+    # sglang-router answers /abort_request with 404 (0.3.2), so the pool aborts at the workers instead;
+    # fakes[2] stands in for the router and decodes slowly, fakes[0] and [1] are the workers.
+    router, workers = fakes[2], fakes[:2]
+    router.token_delay_s = 0.01
+    pool = EnginePool([fast_client(w.base_url) for w in workers], router=fast_client(router.base_url))
+    try:
+        task = asyncio.create_task(
+            pool.generate([1, 2], SamplingParams(max_new_tokens=1000), "ep-0-t0", affinity_key="ep-0")
+        )
+        await wait_until(lambda: router.running_rids == ["ep-0-t0"])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: all(w.count("/abort_request") == 1 for w in workers))
+        assert [r.json() for w in workers for r in w.requests if r.path == "/abort_request"] == [
+            {"rid": "ep-0-t0"},
+            {"rid": "ep-0-t0"},
+        ]
+        assert router.count("/abort_request") == 0
+    finally:
+        await pool.close()

@@ -14,7 +14,8 @@ lets one trial call through. `health()` bypasses it: the probe is what closes it
 
 A `generate` whose caller stops waiting (the task is cancelled: an episode timeout, a drain) or that
 outlives `request_timeout_s` is aborted on the server by its rid (`POST /abort_request {"rid"}`, SGLang's
-AbortReq), in the background and bounded by `abort_timeout_s`: closing the socket alone does not stop a
+AbortReq), in the background and bounded by `abort_timeout_s` (behind a router, at every worker:
+`abort_targets`): closing the socket alone does not stop a
 server from decoding (SGLang notices a disconnect late and not at all behind a router), and every token
 it decodes for nobody is capacity taken from live episodes. Aborting an unknown rid is a no-op there.
 """
@@ -27,6 +28,7 @@ import random
 import time
 from dataclasses import dataclass
 from types import TracebackType
+from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
@@ -164,6 +166,9 @@ class EngineClient:
         self.breaker = CircuitBreaker(circuit_failures, circuit_reset_s)
         self.abort_timeout_s = abort_timeout_s
         self._aborts: set[asyncio.Task[None]] = set()  # background aborts of abandoned generations
+        # Who receives those aborts: this server, unless it forwards requests it cannot abort itself
+        # (sglang-router answers /abort_request with 404): then the workers behind it (EnginePool sets it).
+        self.abort_targets: Callable[[], list[EngineClient]] = lambda: [self]
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self._limits: aiohttp.ClientTimeout | None = None
@@ -320,11 +325,13 @@ class EngineClient:
     def _abort_in_background(self, rid: str, reason: str) -> None:
         """Tell the server to stop decoding `rid` (module docstring). Best effort: one attempt, no
         retries, no circuit breaker, errors only logged as a counter."""
-        if self._closed:
-            return
-        task = asyncio.get_running_loop().create_task(self._abort_once(rid, reason), name=f"abort {rid}")
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        loop = asyncio.get_running_loop()
+        for target in self.abort_targets():
+            if target._closed:
+                continue
+            task = loop.create_task(target._abort_once(rid, reason), name=f"abort {rid} at {target.base_url}")
+            target._aborts.add(task)
+            task.add_done_callback(target._aborts.discard)
 
     async def _abort_once(self, rid: str, reason: str) -> None:
         try:

@@ -101,6 +101,9 @@ class EnginePool:
         self.eject_after_failures = eject_after_failures
         self.probe_interval_s = probe_interval_s
         self.router = router
+        if router is not None:
+            # The router does not forward /abort_request; a worker ignores a rid it does not hold.
+            router.abort_targets = lambda: self.members
         self._closed = False
         self._in_flight: dict[str, str] = {}  # rid -> member URL (the router's URL when routed)
         self._handed_back: set[str] = set()  # rids aborted by hand_back: generate sends them again

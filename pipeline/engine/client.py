@@ -26,9 +26,9 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp

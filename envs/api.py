@@ -219,6 +219,10 @@ class Environment(ABC):
         """The text an ideal agent would send next, given the hidden state; None if not provided."""
         return None
 
+    def gold_unavailable(self) -> str | None:
+        """Why `gold_action()` gives None (e.g. "the library has no solver"), for `env check`; optional."""
+        return None
+
 
 EnvFactory = Callable[..., Environment]
 """``factory(**options) -> Environment``: makes one instance per episode (a class is a factory)."""

@@ -71,17 +71,23 @@ _EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 _REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
+def _normalise_extra(name: str) -> str:
+    # PEP 685. Entry-point values split extras at non-word characters, so "[reasoning_gym]" is how an
+    # entry point names the extra "reasoning-gym".
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def missing_extras(entry_point: importlib.metadata.EntryPoint) -> list[str]:
     """The entry point's extras whose requirements are not all installed (metadata only, no imports)."""
     dist = entry_point.dist
     if not entry_point.extras or dist is None:
         return []
     missing = []
-    for extra in entry_point.extras:
+    for extra in map(_normalise_extra, entry_point.extras):
         for requirement in dist.requires or []:
             marker = _EXTRA_MARKER.search(requirement)
             name = _REQUIREMENT_NAME.match(requirement)
-            if marker is None or marker.group(1) != extra or name is None:
+            if marker is None or _normalise_extra(marker.group(1)) != extra or name is None:
                 continue
             try:
                 importlib.metadata.distribution(name.group(1))
@@ -253,7 +259,11 @@ def _main_family(name: str, as_json: bool) -> int:
         return 0
     width = max((len(name) + 1 + len(m.name) for m in members), default=0)
     for member in members:
-        print(f"{name}/{member.name}".ljust(width) + (f"  {member.note}" if member.note else ""))
+        print(
+            f"{name}/{member.name}".ljust(width) + f"  {member.note}"
+            if member.note
+            else f"{name}/{member.name}"
+        )
     return 0
 
 

@@ -43,16 +43,22 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from envs.api import EnvFactory, Task
 from pipeline.actors.admission import AdmissionController
 from pipeline.actors.chat import ChatTokenizer
-from pipeline.actors.rollout import GenerateEngine, RolloutSettings, run_group
+from pipeline.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
 from pipeline.observability import metrics
 from pipeline.transport.spool import SpoolEntry, SpoolWriter
 
 log = logging.getLogger(__name__)
+
+
+class AgentEndpoint(AgentRunner, Protocol):
+    """The agent runner the scheduler owns (pipeline.actors.openai_endpoint.OpenAIEndpoint)."""
+
+    async def close(self) -> None: ...
 
 
 class GroupScheduler:
@@ -75,8 +81,11 @@ class GroupScheduler:
         initial_accepted: int = 0,
         run_prefix: str | None = None,
         failure_backoff_s: tuple[float, float] = (0.05, 2.0),
+        agent_endpoint: AgentEndpoint | None = None,
     ) -> None:
         self.engine = engine
+        # Runs agent-function episodes (pipeline.actors.openai_endpoint); owned: drain() closes it.
+        self.agent_endpoint = agent_endpoint
         self.tokenizer = tokenizer
         self.factory = factory
         self.env_name = env_name
@@ -221,6 +230,7 @@ class GroupScheduler:
                 group_id=group_id,
                 env_name=self.env_name,
                 env_options=self.env_options,
+                agent_runner=self.agent_endpoint,
             )
             self._note_outcome(group_id, any(ep.trainable for ep in outcome.episodes))
             self.episodes_finished += len(outcome.episodes)
@@ -299,4 +309,6 @@ class GroupScheduler:
             await asyncio.gather(*pending, return_exceptions=True)
         if self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
+        if self.agent_endpoint is not None:
+            await self.agent_endpoint.close()
         return self.written - written_before, self.cancelled - cancelled_before

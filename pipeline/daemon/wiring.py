@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
 from learner import events
 from pipeline.actors.admission import AdmissionController
@@ -22,6 +24,9 @@ from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.engine.protocol import SamplingParams
 from pipeline.run_dir import RunDir, is_model_dir
+
+if TYPE_CHECKING:
+    from pipeline.actors.openai_endpoint import OpenAIEndpoint
 from pipeline.transport.spool import SpoolWriter, spool_depth
 
 
@@ -57,6 +62,11 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         env = factory(**cfg.env.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
+    if isinstance(env, AgentEnvironment) and importlib.util.find_spec("openai") is None:
+        raise ConfigError(
+            f"env.name: {cfg.env.name} is an agent environment, whose agent gets an openai.AsyncOpenAI "
+            "client; install the openai package (pip install 'rollwise[agents]')"
+        )
     if cfg.learner.action_prior_coef > 0.0 and not env.spec.action_hints:
         raise ConfigError(
             f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
@@ -133,13 +143,15 @@ async def build_scheduler(
     spool = SpoolWriter(run.spool)
     # A resumed run continues the task stream after the groups already produced instead of replaying it.
     tasks = itertools.islice(setup.env.tasks(cfg.run.seed), spool.next_seq - 1, None)
+    settings = rollout_settings(cfg)
+    endpoint = await start_openai_endpoint(engine, tokenizer, settings)
     return GroupScheduler(
         engine=engine,
         tokenizer=tokenizer,
         factory=setup.env_factory,
         env_name=cfg.env.name,
         env_options=cfg.env.options,
-        settings=rollout_settings(cfg),
+        settings=settings,
         group_size=cfg.env.group_size,
         admission=AdmissionController(
             cfg.learner.batch_groups, cfg.async_.max_staleness, cfg.rollout.max_concurrent_groups
@@ -149,4 +161,21 @@ async def build_scheduler(
         initial_version=served_version,
         initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
         - dropped_already,
+        agent_endpoint=endpoint,
     )
+
+
+async def start_openai_endpoint(
+    engine: GenerateEngine, tokenizer: Any, settings: RolloutSettings
+) -> OpenAIEndpoint:
+    """The run's OpenAI endpoint on 127.0.0.1 (agent-function episodes; judges on the run's own engines,
+    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on."""
+    from envs.judge import set_run_endpoint
+    from pipeline.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.observability import judge_metrics
+
+    endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=settings)
+    await endpoint.start()
+    set_run_endpoint(endpoint.base_url, endpoint.service_key)
+    judge_metrics.install()
+    return endpoint

@@ -138,6 +138,10 @@ class OpenAIEndpoint:
 
             # Plain HTTP to 127.0.0.1: no TLS context to build (~15 ms per client otherwise).
             self._http = SharedHTTPClient(verify=False)
+            # httpx logs every request at INFO: thousands of lines a minute in supervisor.log.
+            for name in ("httpx", "httpx2"):
+                if logging.getLogger(name).level == logging.NOTSET:
+                    logging.getLogger(name).setLevel(logging.WARNING)
         return openai.AsyncOpenAI(
             base_url=self.episode_base_url(session.key),
             api_key=session.key,

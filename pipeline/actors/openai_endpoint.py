@@ -351,7 +351,7 @@ class OpenAIEndpoint:
             session = self._caller(request)
             route = "episode" if session is not None else "service"
             try:
-                body = await request.json(loads=json.loads)
+                body = json.loads(await request.read())
             except ValueError as exc:
                 raise OpenAIRequestError(400, f"the body is not JSON: {exc}", param="body") from exc
             chat = parse_chat_request(body)

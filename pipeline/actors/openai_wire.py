@@ -32,6 +32,7 @@ from envs.api import ToolCall
 Message = dict[str, Any]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_PLAIN_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _SUPPORTED = frozenset(
     {
         "model",
@@ -184,6 +185,14 @@ def normalise_messages(raw: Any) -> list[Message]:
         raise _bad("messages must be a non-empty list", "messages")
     messages: list[Message] = []
     for index, message in enumerate(raw):
+        if (
+            type(message) is dict
+            and len(message) == 2
+            and message.get("role") in _PLAIN_ROLES
+            and type(message.get("content")) is str
+        ):
+            messages.append(message)  # the usual {"role", "content": str}: already what the template takes
+            continue
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise _bad(f"{where} must be an object", where)

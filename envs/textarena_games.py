@@ -4,9 +4,11 @@
     name = "textarena/GuessTheNumber-v0"
     options = { kwargs = { max_number = 8, max_turns = 4 } }
 
-- The game: `textarena.make(EnvId, **kwargs)` with TextArena's wrappers removed (the runner keeps the chat
-  history itself); `kwargs` override the game's registered arguments. The `-raw` / `-train` variants of
-  an id are the same game.
+- The game: `textarena.make(EnvId, **kwargs)` without TextArena's observation wrappers (the runner keeps the
+  chat history itself); `kwargs` override the game's registered arguments. Its registered action wrappers
+  still apply unless `action_formatting = false` (most games register ActionFormattingWrapper, which
+  puts a move written without brackets into them: "5" becomes "[5]"). The `-raw` variant of an id has
+  none; `-train` is the default game with the training observation wrappers, which are dropped anyway.
 - Turns: the first user message is what the game shows the player at the start (its prompt and board);
   each assistant reply is passed to `game.step` verbatim (the game parses its own action format, e.g.
   `[5]`), and the game's new messages to the player since its last turn become the next user message
@@ -283,6 +285,7 @@ class TextArenaEnv(SyncEnvironment):
         seat: int = 0,
         max_turns: int | None = None,
         step_timeout_s: float = 10.0,
+        action_formatting: bool = True,
     ) -> None:
         self.info = game_info(env_id)
         if self.info.unavailable is not None:
@@ -300,6 +303,8 @@ class TextArenaEnv(SyncEnvironment):
         self.kwargs = dict(kwargs or {})
         self.seat = seat
         self.make_opponent = _opponent_factory(opponent) if opponent is not None else None
+        self.action_formatting = action_formatting
+        self._action_wrappers: list[Any] = []
         game = self._make()  # bad kwargs and broken game modules fail here, at configuration time
         game_turns = getattr(game, "max_turns", None)
         if max_turns is None:
@@ -330,9 +335,19 @@ class TextArenaEnv(SyncEnvironment):
             raise ValueError(f"textarena/{self.env_id} rejects kwargs {self.kwargs!r}: {exc}") from None
         except Exception as exc:  # a game module that does not import (a syntax error in the library)
             raise ValueError(f"textarena/{self.env_id} cannot be made: {exc!r}") from None
+        actions = []
         while isinstance(game, library.Wrapper):
+            if isinstance(game, library.ActionWrapper):
+                actions.append(game)  # outermost first: the order step() would apply them in
             game = game.env
+        self._action_wrappers = actions if self.action_formatting else []
         return game
+
+    def _act(self, text: str) -> str:
+        """The move as the game's registered action wrappers would pass it on."""
+        for wrapper in self._action_wrappers:
+            text = wrapper.action(text)
+        return text
 
     @contextlib.contextmanager
     def _own_rng(self) -> Iterator[None]:
@@ -397,7 +412,7 @@ class TextArenaEnv(SyncEnvironment):
             _, messages = game.get_observation()
             self._opponent_log.extend(messages)
             action = self._opponent(_format(self._opponent_log, 1 - self.seat, -1))
-            self._done, _ = game.step(action)
+            self._done, _ = game.step(self._act(action))
         raise EnvError(f"textarena/{self.env_id}: the opponent moved 1000 times in a row")
 
     def _observe(self) -> str:
@@ -414,7 +429,7 @@ class TextArenaEnv(SyncEnvironment):
         self._steps += 1
         try:
             with self._own_rng():
-                self._done, _ = self._game.step(action.text)
+                self._done, _ = self._game.step(self._act(action.text))
                 self._play_others()
                 if self._done:
                     rewards, game_info = self._game.close()

@@ -131,12 +131,22 @@ def test_textarena_guess_the_number_plays_to_the_games_own_end_and_reward() -> N
     assert env.spec.max_turns == 8  # twice the game's limit: an invalid move does not count as a game turn
 
 
+def test_textarena_registered_action_formatting_applies_unless_turned_off() -> None:
+    env = sync_env("textarena/GuessTheNumber-v0", kwargs={"max_number": 4})
+    env.reset(next(env.tasks(0)))
+    wrapped = env.step(Action("2"))  # ActionFormattingWrapper: "2" -> "[2]", a valid guess
+    assert wrapped.done or "The target number is" in wrapped.messages[0]["content"]
+    raw = sync_env("textarena/GuessTheNumber-v0", kwargs={"max_number": 4}, action_formatting=False)
+    raw.reset(next(raw.tasks(0)))
+    assert "invalid move" in raw.step(Action("2")).messages[0]["content"]
+
+
 def test_textarena_invalid_moves_are_the_games_business() -> None:
     env = sync_env("textarena/GuessTheNumber-v0")
     env.reset(next(env.tasks(1)))
-    first = env.step(Action("no brackets"))
+    first = env.step(Action("[no number]"))
     assert not first.done and "invalid move" in first.messages[0]["content"]
-    second = env.step(Action("still none"))
+    second = env.step(Action("[still none]"))
     assert second.done and second.outcome == 0.0 and second.info["invalid_move"] is True
 
 

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
+from envs.agent import AgentEnvironment
 from envs.api import (
     MESSAGE_ROLES,
     Action,
@@ -485,6 +486,14 @@ async def check_env(
         probe = factory(**options)
     except Exception as exc:
         return _aborted(label, episodes, seed, f"factory(**{options!r}) failed: {exc!r}")
+    if isinstance(probe, AgentEnvironment):
+        return _aborted(
+            label,
+            episodes,
+            seed,
+            "an agent environment: its episodes are the agent's own program talking to a model, which env "
+            "check has not got; run a few steps of `rollwise run` instead (docs/plugins.md, section 6)",
+        )
     spec: Any = getattr(probe, "spec", None)
     if not isinstance(spec, EnvSpec):
         return _aborted(label, episodes, seed, f"spec is {type(spec).__name__}, not EnvSpec")

@@ -319,6 +319,7 @@ class TextArenaEnv(SyncEnvironment):
             episode_timeout_s=max(120.0, step_timeout_s * max_turns),
         )
         self._game: Any = None
+        self._spare: Any = game  # made once already: the first reset uses it (some games load word lists)
         self._opponent: Opponent | None = None
         self._opponent_log: list[Any] = []
         self._rng_state: Any = None
@@ -381,7 +382,7 @@ class TextArenaEnv(SyncEnvironment):
     def reset(self, task: Task) -> list[Message]:
         self.close()
         seed = int(task.seed)
-        self._game = self._make()
+        self._game, self._spare = (self._spare if self._spare is not None else self._make()), None
         self._rng_state = random.Random(seed).getstate()
         numpy = sys.modules.get("numpy")
         if numpy is not None:

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import itertools
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -24,10 +25,12 @@ from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.engine.protocol import SamplingParams
 from pipeline.run_dir import RunDir, is_model_dir
+from pipeline.transport.spool import SpoolWriter, spool_depth
 
 if TYPE_CHECKING:
     from pipeline.actors.openai_endpoint import OpenAIEndpoint
-from pipeline.transport.spool import SpoolWriter, spool_depth
+
+log = logging.getLogger("rollwise.supervisor")
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ async def start_openai_endpoint(
 
     endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=settings)
     await endpoint.start()
+    log.info("OpenAI endpoint (agent episodes, judges) on %s", endpoint.base_url)
     set_run_endpoint(endpoint.base_url, endpoint.service_key)
     judge_metrics.install()
     return endpoint

@@ -78,6 +78,7 @@ def test_name_collision_names_both_distributions(monkeypatch: pytest.MonkeyPatch
         ("solo", "envs.grid_nav:GridNavEnv", "pkg-beta"),
     )
     monkeypatch.setattr(discovery, "_group_entry_points", lambda: rows)
+    monkeypatch.setattr(discovery, "_family_entry_points", list)
     with pytest.raises(EnvDiscoveryError, match="declared by several distributions") as caught:
         resolve_env("dup")
     assert "pkg-alpha" in str(caught.value) and "pkg-beta" in str(caught.value)

@@ -246,6 +246,13 @@ class OpenAIEndpoint:
             return "env_error", invalid
         return ("length" if session.last_engine_finish == "length" else "stop"), None
 
+    def _overridden(self, chat: ChatRequest) -> list[str]:
+        """The sampling parameters an episode request set that the run's config replaces."""
+        run = self.settings.sampling
+        asked = {"temperature": (chat.temperature, run.temperature), "top_p": (chat.top_p, run.top_p)}
+        names = [name for name, (value, used) in asked.items() if value is not None and value != used]
+        return [*names, "seed"] if chat.seed is not None else names
+
     # ------------------------------------------------------------------ service requests
     async def _service_complete(self, request: ChatRequest) -> Completion:
         try:
@@ -364,9 +371,7 @@ class OpenAIEndpoint:
                     code="model_not_found",
                 )
             if session is not None:
-                clamped = [
-                    name for name in ("temperature", "top_p", "seed") if getattr(chat, name) is not None
-                ]
+                clamped = self._overridden(chat)
                 completion = await session.complete(chat)
                 completion_id = f"chatcmpl-{session.episode_id}-t{session.num_turns - 1}"
             else:

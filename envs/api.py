@@ -23,7 +23,8 @@ Message = dict[str, Any]
 """A chat message: ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``, optional ``"name"``."""
 
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
-ENV_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# One optional "/" separates a family from its member: "textarena/GuessTheNumber-v0" (see EnvFamily).
+ENV_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
 def is_finite_number(value: object) -> bool:
@@ -36,7 +37,13 @@ def is_finite_number(value: object) -> bool:
 
 
 class EnvError(Exception):
-    """The environment itself failed (not the agent): the episode is excluded from training."""
+    """The environment itself failed (not the agent): the episode is excluded from training.
+
+    ``kind`` is the reason the runner counts it under (``rollwise_env_errors_total{kind}``); subclasses
+    for a known cause set one of the runner's kinds (e.g. ``envs.judge.JudgeError``: "judge").
+    """
+
+    kind: str = "error"
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,33 @@ class Environment(ABC):
         """The text an ideal agent would send next, given the hidden state; None if not provided."""
         return None
 
+    def gold_unavailable(self) -> str | None:
+        """Why `gold_action()` gives None (e.g. "the library has no solver"), for `env check`; optional."""
+        return None
+
 
 EnvFactory = Callable[..., Environment]
 """``factory(**options) -> Environment``: makes one instance per episode (a class is a factory)."""
+
+
+@dataclass(frozen=True)
+class FamilyMember:
+    """One environment of a family; ``note`` says what it needs or why it cannot run here ("" if nothing)."""
+
+    name: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class EnvFamily:
+    """Many environments behind one entry point (group ``rollwise.env_families``), named ``family/member``:
+    the adapters for environment libraries (``reasoning-gym/<dataset>``, ``textarena/<EnvId>``).
+
+    ``factory_for(member)`` returns the member's factory, or raises ValueError (unknown or unusable member,
+    naming why) or ImportError (the library is not installed); ``members()`` lists what the library offers.
+    Both may import the library; listing entry points does not call them.
+    """
+
+    name: str
+    factory_for: Callable[[str], EnvFactory]
+    members: Callable[[], list[FamilyMember]]

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
+from envs.agent import AgentEnvironment
 from envs.api import (
     MESSAGE_ROLES,
     Action,
@@ -410,13 +411,17 @@ async def _check_reset(
     )
 
 
-async def _has_gold_policy(factory: EnvFactory, options: dict[str, Any], task: Task, spec: EnvSpec) -> bool:
+async def _has_gold_policy(
+    factory: EnvFactory, options: dict[str, Any], task: Task, spec: EnvSpec
+) -> tuple[bool, str | None]:
+    """Whether the env offers a gold action after reset, and its `gold_unavailable` reason when not."""
     env = factory(**options)
     try:
         await asyncio.wait_for(env.reset(task), spec.step_timeout_s)
-        return env.gold_action() is not None
+        reason = env.gold_unavailable() if hasattr(env, "gold_unavailable") else None
+        return env.gold_action() is not None, reason
     except Exception:
-        return False  # reset failures are reported by the episode phases
+        return False, None  # reset failures are reported by the episode phases
     finally:
         with contextlib.suppress(Exception):  # close failures are reported by the episode phases
             await asyncio.wait_for(env.close(), spec.step_timeout_s)
@@ -481,6 +486,14 @@ async def check_env(
         probe = factory(**options)
     except Exception as exc:
         return _aborted(label, episodes, seed, f"factory(**{options!r}) failed: {exc!r}")
+    if isinstance(probe, AgentEnvironment):
+        return _aborted(
+            label,
+            episodes,
+            seed,
+            "an agent environment: its episodes are the agent's own program talking to a model, which env "
+            "check has not got; run a few steps of `rollwise run` instead (docs/plugins.md, section 6)",
+        )
     spec: Any = getattr(probe, "spec", None)
     if not isinstance(spec, EnvSpec):
         return _aborted(label, episodes, seed, f"spec is {type(spec).__name__}, not EnvSpec")
@@ -500,7 +513,8 @@ async def check_env(
         await _check_reset(factory, options, tasks, spec, findings)
         random_eps = await _run_phase("random", factory, options, tasks, random_action, seed, findings, spec)
         stats.update(_policy_stats("random", random_eps))
-        if await _has_gold_policy(factory, options, tasks[0], spec):
+        has_gold, no_gold_reason = await _has_gold_policy(factory, options, tasks[0], spec)
+        if has_gold:
             gold_eps = await _run_phase(
                 "gold", factory, options, tasks, gold_policy_action, seed, findings, spec
             )
@@ -511,7 +525,8 @@ async def check_env(
                 )
             findings.notes["gold_policy_scores"] = f"gold mean outcome {stats['gold_mean_outcome']:.3f}"
         else:
-            findings.notes["gold_policy_scores"] = "no gold policy (gold_action() is None): skipped"
+            why = f": {no_gold_reason}" if no_gold_reason else ""
+            findings.notes["gold_policy_scores"] = f"no gold policy (gold_action() is None{why}): skipped"
     await _close_twice(probe, "probe instance", spec.step_timeout_s, findings)
     await _collect_leaked_tasks(tasks_before, findings)
     _collect_leaked_threads(threads_before, findings)

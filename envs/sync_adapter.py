@@ -50,6 +50,10 @@ class SyncEnvironment(ABC):
         """The text an ideal agent would send next, given the hidden state; None if not provided."""
         return None
 
+    def gold_unavailable(self) -> str | None:
+        """Why `gold_action()` gives None, for `env check`; optional."""
+        return None
+
 
 def shared_executor(max_workers: int = DEFAULT_MAX_WORKERS) -> ThreadPoolExecutor:
     """The process-wide pool with ``max_workers`` threads (created on first use, then reused)."""
@@ -100,6 +104,9 @@ class AsyncAdapter(Environment):
 
     def gold_action(self) -> str | None:
         return self.sync_env.gold_action()
+
+    def gold_unavailable(self) -> str | None:
+        return self.sync_env.gold_unavailable()
 
 
 def as_async_factory(

@@ -72,6 +72,15 @@ def parse_none(text: str) -> Action:
 PARSERS: dict[str, ToolParser] = {"hermes": parse_hermes, "none": parse_none}
 
 
+def text_without_calls(text: str, parser: str = "hermes") -> str:
+    """`text` without the tool-call markup `parser` reads (an OpenAI message's `content` next to its
+    parsed `tool_calls`), stripped of surrounding whitespace."""
+    get_parser(parser)
+    if parser == "hermes":
+        return _HERMES_BLOCK.sub("", text).strip()
+    return text.strip()
+
+
 def get_parser(name: str) -> ToolParser:
     """The parser registered as `name`; ValueError naming the known parsers otherwise."""
     try:

@@ -564,6 +564,38 @@ def reliability() -> DashboardSpec:
             ],
         )
     )
+    d.rows.append(
+        (
+            "Agents (OpenAI endpoint)",
+            [
+                PanelSpec(
+                    "OpenAI endpoint requests",
+                    "rate(rollwise_openai_requests_total) by route (episode = an agent's, service = a "
+                    "judge's) and status (ok, rejected = 4xx, engine_error).",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (route, status) (rate(rollwise_openai_requests_total{{{SEL}}}[{RI}]))",
+                            "{{route}} {{status}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "OpenAI endpoint latency",
+                    "rollwise_openai_request_duration_seconds by route: render, engine round trip, reply.",
+                    "s",
+                    quantiles("rollwise_openai_request_duration_seconds", SEL, by="route", qs=(0.5, 0.99)),
+                ),
+                PanelSpec(
+                    "Agent trajectory splits",
+                    "rate(rollwise_agent_segments_total): agent requests whose prompt did not extend the "
+                    "episode's token buffer (history rewritten), each a new segment.",
+                    "ops",
+                    (q(f"sum by (env) (rate(rollwise_agent_segments_total{{{SEL_ENV}}}[{RI}]))", "{{env}}"),),
+                ),
+            ],
+        )
+    )
     return d
 
 

@@ -39,3 +39,32 @@ async def test_echo_env_ends_after_its_turns() -> None:
     second = await env.step(Action(text="ho"))
     assert (first.done, first.messages) == (False, [{"role": "user", "content": "hi"}])
     assert (second.done, second.outcome) == (True, 1.0)
+
+
+def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "--agent",
+        "--episodes",
+        "6",
+        "--turns",
+        "2",
+        "--group-size",
+        "3",
+        "--repeats",
+        "1",
+        "--no-pin",
+        "--json",
+    ]
+    assert actors.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    # The same 6 x 2 conversation on each side; an agent side that split a trajectory would have raised.
+    assert [report[side]["turns"] for side in ("native", "sdk", "http")] == [12, 12, 12]
+    for side in ("sdk", "http"):
+        assert report[f"ratio_{side}"] == pytest.approx(
+            report[side]["turns_per_s"] / report["native"]["turns_per_s"]
+        )
+    assert report["meets_goal"] == (report["ratio_http"] >= 0.5)
+    text = actors.format_agent_report(report)
+    assert "agent, openai SDK client" in text and "agent/native turns/s" in text

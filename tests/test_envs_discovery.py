@@ -78,6 +78,7 @@ def test_name_collision_names_both_distributions(monkeypatch: pytest.MonkeyPatch
         ("solo", "envs.grid_nav:GridNavEnv", "pkg-beta"),
     )
     monkeypatch.setattr(discovery, "_group_entry_points", lambda: rows)
+    monkeypatch.setattr(discovery, "_family_entry_points", list)
     with pytest.raises(EnvDiscoveryError, match="declared by several distributions") as caught:
         resolve_env("dup")
     assert "pkg-alpha" in str(caught.value) and "pkg-beta" in str(caught.value)
@@ -133,13 +134,14 @@ def test_main_list_prints_table_and_json(capsys: pytest.CaptureFixture[str]) -> 
     assert main_list(["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["name"] for row in rows} >= BUILTIN_NAMES
-    assert set(rows[0]) == {"name", "value", "distribution", "version"}
+    assert set(rows[0]) == {"name", "value", "distribution", "version", "note"}
 
 
 def test_main_list_with_nothing_installed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(discovery, "_group_entry_points", list)
+    monkeypatch.setattr(discovery, "_family_entry_points", list)
     assert main_list([]) == 0
     assert "no environments installed" in capsys.readouterr().out
     with pytest.raises(EnvDiscoveryError, match="available: none installed"):

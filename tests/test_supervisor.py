@@ -8,6 +8,7 @@ import io
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +20,7 @@ from pipeline.daemon.children import Backoff, Child, ChildSpec, keep_running
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.progress import JsonProgress, Totals, status_between
 from pipeline.daemon.supervisor import main_run, step_line
-from pipeline.daemon.wiring import initial_accepted, resolve_config
+from pipeline.daemon.wiring import initial_accepted, resolve_config, rollout_settings
 from pipeline.engine.launch import engine_argv, plan_engines
 from pipeline.observability import metrics
 from pipeline.observability.learner_metrics import record_step
@@ -380,8 +381,12 @@ async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
         sup.version = 24  # what publish() leaves behind for versions 23 and 24
         sup.on_dropped(seq=45, reason="stale")
 
+    async def endpoint(engine: object, tokenizer: object, cfg: object) -> object:
+        return types.SimpleNamespace(settings=rollout_settings(setup.cfg))
+
     loop = asyncio.get_running_loop()
     monkeypatch.setattr(supervisor_module, "load_tokenizer", slow_tokenizer)
+    monkeypatch.setattr(supervisor_module, "start_openai_endpoint", endpoint)
     sup.version = 22
     ready = events.Ready(version=22, step=22, consumed_seq=44, path=str(tmp_path))
     scheduler, _ = await asyncio.gather(sup.start_scheduler(ready), learner_events_meanwhile())

@@ -418,10 +418,48 @@ class ChatBuffer:
         """
         if self._turn_text is None:
             raise RuntimeError("add_env_messages called before finish_turn")
-        if self._fast is not None and not all(_renderable_fast(m) for m in new_messages):
+        return self._extend([*self.messages, *new_messages], new_messages, turn, max_tokens)
+
+    def add_conversation(
+        self,
+        conversation: Sequence[Message],
+        turn: int,
+        max_tokens: int,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> ExtendOutcome:
+        """Continue the buffer with `conversation`, the whole history the next prompt renders, as an
+        OpenAI-style client sends it with every request (`add_env_messages` is the case where it is
+        `self.messages` plus the reply). Same outcomes and same rule as `add_env_messages`: the segment
+        is extended only when the rendering starts with exactly what the engine saw and produced so far;
+        a history the client rewrote, or `tools` that differ from this buffer's, start a new segment.
+        On "overflow", or when the template cannot render the conversation (it raises), nothing changes.
+        """
+        if self._turn_text is None:
+            raise RuntimeError("add_conversation called before finish_turn")
+        new_tools = (list(tools) or None) if tools is not None else self.tools
+        if new_tools == self.tools:
+            return self._extend(list(conversation), conversation, turn, max_tokens)
+        previous = self.tools, self._fast
+        self.tools, self._fast = new_tools, None  # the fast renderer has the tools baked in
+        try:
+            outcome = self._extend(list(conversation), conversation, turn, max_tokens)
+        except BaseException:
+            self.tools, self._fast = previous
+            raise
+        if outcome == "overflow":
+            self.tools, self._fast = previous
+        return outcome
+
+    def _extend(
+        self, conversation: list[Message], unchecked: Sequence[Message], turn: int, max_tokens: int
+    ) -> ExtendOutcome:
+        """Render `conversation` (its `unchecked` messages not yet vetted for the fast renderer) and append
+        the new tokens, or start a new segment; see `add_env_messages`."""
+        if self._fast is not None and not all(_renderable_fast(m) for m in unchecked):
             self._fast = None  # the wrapper normalises such messages; keep its exact behaviour
-        conversation = [*self.messages, *new_messages]
         rendered = self._render(conversation)
+        assert self._turn_text is not None  # both public callers checked it
         expected_prefix = self._text + self._turn_text
         if rendered.startswith(expected_prefix):
             suffix_ids = self._encode(rendered[len(expected_prefix) :])

@@ -53,7 +53,8 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from envs.api import EnvFactory, Environment, StepResult, Task, is_finite_number
+from envs.agent import AgentEnvironment
+from envs.api import EnvError, EnvFactory, Environment, StepResult, Task, is_finite_number
 from envs.toolcalls import get_parser
 from learner.schema import TRAINABLE_FINISH_REASONS, EpisodeSegment, segments_to_batch
 from pipeline.actors.chat import ChatBuffer, ChatTokenizer
@@ -77,6 +78,14 @@ class GenerateEngine(Protocol):
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
     ) -> GenerateResult: ...
+
+
+class AgentRunner(Protocol):
+    """Runs the episodes of agent-function environments (pipeline.actors.openai_endpoint.OpenAIEndpoint)."""
+
+    async def run_agent_episode(
+        self, env: AgentEnvironment, task: Task, *, episode_id: str, group_id: str, env_name: str
+    ) -> EpisodeOutcome: ...
 
 
 @dataclass(frozen=True)
@@ -290,6 +299,13 @@ def _engine_error_kind(exc: EngineError) -> str:
     return "error"
 
 
+def error_kind(exc: BaseException) -> str:
+    """The ENV_ERRORS kind of an exception an environment raised: an EnvError's own `kind` when it is one
+    of the known kinds (a bounded label set), else "error"."""
+    kind = getattr(exc, "kind", "error") if isinstance(exc, EnvError) else "error"
+    return kind if kind in metrics.ENV_ERROR_KINDS else "error"
+
+
 def _engine_failure(kind: str, message: str) -> _EpisodeEnded:
     metrics.ENGINE_ERRORS.labels(engine=ENGINE_LABEL, kind=kind).inc()
     return _EpisodeEnded("engine_error", message)
@@ -350,7 +366,8 @@ class _EpisodeRun:
                 env_name, "timeout", "timeout", f"env.{what} exceeded step_timeout_s={self.step_timeout_s}"
             ) from exc
         except Exception as exc:
-            raise _env_failure(env_name, "error", "env_error", f"env.{what} raised {exc!r}") from exc
+            kind = error_kind(exc)
+            raise _env_failure(env_name, kind, "env_error", f"env.{what} raised {exc!r}") from exc
 
     async def play(self, task: Task) -> str:
         spec = self.env.spec
@@ -432,9 +449,10 @@ class _EpisodeRun:
             out.append(number)
         return out
 
-    async def _generate_turn(self, chat: ChatBuffer, turn: int) -> str:
-        """Generate turn `turn` into the buffer; returns how the turn ended: "stop" or "length"."""
-        max_new = self.settings.sampling.max_new_tokens
+    async def _generate_turn(self, chat: ChatBuffer, turn: int, max_new_tokens: int | None = None) -> str:
+        """Generate turn `turn` into the buffer (at most `max_new_tokens`, default the sampling config's);
+        returns how the turn ended: "stop" or "length"."""
+        max_new = self.settings.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         produced = 0
         engine_s = 0.0
         attempt = 0
@@ -621,11 +639,13 @@ async def run_group(
     group_id: str,
     env_name: str,
     env_options: Mapping[str, Any] | None = None,
+    agent_runner: AgentRunner | None = None,
 ) -> GroupOutcome:
     """Run `group_size` episodes of `task` concurrently, each with its own `factory(**env_options)`.
 
-    Episode ids are `"{group_id}-{i}"`. If the runner itself fails (a bug, not an env or engine
-    failure), the other episodes are cancelled and the error propagates.
+    Episode ids are `"{group_id}-{i}"`. An `AgentEnvironment`'s episodes are run by `agent_runner` (its
+    agent function against the OpenAI endpoint); without one they fail as env_error. If the runner itself
+    fails (a bug, not an env or engine failure), the other episodes are cancelled and the error propagates.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -637,6 +657,14 @@ async def run_group(
             env = factory(**options)
         except Exception as exc:
             return _failed_to_start(episode_id, group_id, task, env_name, f"env factory raised {exc!r}")
+        if isinstance(env, AgentEnvironment):
+            if agent_runner is None:
+                await _close_env(env, env_name)
+                message = "an agent environment needs an OpenAI endpoint (agent_runner), and none was given"
+                return _failed_to_start(episode_id, group_id, task, env_name, message)
+            return await agent_runner.run_agent_episode(
+                env, task, episode_id=episode_id, group_id=group_id, env_name=env_name
+            )
         return await run_episode(
             engine,
             tokenizer,

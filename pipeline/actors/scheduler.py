@@ -51,7 +51,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -59,11 +59,17 @@ from envs.api import EnvFactory, Task
 from learner.durable import storage_fault_kind, storage_retry_delays
 from pipeline.actors.admission import AdmissionController
 from pipeline.actors.chat import ChatTokenizer
-from pipeline.actors.rollout import GenerateEngine, RolloutSettings, run_group
+from pipeline.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
 from pipeline.observability import metrics
 from pipeline.transport.spool import SpoolEntry, SpoolWriter
 
 log = logging.getLogger(__name__)
+
+
+class AgentEndpoint(AgentRunner, Protocol):
+    """The agent runner the scheduler owns (pipeline.actors.openai_endpoint.OpenAIEndpoint)."""
+
+    async def close(self) -> None: ...
 
 
 class GroupScheduler:
@@ -88,8 +94,11 @@ class GroupScheduler:
         failure_backoff_s: tuple[float, float] = (0.05, 2.0),
         notify: Callable[[str], None] | None = None,
         storage_retry_s: tuple[float, float] = (0.5, 10.0),
+        agent_endpoint: AgentEndpoint | None = None,
     ) -> None:
         self.engine = engine
+        # Runs agent-function episodes (pipeline.actors.openai_endpoint); owned: drain() closes it.
+        self.agent_endpoint = agent_endpoint
         self.tokenizer = tokenizer
         self.factory = factory
         self.env_name = env_name
@@ -244,6 +253,7 @@ class GroupScheduler:
                 group_id=group_id,
                 env_name=self.env_name,
                 env_options=self.env_options,
+                agent_runner=self.agent_endpoint,
             )
             self._note_outcome(group_id, any(ep.trainable for ep in outcome.episodes))
             self.episodes_finished += len(outcome.episodes)
@@ -367,4 +377,6 @@ class GroupScheduler:
                     grace_s,
                 )
             await asyncio.gather(*writes, return_exceptions=True)
+        if self.agent_endpoint is not None:
+            await self.agent_endpoint.close()
         return self.written - written_before, self.cancelled - cancelled_before

@@ -14,6 +14,13 @@ Reported: turns/s of each side and their ratio (goal >= 0.5), actor CPU time per
 of the two, which is what turns/s would show if both sides were CPU-bound; unlike wall-clock rates it
 hardly moves when other processes load the machine), and the per-turn overhead distribution (p50/p99
 of a turn's wall time minus its /generate round trip).
+
+`--agent` compares instead, in the same process and against the same instant server, the native runner
+with agent-function episodes of the same conversation (pipeline.actors.openai_endpoint): an echo agent
+that sends T chat completions through the in-process OpenAI endpoint, each one rendered, recorded and
+generated like a native turn. Two agents: one calls `client.chat.completions.create` (the openai SDK:
+its request building and response models run on the same core), one posts the same JSON with aiohttp
+to the episode's base URL (what the endpoint itself costs). Goal: agent turns/s >= 0.5x native.
 """
 
 from __future__ import annotations
@@ -273,6 +280,99 @@ async def runner_side(
     )
 
 
+async def agent_side(
+    url: str, tokenizer: Any, episodes: int, turns: int, group_size: int, connections: int, *, client: str
+) -> RunnerResult:
+    """`episodes` echo-agent episodes (groups of `group_size`) through the OpenAI endpoint; `client` is
+    "sdk" (openai.AsyncOpenAI) or "http" (aiohttp posts to the episode's base URL)."""
+    from envs.agent import POLICY_MODEL, AgentEnvironment
+    from pipeline.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.actors.rollout import GroupOutcome, RolloutSettings, run_group
+    from pipeline.engine.client import EngineClient
+    from pipeline.engine.pool import EnginePool
+    from pipeline.engine.protocol import SamplingParams
+
+    settings = RolloutSettings(
+        sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(int(tokenizer.eos_token_id),)),
+        max_context_tokens=100_000,
+    )
+    pool = EnginePool([EngineClient(url, max_connections=connections, retries=0, connect_timeout_s=60.0)])
+    endpoint = OpenAIEndpoint(engine=pool, tokenizer=tokenizer, settings=settings)
+    await endpoint.start()
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=connections, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=600),
+    )
+
+    async def complete(api: Any, messages: list[dict[str, str]]) -> str:
+        if client == "sdk":
+            response = await api.chat.completions.create(model=POLICY_MODEL, messages=messages)
+            return str(response.choices[0].message.content)
+        body = {"model": POLICY_MODEL, "messages": messages}
+        headers = {"Authorization": f"Bearer {api.api_key}"}
+        async with http.post(f"{api.base_url}chat/completions", json=body, headers=headers) as reply:
+            reply.raise_for_status()
+            return str((await reply.json())["choices"][0]["message"]["content"])
+
+    async def echo_agent(api: Any, task: Task) -> float:
+        messages = [{"role": "user", "content": ECHO_PROMPT}]
+        for _ in range(turns):
+            text = await complete(api, messages)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": text}]
+        return 1.0
+
+    def tasks(seed: int) -> Iterator[Task]:
+        while True:
+            yield Task(id="echo-0", seed=0, data={})
+
+    task = Task(id="echo-0", seed=0, data={})
+    sizes = [group_size] * (episodes // group_size) + (
+        [episodes % group_size] if episodes % group_size else []
+    )
+
+    async def group(index: int) -> GroupOutcome:
+        outcome = await run_group(
+            pool,
+            tokenizer,
+            lambda: AgentEnvironment(echo_agent, tasks, max_turns=turns, episode_timeout_s=600.0),
+            task,
+            settings,
+            group_size=sizes[index],
+            group_id=f"a{index}",
+            env_name="echo-agent",
+            agent_runner=endpoint,
+        )
+        outcome.to_record_batch()
+        return outcome
+
+    try:
+        cpu, start = time.process_time(), time.perf_counter()
+        outcomes = await asyncio.gather(*(group(i) for i in range(len(sizes))))
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        await http.close()
+        await endpoint.close()
+        await pool.close()
+    eps = [ep for g in outcomes for ep in g.episodes]
+    bad = [ep for ep in eps if ep.finish_reason != "stop" or ep.num_segments != 1]
+    if bad:
+        first = f"{bad[0].finish_reason} ({bad[0].num_segments} segments): {bad[0].error}"
+        raise RuntimeError(f"{len(bad)} agent bench episodes were not one clean trajectory; first: {first}")
+    overheads = sorted(
+        wall - engine for ep in eps for wall, engine in zip(ep.turn_seconds, ep.engine_seconds, strict=True)
+    )
+    engine_times = sorted(s for ep in eps for s in ep.engine_seconds)
+    return RunnerResult(
+        turns=sum(ep.num_turns for ep in eps),
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
+        overhead_p50_us=1e6 * _quantile(overheads, 0.5),
+        overhead_p99_us=1e6 * _quantile(overheads, 0.99),
+        engine_p50_us=1e6 * _quantile(engine_times, 0.5),
+        payload_sizes=[],
+    )
+
+
 def _turn_starts(loss_mask: Sequence[int], i: int) -> bool:
     """True where a generated run starts after context tokens (the request was sent with i tokens)."""
     return loss_mask[i] == 1 and loss_mask[i - 1] == 0
@@ -343,6 +443,79 @@ async def _measure(args: argparse.Namespace, url: str, tokenizer: Any) -> dict[s
     }
 
 
+async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> dict[str, Any]:
+    """Native runner vs the echo agent through the endpoint (sdk and http clients), alternating rounds;
+    each side reports its best round."""
+    # Warm-up: connections, template compilation, the SDK's first-use costs.
+    await runner_side(url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections)
+    for kind in ("sdk", "http"):
+        await agent_side(
+            url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections, client=kind
+        )
+    rounds: dict[str, list[RunnerResult]] = {"native": [], "sdk": [], "http": []}
+    for _ in range(args.repeats):
+        rounds["native"].append(
+            await runner_side(url, tokenizer, args.episodes, args.turns, args.group_size, args.connections)
+        )
+        for kind in ("sdk", "http"):
+            rounds[kind].append(
+                await agent_side(
+                    url, tokenizer, args.episodes, args.turns, args.group_size, args.connections, client=kind
+                )
+            )
+    best = {side: max(results, key=lambda r: r.turns_per_s) for side, results in rounds.items()}
+    report: dict[str, Any] = {
+        "mode": "agent",
+        "episodes": args.episodes,
+        "turns_per_episode": args.turns,
+        "group_size": args.group_size,
+        "connections": args.connections,
+        "repeats": args.repeats,
+        "rounds_turns_per_s": {
+            side: [round(r.turns_per_s, 1) for r in results] for side, results in rounds.items()
+        },
+        "goal_ratio": GOAL_RATIO,
+    }
+    for side, result in best.items():
+        report[side] = asdict(result) | {
+            "turns_per_s": result.turns_per_s,
+            "cpu_us_per_turn": result.cpu_us_per_turn,
+        }
+    for side in ("sdk", "http"):
+        report[f"ratio_{side}"] = best[side].turns_per_s / best["native"].turns_per_s
+        report[f"cpu_ratio_{side}"] = best["native"].cpu_us_per_turn / best[side].cpu_us_per_turn
+    report["meets_goal"] = report["ratio_http"] >= GOAL_RATIO
+    report["sdk_meets_goal"] = report["ratio_sdk"] >= GOAL_RATIO
+    return report
+
+
+def format_agent_report(report: dict[str, Any]) -> str:
+    lines = [
+        f"rollwise bench actors --agent: {report['episodes']} concurrent episodes"
+        f" x {report['turns_per_episode']} turns, groups of {report['group_size']}, instant fake SGLang"
+        f" (server core {report.get('server_core')}, actor core {report.get('actor_core')})",
+        "",
+        f"{'side':<26}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}{'ovh p50 us':>12}",
+    ]
+    names = {"native": "native runner", "sdk": "agent, openai SDK client", "http": "agent, aiohttp client"}
+    for side, name in names.items():
+        r = report[side]
+        lines.append(
+            f"{name:<26}{r['turns']:>9}{r['seconds']:>10.2f}{r['turns_per_s']:>11.0f}{r['cpu_us_per_turn']:>13.0f}"
+            f"{r['overhead_p50_us']:>12.0f}"
+        )
+    lines += [
+        "",
+        f"rounds (turns/s): {report['rounds_turns_per_s']}",
+        f"agent/native turns/s: aiohttp client {report['ratio_http']:.2f} (goal >= {report['goal_ratio']}: "
+        f"{'met' if report['meets_goal'] else 'MISSED'}), openai SDK client {report['ratio_sdk']:.2f} "
+        f"({'met' if report['sdk_meets_goal'] else 'missed'}); CPU-bound ratios"
+        f" {report['cpu_ratio_http']:.2f} / {report['cpu_ratio_sdk']:.2f}",
+        "overhead = the endpoint's time for a request minus its /generate round trip (render, record, reply)",
+    ]
+    return "\n".join(lines)
+
+
 def format_report(report: dict[str, Any]) -> str:
     bare, runner = report["bare"], report["runner"]
     lines = [
@@ -382,16 +555,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--require-goal", action="store_true", help="exit 1 when the ratio misses the goal")
+    parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="native runner vs agent-function episodes through the OpenAI endpoint",
+    )
     args = parser.parse_args(argv)
     if min(args.episodes, args.turns, args.group_size, args.repeats, args.connections) < 1:
         parser.error("--episodes, --turns, --group-size, --repeats and --connections must be >= 1")
     tokenizer = load_tokenizer(args.model)
     output_ids = [*tokenizer.encode(MODEL_TEXT, add_special_tokens=False), int(tokenizer.eos_token_id)]
     actor_core, server_core = _cores(args)
+    measure = _measure_agent if args.agent else _measure
     with instant_server(output_ids, server_core) as url, pinned(actor_core):
-        report = asyncio.run(_measure(args, url, tokenizer))
+        report = asyncio.run(measure(args, url, tokenizer))
     report |= {"actor_core": actor_core, "server_core": server_core}
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    text = format_agent_report(report) if args.agent else format_report(report)
+    print(json.dumps(report, indent=2) if args.json else text)
     return 1 if args.require_goal and not report["meets_goal"] else 0
 
 

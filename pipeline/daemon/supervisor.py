@@ -46,6 +46,7 @@ from pipeline.daemon.wiring import (
     ensure_initial_model,
     load_tokenizer,
     resolve_config,
+    start_openai_endpoint,
 )
 from pipeline.observability import learner_metrics, metrics
 from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
@@ -198,12 +199,14 @@ class Supervisor:
 
     async def start_scheduler(self, ready: events.Ready) -> GroupScheduler:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.run_dir.initial_model)
+        endpoint = await start_openai_endpoint(self.engines.pool, tokenizer, self.cfg)
         # No await from here to the assignment: versions published and groups dropped until now are in
         # self.version and drops_before_scheduler; later ones reach the scheduler via on_learner_event.
         self.scheduler = build_scheduler(
             self.setup,
             engine=self.engines.pool,
             tokenizer=tokenizer,
+            agent_endpoint=endpoint,
             ready=ready,
             served_version=self.version,
             dropped_already=self.drops_before_scheduler,

@@ -5,15 +5,18 @@ before anything starts; the rest builds what the schedule in supervisor.py asks 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
 from learner import events
 from pipeline.actors.admission import AdmissionController
@@ -24,6 +27,11 @@ from pipeline.config import Config, ConfigError, check_exposed_ports, load_confi
 from pipeline.engine.protocol import SamplingParams
 from pipeline.run_dir import RunDir, is_model_dir
 from pipeline.transport.spool import SpoolWriter, spool_depth
+
+if TYPE_CHECKING:
+    from pipeline.actors.openai_endpoint import OpenAIEndpoint
+
+log = logging.getLogger("rollwise.supervisor")
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,11 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         env = factory(**cfg.env.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
+    if isinstance(env, AgentEnvironment) and importlib.util.find_spec("openai") is None:
+        raise ConfigError(
+            f"env.name: {cfg.env.name} is an agent environment, whose agent gets an openai.AsyncOpenAI "
+            "client; install the openai package (pip install 'rollwise[agents]')"
+        )
     if cfg.learner.action_prior_coef > 0.0 and not env.spec.action_hints:
         raise ConfigError(
             f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
@@ -120,6 +133,7 @@ def build_scheduler(
     *,
     engine: GenerateEngine,
     tokenizer: ChatTokenizer,
+    agent_endpoint: OpenAIEndpoint,
     ready: events.Ready,
     served_version: int,
     dropped_already: int,
@@ -144,7 +158,7 @@ def build_scheduler(
         factory=setup.env_factory,
         env_name=cfg.env.name,
         env_options=cfg.env.options,
-        settings=rollout_settings(cfg),
+        settings=agent_endpoint.settings,
         group_size=cfg.env.group_size,
         admission=AdmissionController(
             cfg.learner.batch_groups, cfg.async_.max_staleness, cfg.rollout.max_concurrent_groups
@@ -155,4 +169,20 @@ def build_scheduler(
         initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
         - dropped_already,
         notify=notify,
+        agent_endpoint=agent_endpoint,
     )
+
+
+async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Config) -> OpenAIEndpoint:
+    """The run's OpenAI endpoint on 127.0.0.1 (agent-function episodes; judges on the run's own engines,
+    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on."""
+    from envs.judge import set_run_endpoint
+    from pipeline.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.observability import judge_metrics
+
+    endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg))
+    await endpoint.start()
+    log.info("OpenAI endpoint (agent episodes, judges) on %s", endpoint.base_url)
+    set_run_endpoint(endpoint.base_url, endpoint.service_key)
+    judge_metrics.install()
+    return endpoint

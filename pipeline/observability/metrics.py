@@ -136,8 +136,54 @@ ENV_STEP_LATENCY = Histogram(
 )
 ENV_ERRORS = Counter(
     "rollwise_env_errors",
-    "Environment failures by kind (error, timeout, invalid).",
+    "Environment failures by kind (error, timeout, invalid, close; agent = an agent function raised; judge = "
+    "a judge could not score).",
     ["env", "kind"],
+    registry=REGISTRY,
+)
+
+# --- OpenAI endpoint (agent functions, judges on the run's engines) ---------------------------------
+OPENAI_REQUESTS = Counter(
+    "rollwise_openai_requests",
+    "Chat-completion requests to the in-process OpenAI endpoint, by route (episode = an agent's, recorded; "
+    "service = not recorded, e.g. a judge) and status (ok, rejected = 4xx, engine_error).",
+    ["route", "status"],
+    registry=REGISTRY,
+)
+OPENAI_REQUEST_LATENCY = Histogram(
+    "rollwise_openai_request_duration_seconds",
+    "Time the OpenAI endpoint took to answer a chat completion (render, engine round trip, response).",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+AGENT_SEGMENTS = Counter(
+    "rollwise_agent_segments",
+    "Agent requests whose rendered prompt did not extend the episode's token buffer (history rewritten or "
+    "truncated, tools changed): each starts a new trajectory segment.",
+    ["env"],
+    registry=REGISTRY,
+)
+
+# --- judges ------------------------------------------------------------------------------------------
+JUDGE_REQUESTS = Counter(
+    "rollwise_judge_requests",
+    "Judge model requests (attempts) by outcome: ok, timeout, connection, http, parse.",
+    ["judge", "status"],
+    registry=REGISTRY,
+)
+JUDGE_REQUEST_LATENCY = Histogram(
+    "rollwise_judge_request_duration_seconds",
+    "Latency of one judge request (attempt), whatever its outcome.",
+    ["judge"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+JUDGE_FAILURES = Counter(
+    "rollwise_judge_failures",
+    "Scores a judge could not give after its retries (the episode is excluded, never scored 0), by the "
+    "last attempt's reason.",
+    ["judge", "reason"],
     registry=REGISTRY,
 )
 
@@ -351,12 +397,15 @@ def init_long_run_label_values() -> None:
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
 FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
 ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
-ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close")
+ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "judge")
 DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update")
 QUARANTINE_KINDS = ("unreadable", "empty", "format", "schema")
 SKIP_REASONS = ("zero_advantage_groups", "nonfinite_updates")
 SYNC_PHASES = ("pause", "load", "continue")
 COMPONENTS = ("engine", "learner")
+OPENAI_ROUTES = ("episode", "service")
+OPENAI_STATUSES = ("ok", "rejected", "engine_error")
+JUDGE_STATUSES = ("ok", "timeout", "connection", "http", "parse")
 
 
 def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, ...] | list[str]) -> None:
@@ -403,6 +452,12 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
         WEIGHT_SYNCS.labels(status=status)
     for component in COMPONENTS:
         PROCESS_RESTARTS.labels(component=component)
+    for route in OPENAI_ROUTES:
+        OPENAI_REQUEST_LATENCY.labels(route=route)
+        for status in OPENAI_STATUSES:
+            OPENAI_REQUESTS.labels(route=route, status=status)
+    for env in envs:
+        AGENT_SEGMENTS.labels(env=env)
 
 
 # --- rollout fleet (pipeline/daemon/fleet_membership.py) --------------------------------------------------

@@ -66,9 +66,10 @@ def batches() -> list[list[TrainGroup]]:
     return steps
 
 
-# One AdamW update over three micro-batches (entropy bonus on, so the fused path's output-layer rows are
-# made after the root's forward), and a logits-path case with token-mean loss and a KL term (a sharded
-# frozen reference).
+# fp32: one AdamW update over three micro-batches (entropy bonus on, so the fused path's output-layer
+# rows are made after the root's forward). logits_kl: the logits path, token-mean loss, a KL term (a
+# sharded frozen reference) and three updates. recompute: activation checkpointing inside the FSDP units.
+# bf16_mixed: bf16 compute on fp32 shards (compared within bf16's precision).
 CASES: dict[str, dict[str, Any]] = {
     "fp32": {"mini_batches": 3, "grad_accum": 3, "entropy_coef": 0.01},
     "logits_kl": {
@@ -78,6 +79,8 @@ CASES: dict[str, dict[str, Any]] = {
         "kl_coef": 0.05,
         "mismatch": {"proximal": "engine", "is_weights": "none"},
     },
+    "recompute": {"mini_batches": 2, "gradient_checkpointing": True},
+    "bf16_mixed": {"mini_batches": 1, "precision": "bf16-mixed"},
 }
 
 

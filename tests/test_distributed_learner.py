@@ -7,7 +7,10 @@ each test then compares one of its results with the same work done here in one p
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +25,11 @@ from learner.trainer import _UpdateStats
 from pipeline.config import ConfigError, load_config
 from pipeline.daemon.learner_child import learner_child_spec
 from pipeline.run_dir import RunDir
+from pipeline.transport.spool import read_group_file
 from tests.distributed_step import CASES, batches, full_parameters, make_trainer, record_first_gradients
+from tests.test_run_e2e import REPO, TINY, DaemonRun, checkpoint_state, daemons, tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+__all__ = ["daemons", "tiny_model"]  # fixtures, used by name
 # fp32 on a CPU: the two sides sum the same terms in a different order. AdamW's first update divides each
 # gradient by its own magnitude, so a gradient entry near eps (1e-8) turns that rounding into up to ~lr x 1e-2
 # (measured 3.5e-7 at lr = 1e-4); every other entry moves by lr to within float rounding.
@@ -145,17 +150,23 @@ def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return {"out": out, **results}
 
 
+def _one_process(model_dir: Path, case: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """(parameters after, gradients of the first update, metrics) of the first batch's step here."""
+    single = make_trainer(model_dir, case, None)
+    grads = record_first_gradients(single)
+    metrics = single.step(batches()[0])
+    return full_parameters(single), grads, metrics
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case in CASES if case != "bf16_mixed"])
 def test_two_ranks_take_the_same_step_as_one_process(
     two_ranks: dict[str, Any], tiny_model_dir: Path, case: str
 ) -> None:
-    single = make_trainer(tiny_model_dir, case, None)
-    start = full_parameters(single)
-    grads = record_first_gradients(single)
-    metrics = single.step(batches()[0])
+    start = full_parameters(make_trainer(tiny_model_dir, case, None))
+    params, grads, metrics = _one_process(tiny_model_dir, case)
     sharded = two_ranks[case]
-    param_diff = _max_diff(full_parameters(single), sharded["params"])
+    param_diff = _max_diff(params, sharded["params"])
     grad_diff = _max_diff(grads, sharded["grads"])
     print(f"\n{case}: max |param difference| {param_diff:.3g}, max |gradient difference| {grad_diff:.3g}")
     assert param_diff <= PARAM_BOUND
@@ -165,6 +176,18 @@ def test_two_ranks_take_the_same_step_as_one_process(
         assert sharded["metrics"][key] == metrics[key], key
     for key in ("loss", "grad_norm", "mismatch_abs_mean", "kl_reference"):
         assert sharded["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.integration
+def test_bf16_mixed_computes_in_bf16_on_fp32_shards(two_ranks: dict[str, Any], tiny_model_dir: Path) -> None:
+    _, grads, metrics = _one_process(tiny_model_dir, "bf16_mixed")
+    sharded = two_ranks["bf16_mixed"]
+    assert {p.dtype for p in sharded["params"].values()} == {torch.float32}  # the master copy
+    scale = max(float(g.abs().max()) for g in grads.values())
+    grad_diff = _max_diff(grads, sharded["grads"])
+    print(f"\nbf16_mixed: max |gradient difference| {grad_diff:.3g} of max |gradient| {scale:.3g}")
+    assert 0.0 < grad_diff <= 0.05 * scale  # bf16 rounding (8-bit mantissa), not fp32's
+    assert sharded["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=0.05, abs=1e-3)
 
 
 @pytest.mark.integration
@@ -203,3 +226,80 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(
         straight.step(batch)
     assert _max_diff(two_ranks["resumed"]["params"], full_parameters(straight)) <= PARAM_BOUND
     assert two_ranks["resumed"]["metrics"]["optimizer_updates"] == 1.0
+
+
+# --------------------------------------------------------------------------------------------- daemon
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.extend(int(p) for p in (task / "children").read_text().split())
+    return found
+
+
+def _rank_pids(supervisor_pid: int) -> dict[int, int]:
+    """{rank: pid} of the learner's ranks: supervisor -> torchrun agent -> learner.worker processes."""
+    ranks: dict[int, int] = {}
+    for agent in _children(supervisor_pid):
+        if b"torch.distributed.run" not in Path(f"/proc/{agent}/cmdline").read_bytes():
+            continue
+        for worker in _children(agent):
+            environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+            rank = next(int(v[5:]) for v in environ if v.startswith(b"RANK="))
+            ranks[rank] = worker
+    return ranks
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_killed_rank_takes_the_learner_down_and_it_resumes_from_its_checkpoint(
+    tmp_path: Path, tiny_model: Path, daemons: list[DaemonRun]
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"model.path={json.dumps(str(tiny_model))}", "learner.nproc=2"]
+    overrides.append(
+        "learner.keep_checkpoints=100"
+    )  # keep the whole lineage (and its spool) to account for it
+    run = DaemonRun(run_dir, overrides, max_steps=3)
+    daemons.append(run)
+    run.wait_steps(1, timeout_s=240)
+    ranks = _rank_pids(run.proc.pid)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    steps_before = run.steps()
+    run.wait_for(
+        lambda r: r.metric("rollwise_process_restarts_total", {"component": "learner"}) >= 1, 120, "restart"
+    )
+    assert run.wait(timeout_s=240) == 0, run.tail()
+
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert log.count(" start: ") == 2 and "exit code 0" in log.splitlines()[-1]
+    assert "exit code 1" in log or "exit code -" in log  # torchrun reported the dead rank and exited
+    restored = re.findall(r"learner\[0\] INFO restored \S+: step (\d+),", log)
+    assert len(restored) == 1, restored  # only the restarted learner had a checkpoint to restore
+    resumed_from = int(restored[0])
+    assert 1 <= resumed_from <= steps_before[-1]  # the kill came after step 1's checkpoint
+    # The restarted learner redid nothing its checkpoint held and went on from the step after it.
+    assert run.steps()[-(3 - resumed_from) :] == list(range(resumed_from + 1, 4))
+
+    state = checkpoint_state(run_dir)
+    assert (state["format"], state["ranks"], state["step"]) == (2, 2, 3)
+    trained: list[str] = []
+    for step_dir in sorted((run_dir / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:])):
+        trained.extend(json.loads((step_dir / "state.json").read_text())["consumed"]["group_ids"])
+    assert len(trained) == len(set(trained)), "a consumed group was trained twice"
+    consumed = int(state["consumed"]["last_seq"])
+    written = {int(p.name[1:13]): read_group_file(p)[0] for p in (run_dir / "spool").glob("g*.arrow")}
+    assert {gid for seq, gid in written.items() if seq <= consumed} == set(trained)
+    assert (run_dir / "weights" / "v3" / "config.json").is_file()
+
+
+def test_fsdp_mixed_precision_follows_the_learner_precision() -> None:
+    from learner.precision import resolve_precision
+    from learner.sharding import mixed_precision
+
+    cpu = torch.device("cpu")
+    mixed = mixed_precision(resolve_precision("bf16-mixed", cpu))
+    assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)
+    for name in ("fp32", "bf16"):  # the weights' own dtype throughout
+        plain = mixed_precision(resolve_precision(name, cpu))
+        assert (plain.param_dtype, plain.reduce_dtype) == (None, None)

@@ -303,3 +303,17 @@ def test_fsdp_mixed_precision_follows_the_learner_precision() -> None:
     for name in ("fp32", "bf16"):  # the weights' own dtype throughout
         plain = mixed_precision(resolve_precision(name, cpu))
         assert (plain.param_dtype, plain.reduce_dtype) == (None, None)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_learner_bench_compares_one_rank_with_two() -> None:
+    from pipeline.bench.learner import format_report, run
+
+    argv = ["--nproc", "2", "--preset", "tiny", "--repeats", "1", "--groups", "1", "--prompt", "64"]
+    report = run([*argv, "--generated", "64"])
+    one, two = report["results"].values()
+    assert [len(one["ranks"]), len(two["ranks"])] == [1, 2]
+    assert one["state_ratio"] == 1.0 and two["state_ratio"] <= 0.55  # each rank holds half (plus padding)
+    assert all(r["seconds"] > 0 and r["peak_extra_bytes"] > 0 for r in (one, two))
+    assert "held x" in format_report(report)

@@ -9,6 +9,10 @@ Gradients are summed over the ranks, not averaged: each rank's loss is already i
 mean (the trainer divides by the step's global sequence or token counts), so their sum is exactly the
 gradient one process would compute.
 
+No rank ever holds the whole model on its device: rank 0 loads the weights into host memory, the other
+ranks build the model on the meta device (no memory), every rank shards it, allocates only its own
+shards on its device and receives their values from rank 0, one tensor at a time.
+
 The fused log-prob path (learner.policy_forward) runs the base model and then reads the output layer's
 weight itself, outside the root's forward. It goes through a method registered with FSDP, so the root's
 parameters are gathered for it and, as the root does not reshard after forward, stay gathered until its
@@ -19,17 +23,43 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from learner.distributed import Ranks
+from learner.model import DTYPES, load_policy, quiet_transformers
 from learner.policy_forward import HIDDEN_STATES_METHOD
 from learner.precision import Precision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def load_policy_for_ranks(
+    model_dir: str | Path, ranks: Ranks, *, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy as `shard_policies` takes it: loaded into rank 0's host memory, built on the meta device
+    (allocating nothing) everywhere else. Same config, same modules, same dtype on every rank."""
+    if ranks.leader:
+        return load_policy(model_dir, device="cpu", dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    quiet_transformers()
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    model.train()
+    return model, AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -59,10 +89,13 @@ def _hidden_states(self: Any, input_ids: Tensor, attention_mask: Tensor) -> Tens
 
 def shard_policies(models: Sequence[nn.Module], ranks: Ranks, precision: Precision) -> None:
     """Apply FSDP2 in place to each model (the policy and, with a KL term, its frozen reference), on one
-    mesh over every rank. The models must already be on `ranks.device`."""
+    mesh over every rank, and give every rank its shards on its device. Each model comes from
+    `load_policy_for_ranks` (rank 0's holds the weights; the others' may be on the meta device)."""
     mesh = init_device_mesh(ranks.device.type, (ranks.world,))
     policy = mixed_precision(precision)
     for model in models:
+        # References only: FSDP copies what it keeps, so these stay intact until they are sent.
+        source = _host_tensors(model) if ranks.leader else None
         units = [*decoder_layers(model), model]
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -71,8 +104,35 @@ def shard_policies(models: Sequence[nn.Module], ranks: Ranks, precision: Precisi
             unit.set_gradient_divide_factor(1.0)
             # A plain sum: gloo has no pre-multiplied reduction, and NCCL copies less with it.
             unit.set_force_sum_reduction_for_comms(True)
+        _materialize(model, ranks, source)
         setattr(model, HIDDEN_STATES_METHOD, types.MethodType(_hidden_states, model))
         register_fsdp_forward_method(model, HIDDEN_STATES_METHOD)
+
+
+def _host_tensors(model: nn.Module) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(state dict, buffers outside it) of rank 0's loaded model."""
+    state = model.state_dict()
+    return state, {name: b for name, b in model.named_buffers() if name not in state}
+
+
+def _materialize(
+    model: nn.Module, ranks: Ranks, source: tuple[dict[str, Any], dict[str, Tensor]] | None
+) -> None:
+    """Allocate this rank's shards (and buffers) on its device and fill them from rank 0's tensors."""
+    model.to_empty(device=ranks.device)
+    state, buffers = source if source is not None else ({}, {})
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
+    # Buffers no state dict holds (rotary inverse frequencies): computed at construction, so rank 0 sends
+    # its own.
+    persistent = set(model.state_dict())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in persistent:
+                continue
+            if source is not None:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -372,7 +372,8 @@ class Trainer:
 
     `model` is a causal LM (HF PreTrainedModel) already in its training dtype; `temperature` must equal
     the sampling temperature of the rollouts (the engine's log-probs are of softmax(logits / T)). `device`
-    defaults to where the model's parameters are; `pad_token_id` to the model config's.
+    defaults to where the model's parameters are (the rank's device with `ranks`); `pad_token_id` to the
+    model config's.
     `action_token_ids` are the environment's answer tokens (learner.action_prior.action_token_ids); the
     action prior needs them when ``cfg.action_prior_coef > 0``.
     """
@@ -405,21 +406,25 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         self.temperature = float(temperature)
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if device is None:  # a rank's model may still be on the meta device (learner.sharding)
+            device = ranks.device if ranks is not None else next(model.parameters()).device
+        self.device = torch.device(device)
         self.precision = resolve_precision(cfg.precision, self.device)
         if cfg.gradient_checkpointing:
             enable_checkpointing(model)
         # On the device once: the prior indexes the logits with them in every forward.
         self.action_ids = torch.tensor(sorted(set(action_token_ids)), dtype=torch.long, device=self.device)
-        self.model.to(self.device)
-        self.model.train()
-        # Data parallel over `ranks` (learner.distributed): FSDP2 shards the weights before the optimizer
-        # sees them, so AdamW's state is sharded too. One process trains the model as it is.
+        # Data parallel over `ranks` (learner.distributed): FSDP2 shards the weights (and puts each rank's
+        # shards on its device) before the optimizer sees them, so AdamW's state is sharded too. One
+        # process trains the model as it is.
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
-        if self.ranks is not None:
+        if self.ranks is None:
+            self.model.to(self.device)
+        else:
             from learner.sharding import shard_policies
 
             shard_policies([m for m in (model, reference) if m is not None], self.ranks, self.precision)
+        self.model.train()
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.optimizer = torch.optim.AdamW(

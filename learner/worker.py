@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import logging
 import os
@@ -182,14 +183,18 @@ class LearnerWorker:
         torch.set_num_threads(cfg.learner.threads)
         device = self.ranks.device if self.ranks is not None else resolve_device(cfg.learner.device)
         precision = resolve_precision(cfg.learner.precision, device)
-        model, self.tokenizer = load_policy(
-            self.run_dir.initial_model, device=device, dtype=precision.param_dtype_name
-        )
+        if self.ranks is None:
+            load = functools.partial(load_policy, device=device)
+        else:  # only rank 0 reads the weights; the model reaches the devices as shards (learner.sharding)
+            from learner.sharding import load_policy_for_ranks
+
+            load = functools.partial(load_policy_for_ranks, ranks=self.ranks)
+        model, self.tokenizer = load(self.run_dir.initial_model, dtype=precision.param_dtype_name)
         reference = None
         if cfg.learner.kl_coef > 0.0:
             # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
             dtype = "bfloat16" if precision.autocast_dtype is not None else precision.param_dtype_name
-            reference, _ = load_policy(self.run_dir.initial_model, device=device, dtype=dtype)
+            reference, _ = load(self.run_dir.initial_model, dtype=dtype)
         self.trainer = Trainer(
             model,
             cfg.learner,

@@ -13,6 +13,7 @@ case restores a one-process checkpoint from CHECKPOINTS_DIR and takes the second
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from learner.groups import TrainGroup
 from learner.model import load_policy
 from learner.schema import EpisodeSegment
 from learner.sharded_checkpoint import save_sharded_checkpoint
+from learner.sharding import load_policy_for_ranks
 from learner.trainer import Trainer
 from pipeline.config import LearnerConfig
 from tests.train_groups import groups_of
@@ -90,8 +92,9 @@ def learner_config(case: str) -> LearnerConfig:
 
 def make_trainer(model_dir: Path, case: str, ranks: Ranks | None) -> Trainer:
     cfg = learner_config(case)
-    model, _ = load_policy(model_dir)
-    reference = load_policy(model_dir)[0] if cfg.kl_coef > 0 else None
+    load = load_policy if ranks is None else functools.partial(load_policy_for_ranks, ranks=ranks)
+    model, _ = load(model_dir)
+    reference = load(model_dir)[0] if cfg.kl_coef > 0 else None
     return Trainer(model, cfg, temperature=1.0, seed=SEED, reference=reference, ranks=ranks)
 
 
@@ -130,7 +133,10 @@ def main() -> int:
     ranks = join(2, "cpu")
     assert ranks is not None
     steps = batches()
-    results: dict[str, Any] = {}
+    # What each rank holds before sharding: the weights on rank 0, nothing (the meta device) elsewhere.
+    model, _ = load_policy_for_ranks(args.model, ranks)
+    results: dict[str, Any] = {"loaded_on": ranks.gather(sorted({p.device.type for p in model.parameters()}))}
+    del model
     for case in CASES:
         trainer = make_trainer(args.model, case, ranks)
         grads = record_first_gradients(trainer)

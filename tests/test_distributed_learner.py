@@ -179,6 +179,11 @@ def test_two_ranks_take_the_same_step_as_one_process(
 
 
 @pytest.mark.integration
+def test_only_rank_0_loads_the_weights_before_sharding(two_ranks: dict[str, Any]) -> None:
+    assert two_ranks["loaded_on"] == [["cpu"], ["meta"]]
+
+
+@pytest.mark.integration
 def test_bf16_mixed_computes_in_bf16_on_fp32_shards(two_ranks: dict[str, Any], tiny_model_dir: Path) -> None:
     _, grads, metrics = _one_process(tiny_model_dir, "bf16_mixed")
     sharded = two_ranks["bf16_mixed"]

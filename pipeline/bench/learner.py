@@ -92,7 +92,12 @@ def _measure(
     ranks = join(nproc, args.device)
     device = ranks.device if ranks is not None else torch.device(args.device)
     weights = resolve_precision(precision, device).param_dtype_name
-    model, _ = load_policy(model_dir, device=device, dtype=weights)
+    if ranks is None:
+        model, _ = load_policy(model_dir, device=device, dtype=weights)
+    else:
+        from learner.sharding import load_policy_for_ranks
+
+        model, _ = load_policy_for_ranks(model_dir, ranks, dtype=weights)
     cfg = LearnerConfig(
         lr=1e-5, mini_batches=args.mini_batches, precision=precision, gradient_checkpointing=checkpointing
     )

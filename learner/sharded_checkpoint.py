@@ -130,7 +130,8 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
     trainer of any number of ranks, or a one-process checkpoint into a sharded trainer. Collective when
     the trainer is sharded."""
     model, optimizer = trainer.model, trainer.optimizer
-    tensors = torch.load(ckpt.path / TRAINER_STATE, map_location="cpu", weights_only=True)
+    # Memory-mapped: a rank reads only what it uses (a one-process checkpoint's optimizer: rank 0 alone).
+    tensors = torch.load(ckpt.path / TRAINER_STATE, map_location="cpu", weights_only=True, mmap=True)
     if ckpt.sharded:
         _check_group_sizes(ckpt, optimizer)
         state: dict[str, Any] = {
@@ -153,13 +154,15 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
         weights = ckpt.model_dir / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")
-        full = StateDictOptions(full_state_dict=True)
-        # Every rank reads the whole file and keeps its shards (the run directory is shared).
-        set_model_state_dict(model, dict(load_file(weights)), options=full)
         _check_optimizer_layout(ckpt, tensors["optimizer"], optimizer)
-        set_optimizer_state_dict(
-            model, optimizer, _keyed_by_name(tensors["optimizer"], trainer), options=full
+        # Rank 0 reads the whole weights and optimizer state; every rank receives its shards from it.
+        leader = trainer.ranks is None or trainer.ranks.leader
+        full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(
+            model, _with_tied_names(load_file(weights), model) if leader else {}, options=full
         )
+        named = _keyed_by_name(tensors["optimizer"], trainer) if leader else {}
+        set_optimizer_state_dict(model, optimizer, named, options=full)
     trainer.scheduler.load_state_dict(tensors["scheduler"])
     trainer.generator.set_state(tensors["generator"])
     torch.set_rng_state(tensors["torch_rng"])
@@ -167,6 +170,21 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
     random.setstate((version, tuple(internal), gauss))
     _numpy_state_from_json(ckpt.rng["numpy"])
     trainer.load_counters(ckpt.counters)
+
+
+def _with_tied_names(saved: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, Any]:
+    """An HF weights file's tensors under every name the model's state dict has: a tied parameter (the
+    output layer sharing the embeddings) is saved once but loaded under each of its names."""
+    names: dict[int, list[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(value), []).append(name)
+    full: dict[str, Any] = dict(saved)
+    for aliases in names.values():
+        present = [name for name in aliases if name in saved]
+        for name in aliases:
+            if name not in full and present:
+                full[name] = saved[present[0]]
+    return full
 
 
 def _check_group_sizes(ckpt: Checkpoint, optimizer: torch.optim.Optimizer) -> None:

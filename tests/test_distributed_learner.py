@@ -128,6 +128,18 @@ def test_bad_distributed_settings_name_the_key(overrides: list[str], message: st
         load_config(None, overrides)
 
 
+def test_fsdp_mixed_precision_follows_the_learner_precision() -> None:
+    from learner.precision import resolve_precision
+    from learner.sharding import mixed_precision
+
+    cpu = torch.device("cpu")
+    mixed = mixed_precision(resolve_precision("bf16-mixed", cpu))
+    assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)
+    for name in ("fp32", "bf16"):  # the weights' own dtype throughout
+        plain = mixed_precision(resolve_precision(name, cpu))
+        assert (plain.param_dtype, plain.reduce_dtype) == (None, None)
+
+
 # ------------------------------------------------------------------------------------ two ranks (gloo)
 @pytest.fixture(scope="module")
 def two_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -295,21 +307,21 @@ def test_a_killed_rank_takes_the_learner_down_and_it_resumes_from_its_checkpoint
     consumed = int(state["consumed"]["last_seq"])
     written = {int(p.name[1:13]): read_group_file(p)[0] for p in (run_dir / "spool").glob("g*.arrow")}
     assert {gid for seq, gid in written.items() if seq <= consumed} == set(trained)
-    assert (run_dir / "weights" / "v3" / "config.json").is_file()
+    # The engines' weights of version 3, gathered and written by rank 0, are the checkpoint's weights.
+    from learner.model import load_policy
+    from learner.trainer import Trainer
+
+    ckpt = load_latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt is not None and ckpt.counters["policy_version"] == 3
+    model, _ = load_policy(tiny_model)
+    trainer = Trainer(model, load_config(run_dir / "config.toml").learner, temperature=1.0)
+    restore(trainer, ckpt)
+    published, _ = load_policy(run_dir / "weights" / "v3")
+    for (name, value), other in zip(trainer.model.named_parameters(), published.parameters(), strict=True):
+        assert torch.equal(value, other), name
 
 
-def test_fsdp_mixed_precision_follows_the_learner_precision() -> None:
-    from learner.precision import resolve_precision
-    from learner.sharding import mixed_precision
-
-    cpu = torch.device("cpu")
-    mixed = mixed_precision(resolve_precision("bf16-mixed", cpu))
-    assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)
-    for name in ("fp32", "bf16"):  # the weights' own dtype throughout
-        plain = mixed_precision(resolve_precision(name, cpu))
-        assert (plain.param_dtype, plain.reduce_dtype) == (None, None)
-
-
+# ---------------------------------------------------------------------------------------------- bench
 @pytest.mark.integration
 @pytest.mark.slow
 def test_learner_bench_compares_one_rank_with_two() -> None:

@@ -135,10 +135,6 @@ def _materialize(
             dist.broadcast(buffer, src=0)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
-
-
 def clip_grad_norm(parameters: Iterable[Tensor], max_norm: float) -> float:
     """Clip the gradients of sharded parameters to a global norm of `max_norm`; returns the norm before
     clipping (the same on every rank: each shard's part is reduced over all of them)."""

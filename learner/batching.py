@@ -114,3 +114,17 @@ def pack_sequences(sequences: Sequence[TrainSequence], *, pad_id: int) -> Packed
         if seq.versions:
             versions[row, :n] = torch.where(scored, torch.tensor(seq.versions[1:], dtype=torch.long), -1)
     return PackedBatch(input_ids, attention_mask, targets, loss_mask, old_logprobs, advantages, versions)
+
+
+def idle_batch(*, pad_id: int) -> PackedBatch:
+    """One pad token with nothing to score: what a data-parallel rank whose share of a mini-batch is empty
+    runs, since FSDP's gathers and reductions need every rank in every forward and backward. It adds
+    exactly zero to the loss and to every gradient (attended, so the forward stays finite)."""
+    return pack_sequences(
+        [
+            TrainSequence(
+                token_ids=[pad_id, pad_id], loss_mask=[0, 0], old_logprobs=[0.0, 0.0], advantages=[0.0, 0.0]
+            )
+        ],
+        pad_id=pad_id,
+    )

@@ -39,6 +39,8 @@ from pipeline.run_dir import (
 )
 
 FORMAT_VERSION = 1
+# A learner of several ranks writes torch.distributed.checkpoint shards instead (learner.sharded_checkpoint).
+SHARDED_FORMAT_VERSION = 2
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Checkpoint:
     consumed: ConsumedState
     extra: dict[str, Any]
     rng: dict[str, Any]
+    sharded: bool = False
 
     @property
     def model_dir(self) -> Path:
@@ -160,8 +163,11 @@ def _python_state() -> tuple[Any, ...]:
 
 def _read(path: Path) -> Checkpoint:
     state = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
-    if state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} has format {state.get('format')!r}, expected {FORMAT_VERSION}")
+    if state.get("format") not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
+        raise ValueError(
+            f"checkpoint {path} has format {state.get('format')!r}, expected {FORMAT_VERSION} or "
+            f"{SHARDED_FORMAT_VERSION}"
+        )
     return Checkpoint(
         path=path,
         step=int(state["step"]),
@@ -169,6 +175,7 @@ def _read(path: Path) -> Checkpoint:
         consumed=ConsumedState(**state["consumed"]),
         extra=dict(state["extra"]),
         rng=dict(state["rng"]),
+        sharded=state["format"] == SHARDED_FORMAT_VERSION,
     )
 
 
@@ -195,6 +202,11 @@ def _check_optimizer_layout(
 
 def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
     """Load weights, optimizer, scheduler, RNG states and counters of `ckpt` into `trainer` in place."""
+    if ckpt.sharded or trainer.ranks is not None:  # written or resumed by several ranks: any pair works
+        from learner.sharded_checkpoint import restore_sharded
+
+        restore_sharded(trainer, ckpt)
+        return
     weights = ckpt.model_dir / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")

@@ -120,18 +120,20 @@ def save_hf(
     out_dir: str | Path,
     *,
     version: int | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `model` (and `tokenizer`) as an HF directory at `out_dir`, atomically (temp dir + rename).
 
     With `version`, the directory also holds `rollwise_version.json` ({"policy_version": version}) so a
-    reader can tell which policy it loaded without trusting the path.
+    reader can tell which policy it loaded without trusting the path. `state_dict` replaces the model's
+    own tensors (a sharded model's, gathered: learner.sharded_checkpoint).
     """
     quiet_transformers()
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        model.save_pretrained(staged)
+        model.save_pretrained(staged, state_dict=state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, staged)
         if version is not None:

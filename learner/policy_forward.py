@@ -74,6 +74,21 @@ class PolicyForward:
         return total / rows.shape[0]
 
 
+# A sharded policy's root carries this method, registered with FSDP (learner.sharding): the base model and
+# then the output layer's weight are used outside the root's own forward, so FSDP must gather them for it.
+HIDDEN_STATES_METHOD = "rollwise_hidden_states"
+
+
+def final_hidden_states(model: Any, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The base model's last hidden states (after its final norm), (B, T, H)."""
+    method = getattr(model, HIDDEN_STATES_METHOD, None)
+    if method is not None:
+        return method(input_ids, attention_mask)
+    return model.base_model(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+    ).last_hidden_state
+
+
 def forward_policy(
     model: Any,
     input_ids: Tensor,
@@ -93,9 +108,7 @@ def forward_policy(
         logprobs = sampled_token_logprobs(logits, targets, temperature=temperature)
         return PolicyForward(logprobs=logprobs, logits=logits)
     with compute(precision, device):
-        hidden = model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
+        hidden = final_hidden_states(model, input_ids, attention_mask)
     dtype = precision.autocast_dtype or head.weight.dtype
     logprobs = linear_sampled_token_logprobs(
         hidden, head.weight, targets, temperature=temperature, compute_dtype=dtype

@@ -24,7 +24,8 @@ import torch
 
 from learner.action_prior import action_prior_loss_of_rows, turn_start_mask
 from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
-from learner.batching import PackedBatch, TrainSequence, pack_sequences
+from learner.batching import PackedBatch, TrainSequence, idle_batch, pack_sequences
+from learner.distributed import Ranks, share
 from learner.groups import TrainGroup
 from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
 from learner.mismatch import Correction, correct
@@ -240,6 +241,37 @@ class _UpdateStats:
         self.weight_sum += c.weight_sum
         self.weight_max = max(self.weight_max, c.weight_max)
 
+    @staticmethod
+    def merged(parts: Sequence[_UpdateStats]) -> _UpdateStats:
+        """One step's statistics over every rank's share of it. The update counts, learning rate and
+        gradient norms are the same on every rank (the norm is global); window losses are partial sums."""
+        first = parts[0]
+        out = _UpdateStats(
+            losses=[sum(values) for values in zip(*(p.losses for p in parts), strict=True)],
+            grad_norms=list(first.grad_norms),
+            entropies=[e for p in parts for e in p.entropies],
+            ratio_means=[r for p in parts for r in p.ratio_means],
+            ratio_min=min(p.ratio_min for p in parts),
+            ratio_max=max(p.ratio_max for p in parts),
+            lr=first.lr,
+            applied=first.applied,
+            skipped_nonfinite=first.skipped_nonfinite,
+            weight_max=max(p.weight_max for p in parts),
+        )
+        for p in parts:
+            for sums, part in ((out.seq_sums, p.seq_sums), (out.token_sums, p.token_sums)):
+                for key, value in part.items():
+                    sums[key] = sums.get(key, 0.0) + value
+            for key, (total, count) in p.mismatch.items():
+                out.mismatch[key][0] += total
+                out.mismatch[key][1] += count
+            for name in (
+                "sequences", "scored_tokens", "tokens", "loss_tokens", "kl_sum", "kl_tokens",
+                "corrected_tokens", "rejected_tokens", "truncated_tokens", "weight_sum",
+            ):  # fmt: skip
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+        return out
+
     def mismatch_metrics(self) -> dict[str, float]:
         lag0, lag1, k3 = (self.mismatch[k] for k in ("lag0", "lag1plus", "k3"))
         kept = self.corrected_tokens - self.rejected_tokens
@@ -340,7 +372,8 @@ class Trainer:
 
     `model` is a causal LM (HF PreTrainedModel) already in its training dtype; `temperature` must equal
     the sampling temperature of the rollouts (the engine's log-probs are of softmax(logits / T)). `device`
-    defaults to where the model's parameters are; `pad_token_id` to the model config's.
+    defaults to where the model's parameters are (the rank's device with `ranks`); `pad_token_id` to the
+    model config's.
     `action_token_ids` are the environment's answer tokens (learner.action_prior.action_token_ids); the
     action prior needs them when ``cfg.action_prior_coef > 0``.
     """
@@ -356,6 +389,7 @@ class Trainer:
         pad_token_id: int | None = None,
         action_token_ids: Sequence[int] = (),
         reference: Any = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if not (math.isfinite(temperature) and temperature > 0.0):
             raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
@@ -372,13 +406,24 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         self.temperature = float(temperature)
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if device is None:  # a rank's model may still be on the meta device (learner.sharding)
+            device = ranks.device if ranks is not None else next(model.parameters()).device
+        self.device = torch.device(device)
         self.precision = resolve_precision(cfg.precision, self.device)
         if cfg.gradient_checkpointing:
             enable_checkpointing(model)
         # On the device once: the prior indexes the logits with them in every forward.
         self.action_ids = torch.tensor(sorted(set(action_token_ids)), dtype=torch.long, device=self.device)
-        self.model.to(self.device)
+        # Data parallel over `ranks` (learner.distributed): FSDP2 shards the weights (and puts each rank's
+        # shards on its device) before the optimizer sees them, so AdamW's state is sharded too. One
+        # process trains the model as it is.
+        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
+        if self.ranks is None:
+            self.model.to(self.device)
+        else:
+            from learner.sharding import shard_policies
+
+            shard_policies([m for m in (model, reference) if m is not None], self.ranks, self.precision)
         self.model.train()
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
@@ -446,6 +491,8 @@ class Trainer:
         stats = _UpdateStats()
         if data.sequences:
             self._update(data.sequences, stats)
+            if self.ranks is not None:
+                stats = _UpdateStats.merged(self.ranks.gather(stats))
         if stats.applied:
             self._policy_version += 1
         self.steps += 1
@@ -458,16 +505,25 @@ class Trainer:
         return [chunk.tolist() for chunk in torch.tensor_split(order, parts)]
 
     def _update(self, sequences: list[TrainSequence], stats: _UpdateStats) -> None:
+        chunks = self._mini_batches(len(sequences))
+        if self.ranks is not None:
+            # Every rank trains a disjoint share of each mini-batch; the losses are normalised by the
+            # window's global counts, so the summed gradients are the one-process ones. A rank whose share
+            # is empty runs a placeholder: FSDP needs every rank in every forward and backward.
+            chunks = [share(chunk, self.ranks.rank, self.ranks.world) for chunk in chunks]
         packs = [
             pack_sequences([sequences[i] for i in chunk], pad_id=self.pad_token_id)
-            for chunk in self._mini_batches(len(sequences))
+            if chunk
+            else idle_batch(pad_id=self.pad_token_id)
+            for chunk in chunks
         ]
+        live = [bool(chunk) for chunk in chunks]
         if self.cfg.mismatch.proximal == "learner":
             # Every mini-batch's proximal log-probs are the weights' before the step's first update.
             packs = [self._with_proximal(pack, stats) for pack in packs]
         accum = self.cfg.grad_accum
         for start in range(0, len(packs), accum):
-            self._optimizer_update(packs[start : start + accum], stats)
+            self._optimizer_update(packs[start : start + accum], stats, live[start : start + accum])
 
     @torch.no_grad()
     def _with_proximal(self, pack: PackedBatch, stats: _UpdateStats) -> PackedBatch:
@@ -519,31 +575,48 @@ class Trainer:
         """Versions behind the learner of each generated token at the step's start (negative elsewhere)."""
         return torch.where(batch.versions >= 0, self._policy_version - batch.versions, -1)
 
-    def _optimizer_update(self, window: list[PackedBatch], stats: _UpdateStats) -> None:
-        """Accumulate gradients over `window` (seq-mean over all its sequences), then one AdamW update."""
+    def _optimizer_update(
+        self, window: list[PackedBatch], stats: _UpdateStats, live: Sequence[bool] | None = None
+    ) -> None:
+        """Accumulate gradients over `window` (seq-mean over all its sequences), then one AdamW update.
+        `live[i]` is False for a rank's placeholder batch (learner.batching.idle_batch): not counted."""
         self.optimizer.zero_grad(set_to_none=True)
         totals = _WindowTotals(
             sequences=sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window),
             tokens=sum(b.num_loss_tokens for b in window),
             turn_starts=sum(int(turn_start_mask(b.loss_mask).sum()) for b in window),
         )
+        if self.ranks is not None:
+            totals = _WindowTotals(
+                *self.ranks.sum_counts([totals.sequences, totals.tokens, totals.turn_starts])
+            )
         window_loss = 0.0
         finite = True
-        for packed in window:
+        for packed, counted in zip(window, live if live is not None else [True] * len(window), strict=True):
             batch = packed.to(self.device)
             loss, loss_stats, entropy = self._forward_loss(batch, totals, stats)
-            stats.add(loss_stats, entropy)
-            stats.tokens += packed.num_tokens
-            stats.loss_tokens += packed.num_loss_tokens
+            if counted:
+                stats.add(loss_stats, entropy)
+                stats.tokens += packed.num_tokens
+                stats.loss_tokens += packed.num_loss_tokens
             if not torch.isfinite(loss):
                 finite = False
-                break
+                if self.ranks is None:
+                    break
+                # Sharded, every rank must run every backward; all of them skip the update below.
             loss.backward()
             window_loss += float(loss.detach())
         grad_norm = math.nan
+        if self.ranks is not None:
+            finite = self.ranks.all_true(finite)
         if finite:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            if self.ranks is None:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+            else:
+                from learner.sharding import clip_grad_norm
+
+                grad_norm = clip_grad_norm(params, self.cfg.grad_clip)
             finite = math.isfinite(grad_norm)
         if not finite:
             # Keep the weights: a non-finite update would poison every later step.

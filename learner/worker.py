@@ -21,12 +21,20 @@ Half-written files are never read: every write is staged under a temporary name 
 Retention: weights/v<k> for the last 3 published versions (older ones are deleted after the next
 publish); spool files are deleted once the *oldest retained* checkpoint has consumed them, so falling
 back to any checkpoint on disk still finds every group it has not trained on.
+
+Several ranks (learner.nproc x learner.nnodes > 1, started by torchrun): rank 0 is the process described
+above and the only one that reads stdin, tails the spool or writes events. Before each collective piece of
+work it broadcasts a learner.distributed.Command; the other ranks `follow`: they read the step's groups
+from the spool themselves, train their share of its rows, and take their part in publishing (the weights
+are gathered and written by rank 0) and in the sharded checkpoint. A rank that dies takes the learner down
+(torchrun stops the others); the supervisor restarts it from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import logging
 import os
@@ -41,6 +49,7 @@ from types import FrameType
 from typing import Any, TextIO, TypeVar
 
 from learner import events
+from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.durable import storage_fault_kind, storage_retry_delays
 from learner.groups import TrainGroup, token_staleness, triage_group
 from learner.schema import batch_to_segments
@@ -55,12 +64,15 @@ from pipeline.run_dir import (
     published_version,
 )
 from pipeline.transport.readers import open_spool_reader
-from pipeline.transport.spool import QuarantinedFile, SpoolItem
+from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file, spool_name
 
 log = logging.getLogger("rollwise.learner")
 T = TypeVar("T")
 
 POLL_INTERVAL_S = 0.05
+# While rank 0 waits for the spool, the other ranks wait in a broadcast; a `wait` command this often keeps
+# it well inside the process group's timeout (minutes: engines may take that long to start).
+KEEP_WAITING_S = 30.0
 
 
 class EventStream:
@@ -149,11 +161,16 @@ class _Pending:
 class LearnerWorker:
     """State of the learner process; `run()` is the loop described in the module docstring."""
 
-    def __init__(self, cfg: Config, run: RunDir, out: EventStream, stop: StopFlag) -> None:
+    def __init__(
+        self, cfg: Config, run: RunDir, out: EventStream, stop: StopFlag, ranks: Ranks | None = None
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run
         self.out = out
         self.stop = stop
+        self.ranks = ranks
+        self.leader = ranks is None or ranks.leader
+        self.told_at = time.monotonic()
         self.batch_groups = cfg.learner.batch_groups
         self._setup_model()
         self.reader = open_spool_reader(cfg, run.spool, after_seq=self.consumed_seq)
@@ -175,16 +192,20 @@ class LearnerWorker:
 
         cfg = self.cfg
         torch.set_num_threads(cfg.learner.threads)
-        device = resolve_device(cfg.learner.device)
+        device = self.ranks.device if self.ranks is not None else resolve_device(cfg.learner.device)
         precision = resolve_precision(cfg.learner.precision, device)
-        model, self.tokenizer = load_policy(
-            self.run_dir.initial_model, device=device, dtype=precision.param_dtype_name
-        )
+        if self.ranks is None:
+            load = functools.partial(load_policy, device=device)
+        else:  # only rank 0 reads the weights; the model reaches the devices as shards (learner.sharding)
+            from learner.sharding import load_policy_for_ranks
+
+            load = functools.partial(load_policy_for_ranks, ranks=self.ranks)
+        model, self.tokenizer = load(self.run_dir.initial_model, dtype=precision.param_dtype_name)
         reference = None
         if cfg.learner.kl_coef > 0.0:
             # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
             dtype = "bfloat16" if precision.autocast_dtype is not None else precision.param_dtype_name
-            reference, _ = load_policy(self.run_dir.initial_model, device=device, dtype=dtype)
+            reference, _ = load(self.run_dir.initial_model, dtype=dtype)
         self.trainer = Trainer(
             model,
             cfg.learner,
@@ -193,10 +214,18 @@ class LearnerWorker:
             device=device,
             action_token_ids=env_action_token_ids(cfg, self.tokenizer),
             reference=reference,
+            ranks=self.ranks,
         )
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
         ckpt = load_latest_checkpoint(self.run_dir.checkpoints)
+        if self.ranks is not None:
+            seen = self.ranks.gather(None if ckpt is None else str(ckpt.path))
+            if len(set(seen)) != 1:
+                raise RuntimeError(
+                    f"the learner's ranks see different latest checkpoints {seen}: every rank must see the "
+                    "same run directory (a shared file system across the learner's nodes)"
+                )
         self.consumed_seq = 0
         self.checkpoint_seqs: collections.deque[int] = collections.deque(maxlen=cfg.learner.keep_checkpoints)
         self.last_published = 0
@@ -251,13 +280,60 @@ class LearnerWorker:
                 waited = time.monotonic()
                 self.stop.wait(POLL_INTERVAL_S)
                 self.idle_s += time.monotonic() - waited
+                if time.monotonic() - self.told_at > KEEP_WAITING_S:
+                    self.tell(Command("wait"))
                 continue
             self.take(item)
         self.checkpoint_if_needed()
+        self.tell(Command("stop"))
         log.info(
             "learner stopping (%s) at step %d, version %d", self.stop.reason, self.trainer.steps, self.version
         )
         return 0
+
+    # ------------------------------------------------------------------ several ranks
+    def tell(self, command: Command) -> None:
+        """Rank 0: have the other ranks (waiting in `follow`) enter the same work. No-op anywhere else."""
+        if self.ranks is not None and self.leader:
+            self.ranks.broadcast(command)
+            self.told_at = time.monotonic()
+
+    def follow(self) -> int:
+        """Ranks other than 0: do what rank 0 broadcasts, in its order, until it says stop."""
+        assert self.ranks is not None and not self.leader
+        while True:
+            command = self.ranks.broadcast(Command("wait"))  # rank 0's replaces it
+            if command.kind == "train":
+                self.trainer.step(self.read_groups(command.seqs))
+            elif command.kind == "publish":
+                self.publish()
+            elif command.kind == "checkpoint":
+                self.checkpoint()
+            elif command.kind == "stop":
+                log.info("rank %d stopping at step %d", self.ranks.rank, self.trainer.steps)
+                return 0
+
+    def read_groups(self, seqs: Sequence[int]) -> list[TrainGroup]:
+        """A step's groups as rank 0 took them: read from the spool and triaged here the same way (same
+        files, same learner version, same verdicts), so every rank builds the same step input."""
+        groups = []
+        for seq in seqs:
+            group_id, batch = read_group_file(self.run_dir.spool / spool_name(seq))
+            rows, rejected = batch_to_segments(batch)
+            verdict = triage_group(
+                group_id,
+                rows,
+                learner_version=self.version,
+                max_staleness=self.cfg.async_.max_staleness,
+                rejected=rejected,
+                vocab_size=self.vocab_size,
+            )
+            if isinstance(verdict, str):
+                raise RuntimeError(
+                    f"spool group {group_id} (seq {seq}): rank 0 trains it, this rank finds {verdict}"
+                )
+            groups.append(verdict)
+        return groups
 
     def next_item(self) -> SpoolItem | None:
         if not self.queue:
@@ -307,6 +383,7 @@ class LearnerWorker:
         pending, self.pending = self.pending, _Pending(last_seq=self.pending.last_seq)
         groups = [group for _, group in pending.items]
         version_before = self.version
+        self.tell(Command("train", tuple(item.seq for item, _ in pending.items)))
         metrics = self.trainer.step(groups)
         updated = self.version != version_before
         if not updated:
@@ -373,16 +450,26 @@ class LearnerWorker:
 
         version = self.version
         target = self.run_dir.weights_of(version)
-        try:
-            path = self.durably(
-                "weights",
-                target.parent,
-                lambda: export_weights(self.trainer, self.tokenizer, target, version),
-            )
-        except StorageGaveUp as exc:
-            log.error("version %d not published: %s", version, exc)
-            return
+        if self.ranks is None:
+            try:
+                path = self.durably(
+                    "weights",
+                    target.parent,
+                    lambda: export_weights(self.trainer, self.tokenizer, target, version),
+                )
+            except StorageGaveUp as exc:
+                log.error("version %d not published: %s", version, exc)
+                return
+        else:
+            # One rank cannot retry a collective alone: a storage fault here ends the learner, which
+            # the supervisor restarts from its checkpoint.
+            from learner.sharded_checkpoint import export_gathered
+
+            self.tell(Command("publish"))
+            path = export_gathered(self.trainer, self.tokenizer, target, version, self.ranks)
         self.last_published = version
+        if not self.leader:
+            return
         if announce:
             self.out.emit(events.Published(version=version, path=str(path)))
         prune_weights(self.run_dir.weights, version)
@@ -396,25 +483,41 @@ class LearnerWorker:
             PUBLISHED_VERSION_KEY: self.last_published,
             DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
         }
-        try:
-            path = self.durably(
-                "checkpoint",
-                self.run_dir.checkpoints,
-                lambda: save_checkpoint(
+        keep = self.cfg.learner.keep_checkpoints
+        if self.ranks is None:
+            try:
+                path = self.durably(
+                    "checkpoint",
                     self.run_dir.checkpoints,
-                    self.trainer,
-                    consumed=consumed,
-                    extra=extra,
-                    keep=self.cfg.learner.keep_checkpoints,
-                    tokenizer=self.tokenizer,
-                ),
+                    lambda: save_checkpoint(
+                        self.run_dir.checkpoints,
+                        self.trainer,
+                        consumed=consumed,
+                        extra=extra,
+                        keep=keep,
+                        tokenizer=self.tokenizer,
+                    ),
+                )
+            except StorageGaveUp as exc:
+                log.error("step %d not checkpointed (it is redone on restart): %s", self.trainer.steps, exc)
+                return
+        else:
+            from learner.sharded_checkpoint import save_sharded_checkpoint
+
+            self.tell(Command("checkpoint"))
+            path = save_sharded_checkpoint(
+                self.run_dir.checkpoints,
+                self.trainer,
+                consumed=consumed,
+                ranks=self.ranks,
+                extra=extra,
+                keep=keep,
             )
-        except StorageGaveUp as exc:
-            log.error("step %d not checkpointed (it is redone on restart): %s", self.trainer.steps, exc)
-            return
         self.consumed_since_checkpoint = []
         self.dropped_since_checkpoint = {}
         self.last_checkpoint_step = self.trainer.steps
+        if not self.leader:
+            return
         self.checkpoint_seqs.append(self.consumed_seq)
         self.out.emit(
             events.CheckpointSaved(
@@ -441,14 +544,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="resolved config TOML (run_dir/config.toml)")
     parser.add_argument("--run-dir", required=True, help="run directory (spool, weights, checkpoints)")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    launched = rank_environment()
+    rank = launched[0] if launched is not None else 0
+    name = "learner" if launched is None or launched[1] == 1 else f"learner[{rank}]"
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s learner %(levelname)s %(message)s"
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {name} %(levelname)s %(message)s"
     )
+    if launched is not None:
+        follow_launcher()
+    if rank != 0:
+        quiet_stdout()
     out = EventStream(sys.stdout)
     stop = StopFlag()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set(signal.Signals(signum).name)
+        if rank == 0:
+            stop.set(signal.Signals(signum).name)
+        else:  # rank 0 decides when to stop (and checkpoints with everyone first)
+            log.info("rank %d: %s noted; waiting for rank 0", rank, signal.Signals(signum).name)
 
     # SIGINT too: Ctrl-C reaches the whole process group, and the learner should checkpoint, not die.
     signal.signal(signal.SIGTERM, on_signal)
@@ -456,16 +569,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         run = RunDir.at(args.run_dir, cfg.model.path)
-        lock_fd = acquire_learner_lock(run)
-        threading.Thread(target=watch_stdin, args=(sys.stdin, stop, out), name="stdin", daemon=True).start()
-        worker = LearnerWorker(cfg, run, out, stop)
+        lock_fd = acquire_learner_lock(run) if rank == 0 else None
+        ranks = join(cfg.learner.world_size, cfg.learner.device)
+        if rank == 0:
+            threading.Thread(
+                target=watch_stdin, args=(sys.stdin, stop, out), name="stdin", daemon=True
+            ).start()
+        worker = LearnerWorker(cfg, run, out, stop, ranks)
         try:
-            return worker.run()
+            code = worker.run() if worker.leader else worker.follow()
         finally:
-            os.close(lock_fd)
+            if lock_fd is not None:
+                os.close(lock_fd)
+        leave(ranks)  # after a failure torchrun ends the other ranks instead
+        return code
     except Exception as exc:
         log.exception("learner failed")
-        out.emit(events.Error(f"{type(exc).__name__}: {exc}"))
+        if rank == 0:
+            out.emit(events.Error(f"{type(exc).__name__}: {exc}"))
         return 1
 
 

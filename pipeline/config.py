@@ -357,6 +357,62 @@ class LearnerConfig(_Section):
         ),
     )
 
+    nproc: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Learner processes (ranks) per node. Above 1 the supervisor starts the learner through torchrun "
+            "and the model is sharded with FSDP2 (gloo on a CPU, NCCL on GPUs: one GPU per rank)."
+        ),
+    )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Nodes the learner spans (torchrun --nnodes, c10d rendezvous at rdzv_endpoint); every node's "
+            "torchrun must be started by one launcher command (see launcher)."
+        ),
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description=(
+            "host:port of torchrun's c10d rendezvous, reachable from every learner node (needed when "
+            "nnodes > 1; one node alone picks a free local port)."
+        ),
+    )
+    launcher: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Command prefix the supervisor starts the learner with, e.g. ['srun', '--nodes=2', "
+            "'--ntasks-per-node=1'] or ['ssh', 'gpu-b']: the learner runs where it puts it, and the "
+            "launcher must carry the learner's stdin and stdout (srun and ssh do). Empty: this machine."
+        ),
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Learner ranks in all: nproc x nnodes."""
+        return self.nproc * self.nnodes
+
+    @model_validator(mode="after")
+    def _distributed_rules(self) -> LearnerConfig:
+        if self.nnodes > 1 and self.rdzv_endpoint is None:
+            raise ValueError(
+                "learner.rdzv_endpoint (host:port reachable from every learner node) is needed when "
+                "learner.nnodes > 1"
+            )
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"learner.rdzv_endpoint must be host:port, got {self.rdzv_endpoint!r}")
+        if self.spool_url is not None and self.world_size > 1:
+            raise ValueError(
+                "learner.spool_url (reading the spool over Flight) works with one learner process: ranks "
+                "other than 0 read the step's spool files from the shared run directory (learner.nproc x "
+                "learner.nnodes must be 1)"
+            )
+        return self
+
 
 class TransportConfig(_Section):
     kind: Literal["spool", "flight"] = Field(

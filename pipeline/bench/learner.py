@@ -10,6 +10,12 @@ Each variant runs in a process of its own, with glibc's mmap threshold fixed at 
 one variant (or the warm-up step) freed stays in the allocator's pool, the next step reuses it without
 raising the high-water mark, and its peak reads as zero. On a CPU bf16 is emulated: its times say little
 about a GPU, its memory does.
+
+`--nproc N` compares instead one rank against N ranks (torchrun, FSDP2; `--precision`, default fp32) on the
+same step: its time and, per rank, the peak of the step above the level before it, the bytes of the
+weights and AdamW state the rank holds (exact, from the tensors), and the process's resident high-water
+mark. Sharding divides the held state by N; the step's peak falls with the rows each rank trains. On a
+CPU with fewer cores than ranks the time says nothing about speed-up.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -28,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pipeline.bench.logprobs import PeakMemory
+from pipeline.bench.logprobs import PeakMemory, _proc_status_bytes
 
 VARIANTS: tuple[tuple[str, bool], ...] = (
     ("fp32", False),
@@ -74,20 +81,27 @@ def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
 
 
 def _measure(
-    model_dir: Path, precision: str, checkpointing: bool, args: argparse.Namespace
-) -> dict[str, float]:
+    model_dir: Path, precision: str, checkpointing: bool, args: argparse.Namespace, nproc: int = 1
+) -> dict[str, Any]:
+    from learner.distributed import join, leave
     from learner.model import load_policy
     from learner.precision import resolve_precision
     from learner.trainer import Trainer
     from pipeline.config import LearnerConfig
 
-    device = torch.device(args.device)
+    ranks = join(nproc, args.device)
+    device = ranks.device if ranks is not None else torch.device(args.device)
     weights = resolve_precision(precision, device).param_dtype_name
-    model, _ = load_policy(model_dir, device=device, dtype=weights)
+    if ranks is None:
+        model, _ = load_policy(model_dir, device=device, dtype=weights)
+    else:
+        from learner.sharding import load_policy_for_ranks
+
+        model, _ = load_policy_for_ranks(model_dir, ranks, dtype=weights)
     cfg = LearnerConfig(
         lr=1e-5, mini_batches=args.mini_batches, precision=precision, gradient_checkpointing=checkpointing
     )
-    trainer = Trainer(model, cfg, temperature=1.0, device=device)
+    trainer = Trainer(model, cfg, temperature=1.0, device=device, ranks=ranks)
     groups = _groups(model.config.vocab_size, args)
     trainer.step(groups)  # warm-up: optimizer state, allocator pools
     seconds, peaks = [], []
@@ -97,30 +111,78 @@ def _measure(
             trainer.step(groups)
             seconds.append(time.perf_counter() - started)
         peaks.append(memory.peak_extra_bytes)
-    return {"seconds": statistics.median(seconds), "peak_extra_bytes": float(max(peaks))}
+    result: dict[str, Any] = {"seconds": statistics.median(seconds), "peak_extra_bytes": float(max(peaks))}
+    if args.variant is not None and _RANKED.match(args.variant):
+        mine = {
+            "peak_extra_bytes": result["peak_extra_bytes"],
+            "state_bytes": float(_held_state_bytes(trainer)),
+            "rss_peak_bytes": float(_proc_status_bytes("VmHWM")),
+        }
+        result["ranks"] = ranks.gather(mine) if ranks is not None else [mine]
+        result["peak_extra_bytes"] = max(r["peak_extra_bytes"] for r in result["ranks"])
+    leave(ranks)
+    return result
+
+
+def _held_state_bytes(trainer: Any) -> int:
+    """Bytes of the weights and optimizer state this rank holds (its shards when sharded)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    held = sum(local(p).numel() * p.element_size() for p in trainer.model.parameters())
+    for state in trainer.optimizer.state.values():
+        held += sum(
+            local(v).numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)
+        )
+    return int(held)
 
 
 def _variant_name(precision: str, checkpointing: bool) -> str:
     return f"{precision}{'+ckpt' if checkpointing else ''}"
 
 
-def _in_own_process(model_dir: Path, name: str, argv: list[str]) -> dict[str, float]:
+def _in_own_process(model_dir: Path, name: str, argv: list[str], nproc: int = 1) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.bench.learner",
-        *argv,
-        "--variant",
-        name,
-        "--model",
-        str(model_dir),
-    ]
+    if nproc > 1:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+        ]
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    else:
+        launcher = [sys.executable]
+    cmd = [*launcher, "-m", "pipeline.bench.learner", *argv, "--variant", name, "--model", str(model_dir)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"variant {name} failed (exit {done.returncode}): {done.stderr[-2000:]}")
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+_RANKED = re.compile(r"^(?P<precision>\S+) x(?P<nproc>\d+) ranks?$")
+
+
+def _rank_variants(args: argparse.Namespace) -> list[tuple[str, int]]:
+    return [(f"{args.precision} x{n} rank{'s' if n > 1 else ''}", n) for n in (1, args.nproc)]
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The bench's flags for a variant's process: torchrun would take `--nproc` for its own
+    `--nproc-per-node` (argparse prefix matching), and the variant's name carries it anyway."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def run(argv: list[str]) -> dict[str, Any]:
@@ -130,13 +192,24 @@ def run(argv: list[str]) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rollwise-bench-learner-") as tmp:
         model_dir = init_model(Path(tmp) / "model", preset=args.preset, seed=0)
-        results = {
-            _variant_name(p, c): _in_own_process(model_dir, _variant_name(p, c), argv) for p, c in VARIANTS
-        }
-    base = results["fp32"]
+        if args.nproc > 1:
+            child_argv = _without_nproc(argv)
+            results = {
+                name: _in_own_process(model_dir, name, child_argv, n) for name, n in _rank_variants(args)
+            }
+        else:
+            results = {
+                _variant_name(p, c): _in_own_process(model_dir, _variant_name(p, c), argv)
+                for p, c in VARIANTS
+            }
+    base = next(iter(results.values()))
     for entry in results.values():
         entry["time_ratio"] = entry["seconds"] / base["seconds"]
         entry["memory_ratio"] = entry["peak_extra_bytes"] / max(base["peak_extra_bytes"], 1.0)
+        if "ranks" in entry:
+            for key in ("state_bytes", "rss_peak_bytes"):
+                worst = max(r[key] for r in entry["ranks"])
+                entry[f"{key.removesuffix('_bytes')}_ratio"] = worst / max(r[key] for r in base["ranks"])
     return {
         "preset": args.preset,
         "device": args.device,
@@ -159,6 +232,16 @@ def format_report(report: dict[str, Any]) -> str:
             f"{name:<18}{r['seconds']:>10.3f}{r['peak_extra_bytes'] / 2**20:>12.1f}"
             f"{r['time_ratio']:>9.2f}{r['memory_ratio']:>10.3f}"
         )
+    ranked = {name: r for name, r in report["results"].items() if "ranks" in r}
+    if ranked:
+        lines.append("per rank (the largest of the ranks against one process): held = weights + AdamW state")
+        lines.append(f"{'variant':<18}{'held (MiB)':>12}{'held x':>9}{'RSS peak (MiB)':>16}{'RSS x':>8}")
+        for name, r in ranked.items():
+            held = max(x["state_bytes"] for x in r["ranks"]) / 2**20
+            rss = max(x["rss_peak_bytes"] for x in r["ranks"]) / 2**20
+            lines.append(
+                f"{name:<18}{held:>12.1f}{r['state_ratio']:>9.3f}{rss:>16.1f}{r['rss_peak_ratio']:>8.3f}"
+            )
     return "\n".join(lines)
 
 
@@ -172,7 +255,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--generated", type=int, default=256, help="generated tokens per episode")
     p.add_argument("--mini-batches", type=int, default=2, help="mini-batches per step")
     p.add_argument("--repeats", type=int, default=2, help="measured steps per variant")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (per rank)")
+    p.add_argument(
+        "--nproc", type=int, default=1, help="> 1: one rank against this many (torchrun, FSDP2) instead"
+    )
+    p.add_argument("--precision", default="fp32", help="precision of the --nproc comparison")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in this process (the runner's call)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -184,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.variant is not None:
         torch.set_num_threads(args.threads)
+        ranked = _RANKED.match(args.variant)
+        if ranked is not None:
+            nproc = int(ranked["nproc"])
+            result = _measure(Path(args.model), ranked["precision"], False, args, nproc=nproc)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(json.dumps(result))
+            return 0
         precision, _, ckpt = args.variant.partition("+")
         print(json.dumps(_measure(Path(args.model), precision, ckpt == "ckpt", args)))
         return 0

@@ -3,17 +3,24 @@ JSON-line events decoded into typed records (learner.events) and handed to one c
 
 The daemon learns everything about the learner through `on_event`: `Ready` (also kept here, so the
 daemon can wait for the first one), and every other record as it arrives.
+
+With learner.nproc x learner.nnodes > 1 the child is torchrun (`python -m torch.distributed.run`, c10d
+rendezvous, no restarts of its own): a rank that dies ends it as a whole, and the backoff here restarts it
+from the last checkpoint like a one-process learner. Rank 0 is the one that talks on stdin and stdout.
+`learner.launcher` prefixes the command (srun, ssh) to run the learner on other nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from learner import events
+from pipeline.config import LearnerConfig
 from pipeline.daemon.children import Child, ChildSpec, keep_running
 from pipeline.run_dir import RunDir
 
@@ -23,16 +30,32 @@ MAX_FAILED_STARTS = 3
 TRANSPORT_TOKEN_ENV = "ROLLWISE_TRANSPORT_TOKEN"  # pipeline.config reads it as transport.token
 
 
-def learner_child_spec(run: RunDir, threads: int, *, transport_token: str | None = None) -> ChildSpec:
-    """The learner's command line. `transport_token` (a Flight reader's key) travels in the environment:
-    the run directory's config.toml never holds secrets, and argv shows in /proc/<pid>/cmdline."""
-    argv = ["--config", str(run.config_file), "--run-dir", str(run.root)]
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+def torchrun_argv(run: RunDir, learner: LearnerConfig) -> list[str]:
+    """torchrun's options for the learner's ranks: one node alone rendezvous on a free local port
+    (--standalone); several meet at learner.rdzv_endpoint under an id derived from the run directory."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(learner.nnodes)]
+    argv += ["--nproc-per-node", str(learner.nproc), "--max-restarts", "0"]
+    if learner.rdzv_endpoint is None:
+        return [*argv, "--standalone"]
+    run_id = "rollwise-" + hashlib.sha256(str(run.root).encode()).hexdigest()[:12]
+    return [*argv, "--rdzv-backend", "c10d", "--rdzv-endpoint", learner.rdzv_endpoint, "--rdzv-id", run_id]
+
+
+def learner_child_spec(
+    run: RunDir, learner: LearnerConfig, *, transport_token: str | None = None
+) -> ChildSpec:
+    """The learner's command line (torchrun's above one rank). `transport_token` (a Flight reader's key)
+    travels in the environment: the run directory's config.toml never holds secrets, and argv shows in
+    /proc/<pid>/cmdline."""
+    argv = ["-m", "learner.worker", "--config", str(run.config_file), "--run-dir", str(run.root)]
+    command = [*torchrun_argv(run, learner), *argv] if learner.world_size > 1 else [sys.executable, *argv]
+    threads = str(learner.threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     if transport_token:
         env[TRANSPORT_TOKEN_ENV] = transport_token
     return ChildSpec(
         name="learner",
-        argv=[sys.executable, "-m", "learner.worker", *argv],
+        argv=[*learner.launcher, *command],
         log_path=run.log_file("learner"),
         env=env,
         events=True,

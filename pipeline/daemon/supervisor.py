@@ -70,9 +70,7 @@ class Supervisor:
         self.stopping = asyncio.Event()  # set once: stop admitting, drain, stop children, exit
         self.fatal: str | None = None  # why the run cannot go on (then exit code 1)
         self.learner = LearnerChild(
-            learner_child_spec(
-                self.run_dir, cfg.learner.threads, transport_token=reveal(cfg.transport.token)
-            ),
+            learner_child_spec(self.run_dir, cfg.learner, transport_token=reveal(cfg.transport.token)),
             stopping=self.stopping,
             on_event=self.on_learner_event,
             fail=self.fail,

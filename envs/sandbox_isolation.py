@@ -38,8 +38,12 @@ MIN_PYTHON = (3, 9)
 _INTERPRETER_PROBE = "import sys; print(sys.base_prefix); print('%d.%d.%d' % sys.version_info[:3])"
 
 
-class SandboxUnavailable(EnvError):
-    """The sandbox cannot run here as configured (no usable interpreter, or less isolation than required)."""
+class SandboxUnavailable(EnvError, ValueError):
+    """The sandbox cannot run here as configured (no usable interpreter, or less isolation than required).
+
+    Also a ValueError: raised while an env is built from its options, it is a config the machine cannot
+    honour, and `rollwise run` reports it as such (``env.options: ... rejects ...``) before starting.
+    """
 
 
 @dataclass(frozen=True)

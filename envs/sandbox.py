@@ -187,15 +187,18 @@ class Sandbox:
         limits: Limits,
         uid: int | None,
     ) -> ProcessOutcome:
-        rundir = _make_rundir(uid)
+        # Directory work runs in a thread: on a slow or busy disk a mkdir or rmdir takes milliseconds,
+        # and the event loop serves every other episode meanwhile.
+        preparing = asyncio.ensure_future(asyncio.to_thread(_prepare_rundir, uid, {**files, MAIN_FILE: code}))
         try:
-            work, tmp = rundir / "work", rundir / "tmp"
-            for name, content in {**files, MAIN_FILE: code}.items():
-                _write_file(work, name, content, uid)
+            rundir = await asyncio.shield(preparing)
+        except asyncio.CancelledError:
+            preparing.add_done_callback(_remove_prepared)
+            raise
+        try:
             with _stdin_file(stdin) as stdin_file:
-                return await self._spawn(work, tmp, stdin_file, limits, uid)
+                return await self._spawn(rundir / "work", rundir / "tmp", stdin_file, limits, uid)
         finally:
-            # In a thread: a program may have left many files, and the event loop must not wait.
             await asyncio.shield(asyncio.to_thread(_remove_tree, rundir))
 
     async def _spawn(
@@ -239,7 +242,8 @@ class Sandbox:
             # The supervising launcher starts as this process's user (root: it drops the code to uid).
             run_as, cwd = None, str(work)
             env = {"PATH": PATH_INSIDE, "HOME": str(work), "TMPDIR": str(tmp), "LANG": "C.UTF-8"}
-            halt = sweep = (lambda _status: _kill_uid(uid)) if uid is not None else _kill_code_group
+            halt = (lambda _status: _kill_uid(uid)) if uid is not None else _kill_code_group
+            sweep = _unless_finished(halt)
         return await run_process(
             build_argv,
             cwd=cwd,
@@ -314,6 +318,24 @@ def _rundir_parent() -> Path:
     return parent
 
 
+def _prepare_rundir(uid: int | None, files: dict[str, str | bytes]) -> Path:
+    """A fresh run directory: ``work/`` (the working directory, holding ``files``) and ``tmp/``."""
+    rundir = _make_rundir(uid)
+    try:
+        for name, content in files.items():
+            _write_file(rundir / "work", name, content, uid)
+    except BaseException:
+        _remove_tree(rundir)
+        raise
+    return rundir
+
+
+def _remove_prepared(preparing: asyncio.Future[Path]) -> None:
+    """Remove a directory whose preparation finished after the call was cancelled."""
+    if not preparing.cancelled() and preparing.exception() is None:
+        _remove_tree(preparing.result())
+
+
 def _make_rundir(uid: int | None) -> Path:
     rundir = Path(tempfile.mkdtemp(prefix="run-", dir=_rundir_parent()))
     for sub in ("work", "tmp"):
@@ -377,6 +399,17 @@ def _remove_tree(path: Path) -> None:
 
 def _nothing(_status: list[str]) -> None:
     return None
+
+
+def _unless_finished(sweep: Sweep) -> Sweep:
+    """``sweep`` only when the supervising launcher did not report its exit: when it did, it has
+    killed and reaped everything itself (and a scan of /proc would cost every call milliseconds)."""
+
+    def check(status: list[str]) -> None:
+        if not any(line.startswith("exit ") for line in status):
+            sweep(status)
+
+    return check
 
 
 def _kill_uid(uid: int | None) -> None:

@@ -140,16 +140,21 @@ def _parent_of(pid: int) -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
-def _leftovers(uid: int | None) -> list[int]:
-    """Processes to kill: our children (orphans land here), and every process of ``uid`` if set."""
-    me, found = os.getpid(), []
-    for pid in _pids():
-        try:
-            if _parent_of(pid) == me or (uid is not None and int(_read_status(pid)["Uid"].split()[0]) == uid):
-                found.append(pid)
-        except (OSError, KeyError, IndexError, ValueError):
-            continue
-    return found
+def _children() -> list[int]:
+    """This process's children: the code, what it started, and every orphan of it (we are a subreaper)."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as children:
+            return [int(pid) for pid in children.read().split()]
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: look at every process
+        found = []
+        for pid in _pids():
+            try:
+                if _parent_of(pid) == me:
+                    found.append(pid)
+            except (OSError, IndexError, ValueError):
+                continue
+        return found
 
 
 def _kill(send: Callable[[int, int], None], target: int) -> None:
@@ -160,14 +165,21 @@ def _kill(send: Callable[[int, int], None], target: int) -> None:
         pass  # already gone
 
 
-def _kill_leftovers(group: int, uid: int | None) -> None:
-    """Kill the code's group and everything it left, and reap it all (ends when we have no child)."""
+def _kill_leftovers(group: int) -> None:
+    """Kill the code's group and everything it left, and reap it all (ends when we have no child).
+
+    Every process the code started is a descendant of this subreaper: killing our children orphans
+    their children, which become ours, so each round goes one generation deeper; the process limit
+    bounds how many there can be. No scan of /proc, no signal to anything that is not ours.
+    """
     while True:
         _kill(os.killpg, group)
-        for pid in _leftovers(uid):
+        for pid in _children():
             _kill(os.kill, pid)
         try:
             os.waitpid(-1, 0)
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
         except ChildProcessError:
             return
         except InterruptedError:
@@ -199,7 +211,7 @@ def supervise(config: dict[str, Any], status_fd: int) -> None:
             break
         except InterruptedError:
             continue
-    _kill_leftovers(child, config["drop_to"])
+    _kill_leftovers(child)
     code = os.waitstatus_to_exitcode(status)
     code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports it
     _report(status_fd, "exit", str(code))

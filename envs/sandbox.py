@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import logging
 import os
 import shutil
 import signal
@@ -45,18 +47,21 @@ from envs.sandbox_launcher import encode_config
 from envs.sandbox_process import ProcessOutcome, SandboxError, Sweep, run_process
 
 __all__ = [
+    "Execution",
     "Limits",
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
     "SandboxResult",
     "SandboxUnavailable",
+    "add_observer",
     "shared_sandbox",
 ]
 
 MAIN_FILE = "main.py"
 SIGXCPU_EXIT = 128 + signal.SIGXCPU
 _LAUNCHER_SOURCE = Path(__file__).with_name("sandbox_launcher.py").read_text()
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,24 +92,75 @@ def truncation_marker(stream: str, limit: int) -> str:
     return f"\n[{stream} truncated: more than {limit} bytes; the program was stopped]"
 
 
+@dataclass(frozen=True)
+class Execution:
+    """What observers hear of every finished call (``add_observer``): a metrics exporter's view."""
+
+    isolation: str
+    stopped_by: str | None
+    queued_s: float
+    wall_s: float
+    failed: bool
+
+
+_observers: list[Callable[[Execution], None]] = []
+
+
+def add_observer(callback: Callable[[Execution], None]) -> None:
+    """Call ``callback`` after every execution of every sandbox of this process (the daemon's metrics)."""
+    _observers.append(callback)
+
+
+def _notify(execution: Execution) -> None:
+    for callback in _observers:
+        try:
+            callback(execution)
+        except Exception:  # an observer's bug must not cost an episode
+            _log.exception("sandbox observer %r failed", callback)
+
+
 class _UidPool:
-    """Unprivileged uids for a root daemon's sandboxes: one per running sandbox, process-wide."""
+    """Unprivileged uids for a root daemon's sandboxes, one per running sandbox.
+
+    A uid is first reserved for this process with a lock file (``flock``, released when the process
+    ends, however it ends), so two rollwise processes on one machine (a daemon and an env check) never
+    share one: a sandbox's uid then names its processes alone, and its process limit counts them alone.
+    A newly reserved uid is swept once, in case a process that held it died with code still running.
+    """
+
+    MAX_UIDS = 65_536
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._used: set[int] = set()
+        self._reserved: dict[int, int] = {}  # uid -> the locked file descriptor
+        self._free: dict[int, list[int]] = {}  # base -> reserved uids not in use
 
     def take(self, base: int) -> int:
         with self._lock:
-            uid = base
-            while uid in self._used:
-                uid += 1
-            self._used.add(uid)
-            return uid
+            free = self._free.setdefault(base, [])
+            if free:
+                return free.pop()
+            for uid in range(base, base + self.MAX_UIDS):
+                if uid not in self._reserved and self._reserve(uid):
+                    return uid
+        raise SandboxError(f"sandbox: every uid from {base} to {base + self.MAX_UIDS - 1} is in use")
 
-    def give(self, uid: int) -> None:
+    def give(self, base: int, uid: int) -> None:
         with self._lock:
-            self._used.discard(uid)
+            self._free.setdefault(base, []).append(uid)
+
+    def _reserve(self, uid: int) -> bool:
+        locks = _rundir_parent() / "uids"
+        locks.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(locks / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._reserved[uid] = fd
+        _kill_uid(uid)
+        return True
 
 
 _UIDS = _UidPool()
@@ -120,6 +176,10 @@ class Sandbox:
         self.isolation: Isolation = detect_isolation(
             self.config.bwrap, self.config.python, probe_uid, self.config.tmp_bytes
         )
+        if self.isolation.kind == "bwrap":
+            _log.info("sandbox: %s", self.isolation.describe())
+        else:
+            _log.warning("sandbox: %s", self.isolation.describe())
         if self.config.require == "bwrap" and self.isolation.kind != "bwrap":
             raise SandboxUnavailable(
                 f'sandbox.require = "bwrap", but this machine gives {self.isolation.describe()}. '
@@ -161,16 +221,22 @@ class Sandbox:
             self.waiting -= 1
         queued_s = time.monotonic() - queued_at
         self.running += 1
-        uid = _UIDS.take(self.config.root_uid_base) if self.as_root else None
+        uid: int | None = None
         try:
+            uid = _UIDS.take(self.config.root_uid_base) if self.as_root else None
             outcome = await self._execute(code, files, stdin, limits, uid)
+            result = self._result(outcome, limits, queued_s)
+        except SandboxError:
+            _notify(Execution(self.isolation.kind, None, queued_s, 0.0, failed=True))
+            raise
         finally:
             if uid is not None:
-                _UIDS.give(uid)
+                _UIDS.give(self.config.root_uid_base, uid)
             self.running -= 1
             gate.release()
         self.executions += 1
-        return self._result(outcome, limits, queued_s)
+        _notify(Execution(result.isolation, result.stopped_by, queued_s, result.wall_s, failed=False))
+        return result
 
     def _gate(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -236,14 +302,13 @@ class Sandbox:
         if bwrap:
             # bubblewrap runs as the sandbox's uid; its PID namespace ends every process with it.
             run_as, cwd, env = uid, None, {"PATH": PATH_INSIDE}
-            halt: Sweep | None = None
-            sweep: Sweep = _nothing
+            halt_signal, sweep = signal.SIGKILL, _NOTHING
         else:
-            # The supervising launcher starts as this process's user (root: it drops the code to uid).
+            # The supervising launcher starts as this process's user (root: it drops the code to uid)
+            # and, on SIGTERM, kills and reaps the code's processes itself.
             run_as, cwd = None, str(work)
             env = {"PATH": PATH_INSIDE, "HOME": str(work), "TMPDIR": str(tmp), "LANG": "C.UTF-8"}
-            halt = (lambda _status: _kill_uid(uid)) if uid is not None else _kill_code_group
-            sweep = _unless_finished(halt)
+            halt_signal, sweep = signal.SIGTERM, _unless_finished(uid)
         return await run_process(
             build_argv,
             cwd=cwd,
@@ -253,7 +318,7 @@ class Sandbox:
             stdin=stdin,
             max_output_bytes=limits.max_output_bytes,
             wall_time_s=limits.wall_time_s,
-            halt=halt,
+            halt_signal=halt_signal,
             sweep=sweep,
         )
 
@@ -301,6 +366,18 @@ def shared_sandbox(config: SandboxConfig | None = None) -> Sandbox:
         if sandbox is None:
             sandbox = _shared[config] = Sandbox(config)
         return sandbox
+
+
+def running_total() -> int:
+    """Interpreters running now in every shared sandbox of this process."""
+    with _shared_lock:
+        return sum(sandbox.running for sandbox in _shared.values())
+
+
+def waiting_total() -> int:
+    """Calls waiting for a slot now in every shared sandbox of this process."""
+    with _shared_lock:
+        return sum(sandbox.waiting for sandbox in _shared.values())
 
 
 # --- working directories ------------------------------------------------------------------------
@@ -401,15 +478,20 @@ def _nothing(_status: list[str]) -> None:
     return None
 
 
-def _unless_finished(sweep: Sweep) -> Sweep:
-    """``sweep`` only when the supervising launcher did not report its exit: when it did, it has
-    killed and reaped everything itself (and a scan of /proc would cost every call milliseconds)."""
+_NOTHING: Sweep = _nothing
 
-    def check(status: list[str]) -> None:
+
+def _unless_finished(uid: int | None) -> Sweep:
+    """After a supervised run: nothing when the launcher reported its exit (it killed and reaped
+    everything itself); otherwise (it was killed) every process of the sandbox's uid, when it has one.
+    A user's own processes cannot be told apart from what the code left: those are the documented
+    weakness of rlimits without root."""
+
+    def sweep(status: list[str]) -> None:
         if not any(line.startswith("exit ") for line in status):
-            sweep(status)
+            _kill_uid(uid)
 
-    return check
+    return sweep
 
 
 def _kill_uid(uid: int | None) -> None:
@@ -436,12 +518,3 @@ def _real_uid(pid: str) -> int:
             if line.startswith("Uid:"):
                 return int(line.split()[1])
     raise ValueError(f"no Uid line for process {pid}")
-
-
-def _kill_code_group(status: list[str]) -> None:
-    """The code's process group (its pid, from the launcher's ``child`` line): everything it
-    started that did not leave the group; the supervising launcher kills and reaps the rest."""
-    for line in status:
-        if line.startswith("child "):
-            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
-                os.killpg(int(line.split()[1]), signal.SIGKILL)

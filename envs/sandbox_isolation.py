@@ -96,6 +96,7 @@ def detect_isolation(bwrap: str, python: str, probe_uid: int | None, tmp_bytes: 
 
     Raises ``SandboxUnavailable`` when no interpreter works. Cached per process and arguments.
     """
+    _require_pidfd()
     interpreter = find_interpreter(python, probe_uid)
     if not bwrap:
         reason = 'bubblewrap is off (sandbox.bwrap = "")'
@@ -109,6 +110,14 @@ def detect_isolation(bwrap: str, python: str, probe_uid: int | None, tmp_bytes: 
     if problem:
         return Isolation("rlimits", interpreter, path, version, features, problem)
     return Isolation("bwrap", interpreter, path, version, features, "")
+
+
+def _require_pidfd() -> None:
+    """Processes are watched through pidfds (Linux 5.3+): no thread per child, no pid-reuse race."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as exc:
+        raise SandboxUnavailable(f"sandbox: needs Linux 5.3 or later (pidfd_open failed: {exc})") from exc
 
 
 def find_interpreter(python: str, uid: int | None) -> Interpreter:

@@ -21,8 +21,9 @@ Two ways to run:
 - supervising (rlimits only): this process stays the parent and a subreaper, runs the code in a
   child with its own process group, waits, then kills and reaps everything the code left behind, so
   background processes die with the call and no zombie is left to a parent that never reaps (some
-  containers' init). With ``drop_to`` (rollwise runs as root) the parent stays root, out of the
-  code's reach, and the child becomes that unprivileged uid; the limits apply to the child only.
+  containers' init). SIGTERM (the sandbox's stop: a limit, a cancelled call) ends the code the same
+  way. With ``drop_to`` (rollwise runs as root) the parent stays root, out of the code's reach, and
+  the child becomes that unprivileged uid; the limits apply to the child only.
 
 Only the standard library, and syntax the sandbox's interpreter (any Python 3.9+) understands.
 """
@@ -165,15 +166,14 @@ def _kill(send: Callable[[int, int], None], target: int) -> None:
         pass  # already gone
 
 
-def _kill_leftovers(group: int) -> None:
-    """Kill the code's group and everything it left, and reap it all (ends when we have no child).
+def _kill_leftovers() -> None:
+    """Kill and reap every child until none is left (ends when waitpid says we have no child).
 
     Every process the code started is a descendant of this subreaper: killing our children orphans
     their children, which become ours, so each round goes one generation deeper; the process limit
     bounds how many there can be. No scan of /proc, no signal to anything that is not ours.
     """
     while True:
-        _kill(os.killpg, group)
         for pid in _children():
             _kill(os.kill, pid)
         try:
@@ -186,7 +186,17 @@ def _kill_leftovers(group: int) -> None:
             continue
 
 
+class _Halt(BaseException):
+    """SIGTERM from the sandbox (a limit was reached, or the call was cancelled): end the code now."""
+
+
+def _halt(_signum: int, _frame: object) -> None:
+    raise _Halt
+
+
 def supervise(config: dict[str, Any], status_fd: int) -> None:
+    import signal
+
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     child = os.fork()
     if child == 0:
@@ -200,20 +210,28 @@ def supervise(config: dict[str, Any], status_fd: int) -> None:
         _report(status_fd, "started", str(os.getpid()))
         os.close(status_fd)
         run_main(config["main"])
-    try:  # noqa: SIM105
-        os.setpgid(child, child)  # both sides set it: whichever runs first wins the race
-    except OSError:  # the child already did, or already ended
+    code = 128 + SIGKILL  # unless the code ends by itself: the sandbox stopped it
+    try:
+        signal.signal(signal.SIGTERM, _halt)
+        try:  # noqa: SIM105
+            os.setpgid(child, child)  # both sides set it: whichever runs first wins the race
+        except OSError:  # the child already did, or already ended
+            pass
+        _report(status_fd, "child", str(child))
+        # WNOWAIT: the child stays a zombie, so its process group id cannot be reused before the kill.
+        while True:
+            try:
+                ended = os.waitid(os.P_PID, child, os.WEXITED | os.WNOWAIT)
+                break
+            except InterruptedError:
+                continue
+        if ended is not None:  # None only with WNOHANG, which is not asked for
+            code = ended.si_status if ended.si_code == os.CLD_EXITED else 128 + ended.si_status
+    except _Halt:
         pass
-    _report(status_fd, "child", str(child))
-    while True:
-        try:
-            _, status = os.waitpid(child, 0)
-            break
-        except InterruptedError:
-            continue
-    _kill_leftovers(child)
-    code = os.waitstatus_to_exitcode(status)
-    code = 128 - code if code < 0 else code  # killed by signal N -> 128 + N, as a shell reports it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup below must finish
+    _kill(os.killpg, child)
+    _kill_leftovers()
     _report(status_fd, "exit", str(code))
     os._exit(code)
 

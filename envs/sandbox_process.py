@@ -7,8 +7,8 @@ passes its byte limit is cut there and the run is stopped (it would otherwise co
 reading of everything the program writes). The wall-clock limit, cancellation and the output limit
 all end in ``stop``: SIGKILL through the pidfd (never a pid that may have been reused), then the
 caller's ``sweep`` for whatever the process left behind. A supervising launcher (rlimits) is not
-killed first but asked to finish through ``halt`` (the code's processes die, the launcher reaps them
-and exits), so nothing is orphaned to an init that may never reap it; SIGKILL follows if it lingers.
+killed first but sent ``halt_signal`` (SIGTERM: it kills the code's processes, reaps them and exits),
+so nothing is orphaned to an init that may never reap it; SIGKILL follows if it lingers.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ HALT_GRACE_S = 5.0
 KILL_WAIT_S = 30.0
 
 Sweep = Callable[[list[str]], None]
-"""Kill what a run left behind, given the launcher's status lines so far (``halt``: the code's
-processes while the launcher lives; ``sweep``: anything left once it ended)."""
+"""Kill what a run left behind once its process ended, given the launcher's status lines."""
 
 
 class SandboxError(EnvError):
@@ -66,10 +65,10 @@ class _Stream:
 
 class _Run:
     def __init__(
-        self, proc: subprocess.Popen[bytes], status_fd: int, max_output_bytes: int, halt: Sweep | None
+        self, proc: subprocess.Popen[bytes], status_fd: int, max_output_bytes: int, halt_signal: int
     ) -> None:
         self.proc = proc
-        self.halt = halt
+        self.halt_signal = halt_signal
         self.loop = asyncio.get_running_loop()
         self.stopped_by: str | None = None
         assert proc.stdout is not None and proc.stderr is not None
@@ -116,19 +115,14 @@ class _Run:
         return self.streams[2].data.decode(errors="replace").splitlines()
 
     def stop(self, reason: str) -> None:
-        """End the code: through ``halt`` if given, else SIGKILL (by pidfd: a reaped pid may be reused)."""
+        """End the code: send ``halt_signal`` (by pidfd: a reaped pid may belong to someone else)."""
         self.stopped_by = self.stopped_by or reason
-        if self.exited.is_set():
-            return
-        if self.halt is not None:
-            self.halt(self.status_lines())
-        else:
-            self.kill()
+        self.signal(self.halt_signal)
 
-    def kill(self) -> None:
+    def signal(self, number: int) -> None:
         if not self.exited.is_set():
             with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                signal.pidfd_send_signal(self.pidfd, number)
 
     def close(self) -> None:
         if not self.exited.is_set():
@@ -152,14 +146,15 @@ async def run_process(
     stdin: IO[bytes] | None,
     max_output_bytes: int,
     wall_time_s: float,
-    halt: Sweep | None,
+    halt_signal: int,
     sweep: Sweep,
 ) -> ProcessOutcome:
     """Start ``build_argv(status_fd)``, wait at most ``wall_time_s``, and return how it ended.
 
     ``status_fd`` is the write end of the launcher's status pipe (inherited under that number).
     Raises ``SandboxError`` when the process cannot be started. Cancelling the awaiting task kills
-    the process and sweeps before the cancellation propagates. ``halt`` and ``sweep``: see ``Sweep``.
+    the process and sweeps before the cancellation propagates. ``halt_signal`` ends the process on a
+    limit or a cancellation (SIGKILL follows after HALT_GRACE_S); ``sweep``: see ``Sweep``.
     """
     status_r, status_w = os.pipe()
     started = time.monotonic()
@@ -185,7 +180,7 @@ async def run_process(
     finally:
         os.close(status_w)
     try:
-        run = _Run(proc, status_r, max_output_bytes, halt)
+        run = _Run(proc, status_r, max_output_bytes, halt_signal)
     except BaseException:
         proc.kill()
         proc.wait()
@@ -226,11 +221,11 @@ async def run_process(
 
 async def _settle(run: _Run, sweep: Sweep) -> None:
     """Wait for the (possibly killed) process, reap it, sweep leftovers, drain the pipes to EOF."""
-    if not run.exited.is_set() and run.halt is not None:
+    if not run.exited.is_set() and run.halt_signal != signal.SIGKILL:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(run.exited.wait(), HALT_GRACE_S)
     if not run.exited.is_set():
-        run.kill()
+        run.signal(signal.SIGKILL)
         try:
             await asyncio.wait_for(run.exited.wait(), KILL_WAIT_S)
         except TimeoutError:

@@ -79,7 +79,7 @@ def _leftovers(*markers: str) -> list[str]:
 
 def _rundirs() -> set[str]:
     parent = Path(tempfile.gettempdir()) / f"rollwise-sandbox-{os.geteuid()}"
-    return set(os.listdir(parent)) if parent.exists() else set()
+    return {name for name in os.listdir(parent) if name.startswith("run-")} if parent.exists() else set()
 
 
 @pytest.fixture
@@ -472,6 +472,32 @@ async def test_cancelling_a_call_kills_the_program_and_frees_the_slot(
         await task
     assert (sandbox.running, sandbox.waiting) == (0, 0)
     assert (await _run(sandbox, "print('free')")).stdout == "free\n"
+
+
+async def test_executions_are_exported_as_prometheus_metrics(contained: list[str]) -> None:
+    from pipeline.observability import metrics
+
+    def sample(name: str, **labels: str) -> float:
+        value = metrics.REGISTRY.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    before = (
+        sample("rollwise_sandbox_executions_total", kind="rlimits", reason="none"),
+        sample("rollwise_sandbox_executions_total", kind="rlimits", reason="wall_time"),
+        sample("rollwise_sandbox_execution_seconds_count", kind="rlimits"),
+        sample("rollwise_sandbox_queue_wait_seconds_count"),
+    )
+    sandbox = _sandbox("rlimits")
+    await _run(sandbox, "print(1)")
+    await _run(sandbox, "import time\ntime.sleep(60)", wall_time_s=0.5)
+    after = (
+        sample("rollwise_sandbox_executions_total", kind="rlimits", reason="none"),
+        sample("rollwise_sandbox_executions_total", kind="rlimits", reason="wall_time"),
+        sample("rollwise_sandbox_execution_seconds_count", kind="rlimits"),
+        sample("rollwise_sandbox_queue_wait_seconds_count"),
+    )
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1.0, 1.0, 2.0, 2.0]
+    assert sample("rollwise_sandbox_running") == 0.0 and sample("rollwise_sandbox_waiting") == 0.0
 
 
 # --- the tool -----------------------------------------------------------------------------------

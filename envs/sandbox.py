@@ -176,10 +176,9 @@ class Sandbox:
         self.isolation: Isolation = detect_isolation(
             self.config.bwrap, self.config.python, probe_uid, self.config.tmp_bytes
         )
-        if self.isolation.kind == "bwrap":
-            _log.info("sandbox: %s", self.isolation.describe())
-        else:
-            _log.warning("sandbox: %s", self.isolation.describe())
+        # A warning only when bubblewrap was wanted and does not work; "bwrap = ''" is a choice.
+        fell_back = self.isolation.kind != "bwrap" and bool(self.config.bwrap)
+        _log.log(logging.WARNING if fell_back else logging.INFO, "sandbox: %s", self.isolation.describe())
         if self.config.require == "bwrap" and self.isolation.kind != "bwrap":
             raise SandboxUnavailable(
                 f'sandbox.require = "bwrap", but this machine gives {self.isolation.describe()}. '
@@ -276,6 +275,7 @@ class Sandbox:
 
         def build_argv(status_fd: int) -> list[str]:
             launcher = encode_config(
+                owner=os.getpid(),
                 status_fd=status_fd,
                 main=MAIN_FILE,
                 max_processes=limits.max_processes,

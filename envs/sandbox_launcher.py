@@ -3,8 +3,11 @@
 The sandbox passes this file's source to the interpreter with ``-c`` (under bubblewrap the file
 itself is not visible) and one argument, ``encode_config``'s ``key=value`` words::
 
-    status_fd=3 main=main.py max_processes=32 count_user_tasks=0 supervise=0 drop_to=
+    owner=4242 status_fd=3 main=main.py max_processes=32 count_user_tasks=0 supervise=0 drop_to=
     RLIMIT_CPU=10:11 RLIMIT_AS=536870912:536870912 ...
+
+``owner`` (the pid of the rollwise process that started it) is not used here: it is there for ``ps``,
+next to the tag below, to tell whose sandbox a process is.
 
 (not JSON: importing json costs more than the rest of the launcher; every millisecond here is paid
 by every execution).
@@ -238,6 +241,7 @@ def supervise(config: dict[str, Any], status_fd: int) -> None:
 
 def encode_config(
     *,
+    owner: int,
     status_fd: int,
     main: str,
     max_processes: int,
@@ -250,6 +254,7 @@ def encode_config(
     if not main or any(c.isspace() or c == "=" for c in main):
         raise ValueError(f"launcher: main file name {main!r} must hold no whitespace or '='")
     words = [
+        f"owner={owner}",
         f"status_fd={status_fd}",
         f"main={main}",
         f"max_processes={max_processes}",
@@ -263,6 +268,7 @@ def encode_config(
 
 def decode_config(text: str) -> dict[str, Any]:
     fields = dict(word.split("=", 1) for word in text.split())
+    fields.pop("owner", None)
     config: dict[str, Any] = {
         "status_fd": int(fields.pop("status_fd")),
         "main": fields.pop("main"),

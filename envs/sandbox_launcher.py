@@ -205,8 +205,8 @@ def supervise(config: dict[str, Any], status_fd: int) -> None:
     if child == 0:
         try:
             os.setpgid(0, 0)
-            _prctl(PR_SET_PDEATHSIG, SIGKILL)
             apply_limits(config)
+            _prctl(PR_SET_PDEATHSIG, SIGKILL)  # after the uid change, which clears it
         except BaseException as exc:
             _report(status_fd, "error", f"{type(exc).__name__}: {exc}".replace("\n", " "))
             os._exit(EXIT_LAUNCHER_FAILED)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # typing is not imported at run time: it costs the launcher a
     from typing import Any
 
 LAUNCHER_TAG = "rollwise-sandbox-launcher"
+SIGTERM = 15
 SIGKILL = 9  # Linux; the signal module is not imported: it pulls in enum, a few milliseconds
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -198,7 +199,7 @@ def _halt(_signum: int, _frame: object) -> None:
 
 
 def supervise(config: dict[str, Any], status_fd: int) -> None:
-    import signal
+    import _signal  # type: ignore[import-not-found]  # C module: the signal module's enums cost start-up time
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     child = os.fork()
@@ -215,7 +216,7 @@ def supervise(config: dict[str, Any], status_fd: int) -> None:
         run_main(config["main"])
     code = 128 + SIGKILL  # unless the code ends by itself: the sandbox stopped it
     try:
-        signal.signal(signal.SIGTERM, _halt)
+        _signal.signal(SIGTERM, _halt)
         try:  # noqa: SIM105
             os.setpgid(child, child)  # both sides set it: whichever runs first wins the race
         except OSError:  # the child already did, or already ended
@@ -232,7 +233,7 @@ def supervise(config: dict[str, Any], status_fd: int) -> None:
             code = ended.si_status if ended.si_code == os.CLD_EXITED else 128 + ended.si_status
     except _Halt:
         pass
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup below must finish
+    _signal.signal(SIGTERM, _signal.SIG_IGN)  # the cleanup below must finish
     _kill(os.killpg, child)
     _kill_leftovers()
     _report(status_fd, "exit", str(code))

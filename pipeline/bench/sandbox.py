@@ -10,7 +10,8 @@ time, in alternating rounds:
   bubblewrap (when it works) and rlimits only.
 
 Reported per level and side: executions/s of the best round, that round's p50 and p99 latency of one
-call, and the sandbox's ratios to bare in the same round pair (throughput, p50). Ratios travel between
+call, the CPU this process spent per execution (the event loop's cost of driving one sandbox; the
+threads' for bare), and the sandbox's ratios to bare (throughput, p50). Ratios travel between
 machines better than the absolute numbers, which a loaded 2-core machine moves a lot.
 """
 
@@ -37,6 +38,7 @@ class Round:
     execs_per_s: float
     p50_ms: float
     p99_ms: float
+    parent_cpu_ms: float  # CPU of this process per execution: what one event loop (or thread pool) pays
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -46,8 +48,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def _round(latencies: list[float], wall_s: float) -> Round:
-    return Round(len(latencies) / wall_s, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3)
+def _round(latencies: list[float], wall_s: float, cpu_s: float) -> Round:
+    return Round(
+        len(latencies) / wall_s,
+        percentile(latencies, 0.5) * 1e3,
+        percentile(latencies, 0.99) * 1e3,
+        cpu_s / len(latencies) * 1e3,
+    )
 
 
 def bare_round(python: str, calls: int, concurrency: int) -> Round:
@@ -60,10 +67,10 @@ def bare_round(python: str, calls: int, concurrency: int) -> Round:
             )
         return time.perf_counter() - started
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(concurrency) as pool:
         latencies = list(pool.map(one, range(calls)))
-    return _round(latencies, time.perf_counter() - started)
+    return _round(latencies, time.perf_counter() - started, time.process_time() - cpu)
 
 
 async def sandbox_round(sandbox: Sandbox, calls: int, concurrency: int) -> Round:
@@ -80,9 +87,9 @@ async def sandbox_round(sandbox: Sandbox, calls: int, concurrency: int) -> Round
                 )
             latencies.append(time.perf_counter() - started)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return _round(latencies, time.perf_counter() - started)
+    return _round(latencies, time.perf_counter() - started, time.process_time() - cpu)
 
 
 def _sandboxes(concurrency: int, isolations: list[str]) -> dict[str, Sandbox]:
@@ -129,13 +136,15 @@ def format_report(report: dict[str, Any]) -> str:
         f"best of {report['repeats']} alternating rounds; python {report['python']}",
         f"bubblewrap: {report['bwrap']}",
         "",
-        f"{'concurrent':>10}  {'side':<22}{'execs/s':>9}{'p50 ms':>9}{'p99 ms':>9}   vs bare: execs/s, p50",
+        f"{'concurrent':>10}  {'side':<22}{'execs/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'CPU ms':>8}"
+        "   vs bare: execs/s, p50",
     ]
     for concurrency, level in report["levels"].items():
         for side, row in level.items():
             name = "bare subprocess.run" if side == "bare" else f"sandbox, {side}"
             ratios = f"   {row['execs_ratio']:.2f}x, {row['p50_ratio']:.2f}x" if side != "bare" else ""
             numbers = f"{row['execs_per_s']:>9.1f}{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}"
+            numbers += f"{row['parent_cpu_ms']:>8.2f}"
             lines.append(f"{concurrency:>10}  {name:<22}{numbers}{ratios}")
     return "\n".join(lines)
 

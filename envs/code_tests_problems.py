@@ -1274,6 +1274,7 @@ def all_problems() -> tuple[Problem, ...]:
     return tuple(problems)
 
 
+@functools.cache
 def problems(split: str = "all") -> tuple[Problem, ...]:
     """The problems of ``split``: "all", "train" (four in five) or "test" (the fifth, held out)."""
     if split not in SPLITS:

@@ -409,6 +409,28 @@ def test_requiring_bwrap_where_it_is_missing_is_refused() -> None:
     assert "not found" in fallback.isolation.describe() and "network" in fallback.isolation.describe()
 
 
+def test_bwrap_that_cannot_make_namespaces_falls_back_with_the_reason() -> None:
+    with tempfile.TemporaryDirectory() as directory:  # /tmp itself: a root daemon probes as another uid
+        os.chmod(directory, 0o755)
+        _check_failing_bwrap(Path(directory) / "bwrap")
+
+
+def _check_failing_bwrap(fake: Path) -> None:
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --version) echo "bubblewrap 0.8.0";; --help) echo "--size --disable-userns";;\n'
+        '*) echo "bwrap: setting up uid map: Permission denied" >&2; exit 1;; esac\n'
+    )
+    fake.chmod(0o755)
+    sandbox = _sandbox("rlimits", bwrap=str(fake))
+    assert sandbox.isolation.kind == "rlimits"
+    assert "setting up uid map: Permission denied (unprivileged user namespaces are off" in (
+        sandbox.isolation.fallback_reason
+    )
+    with pytest.raises(SandboxUnavailable, match="uid map"):
+        _sandbox("bwrap", bwrap=str(fake))
+
+
 def test_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match=r"sandbox.wall_time_s must be in \[0.05, 86400\], got 0"):
         SandboxConfig.from_options({"wall_time_s": 0})

@@ -1126,7 +1126,11 @@ def _polygonal_or_not(rng: random.Random, sides: int) -> int:
 def _interleave() -> Iterator[_Draft]:
     for key, rule, tail in (
         ("stop", "stopping when the shorter string runs out", ""),
-        ("rest", "and then appending the rest of the longer string", " + a[len(b):] + b[len(a):]"),
+        (
+            "rest",
+            "until the shorter string runs out, then the rest of the longer one",
+            " + a[len(b):] + b[len(a):]",
+        ),
     ):
         yield _Draft(
             key,
@@ -1172,7 +1176,7 @@ def _diagonals() -> Iterator[_Draft]:
         ("anti", "the anti-diagonal (top-right to bottom-left)", "sum(grid[i][n - 1 - i] for i in range(n))"),
         (
             "both",
-            "both diagonals, the centre cell of an odd-sized grid counted once",
+            "both diagonals (the centre cell of an odd-sized grid counted once)",
             "sum(grid[i][i] + grid[i][n - 1 - i] for i in range(n)) - (grid[n // 2][n // 2] if n % 2 else 0)",
         ),
     ]

@@ -4,7 +4,7 @@ PY := .venv/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := .venv/.installed
 
-.PHONY: run test lint unit venv clean prometheus
+.PHONY: run test lint unit venv clean prometheus bubblewrap
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -37,7 +37,16 @@ prometheus:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
 	  echo "warning: could not install prometheus; the Prometheus dashboard test will be skipped"; }
 
-test: lint prometheus
+# The sandbox's isolation tests run code under bubblewrap (Debian package); without it they are skipped
+# and the rlimits-only path is tested alone.
+bubblewrap:
+	@command -v bwrap >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } || \
+	  echo "warning: could not install bubblewrap; the sandbox's bubblewrap tests will be skipped"; }
+
+test: lint prometheus bubblewrap
 	.venv/bin/pytest -q $(PYTEST_ARGS)
 
 clean:

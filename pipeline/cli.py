@@ -40,6 +40,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "groups/s and MB/s through Arrow Flight vs the local spool reader",
     ),
     ("bench", "soak"): ("pipeline.bench.soak", "main", "hours of the default task: resources, chaos, books"),
+    ("bench", "sandbox"): (
+        "pipeline.bench.sandbox",
+        "main",
+        "sandboxed python executions/s vs subprocess.run",
+    ),
     ("report",): (
         "pipeline.observability.report",
         "main",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import json
 import logging
@@ -59,6 +60,7 @@ from pipeline.run_dir import (
     PUBLISHED_VERSION_KEY,
     RunDir,
     acquire_learner_lock,
+    append_consumed,
     is_model_dir,
     prune_weights,
     published_version,
@@ -229,6 +231,8 @@ class LearnerWorker:
         self.consumed_seq = 0
         self.checkpoint_seqs: collections.deque[int] = collections.deque(maxlen=cfg.learner.keep_checkpoints)
         self.last_published = 0
+        if self.leader:
+            append_consumed(self.run_dir.consumed_log, {"restored": ckpt.step if ckpt is not None else 0})
         if ckpt is not None:
             restore(self.trainer, ckpt)
             self.consumed_seq = max(0, ckpt.consumed.last_seq)
@@ -484,26 +488,30 @@ class LearnerWorker:
             DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
         }
         keep = self.cfg.learner.keep_checkpoints
+        record = {"step": self.trainer.steps, "consumed": dataclasses.asdict(consumed), "extra": extra}
         if self.ranks is None:
-            try:
-                path = self.durably(
-                    "checkpoint",
+
+            def save() -> Path:
+                append_consumed(self.run_dir.consumed_log, record)  # before the commit: the ledger's rule
+                return save_checkpoint(
                     self.run_dir.checkpoints,
-                    lambda: save_checkpoint(
-                        self.run_dir.checkpoints,
-                        self.trainer,
-                        consumed=consumed,
-                        extra=extra,
-                        keep=keep,
-                        tokenizer=self.tokenizer,
-                    ),
+                    self.trainer,
+                    consumed=consumed,
+                    extra=extra,
+                    keep=keep,
+                    tokenizer=self.tokenizer,
                 )
+
+            try:
+                path = self.durably("checkpoint", self.run_dir.checkpoints, save)
             except StorageGaveUp as exc:
                 log.error("step %d not checkpointed (it is redone on restart): %s", self.trainer.steps, exc)
                 return
         else:
             from learner.sharded_checkpoint import save_sharded_checkpoint
 
+            if self.leader:
+                append_consumed(self.run_dir.consumed_log, record)
             self.tell(Command("checkpoint"))
             path = save_sharded_checkpoint(
                 self.run_dir.checkpoints,

@@ -6,7 +6,8 @@ one reader of "which version did the last checkpoint publish".
     <run_dir>/spool/g<seq>.arrow       finished groups (pipeline.transport.spool)
     <run_dir>/weights/v<n>/            published policy version n, HF format (the newest few are kept)
     <run_dir>/checkpoints/step<n>/     learner checkpoints (learner.checkpoint), `latest` names the newest
-    <run_dir>/logs/                    supervisor.log, learner.log, engine<i>.log, steps.jsonl
+    <run_dir>/logs/                    supervisor.log, learner.log, engine<i>.log, steps.jsonl,
+                                       consumed.jsonl (the learner's consumption ledger)
     <run_dir>/supervisor.lock          one daemon per run directory
     <run_dir>/learner.lock             one learner per run directory
 
@@ -25,6 +26,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("rollwise.run_dir")
 
@@ -57,6 +59,7 @@ class RunDir:
     checkpoints: Path
     logs: Path
     step_log: Path  # one learner step event per line: `rollwise report --run-dir` reads it
+    consumed_log: Path  # the learner's consumption ledger (`append_consumed`, `committed_consumption`)
 
     @staticmethod
     def at(root: str | Path, model_path: str | Path | None = None) -> RunDir:
@@ -70,6 +73,7 @@ class RunDir:
             checkpoints=r / "checkpoints",
             logs=r / "logs",
             step_log=r / "logs" / "steps.jsonl",
+            consumed_log=r / "logs" / "consumed.jsonl",
         )
 
     def log_file(self, name: str) -> Path:
@@ -188,3 +192,40 @@ def acquire_learner_lock(run: RunDir) -> int:
         log.info("another learner holds %s; waiting for it to exit", path)
         fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
+
+
+# --- the consumption ledger ------------------------------------------------------------------------------
+# Retention deletes old checkpoints, and with them the record of which groups each step consumed. The
+# learner also appends every checkpoint's record here, *before* the checkpoint is committed, and a line
+# `{"restored": s}` whenever it resumes from step s: a record appended for a checkpoint that was never
+# committed is then superseded (its steps are redone). One short line per checkpoint; not pruned.
+
+
+def append_consumed(path: Path, record: dict[str, object]) -> None:
+    """Append one ledger line: a checkpoint's record (`step`, `consumed`, `extra`, as in its state.json)
+    or `{"restored": step}`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def committed_consumption(path: Path) -> dict[int, dict[str, Any]]:
+    """Checkpoint records by step, as the ledger leaves them: a `restored` line drops every record after
+    the step it names, and a later record of a step replaces an earlier one. A torn last line (a kill
+    mid-write) is ignored."""
+    records: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return records
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict):
+            continue
+        if "restored" in entry:
+            restored = int(entry["restored"])
+            records = {step: r for step, r in records.items() if step <= restored}
+        elif "step" in entry:
+            records[int(entry["step"])] = entry
+    return records

@@ -13,9 +13,9 @@ import pytest
 
 from pipeline.bench.chaos import KillPlan
 from pipeline.bench.soak import longest_stalls
-from pipeline.bench.soak_books import Ledger, reconcile
+from pipeline.bench.soak_books import reconcile
 from pipeline.bench.soak_resources import daemon_processes, growth, sample_process
-from pipeline.run_dir import RunDir
+from pipeline.run_dir import RunDir, append_consumed
 from pipeline.transport.spool import spool_name
 from tests.test_run_e2e import REPO
 
@@ -29,6 +29,7 @@ def _checkpoint(run: RunDir, step: int, last_seq: int, ids: list[str], dropped: 
         "extra": {"published_version": step, "dropped_groups": dropped},
         "rng": {},
     }
+    append_consumed(run.consumed_log, state)  # the learner appends it before it commits the checkpoint
     path = run.checkpoints / f"step{step}"
     path.mkdir(parents=True)
     (path / "state.json").write_text(json.dumps(state))
@@ -45,19 +46,22 @@ def _spool(run: RunDir, *seqs: int, quarantined: tuple[int, ...] = ()) -> None:
 
 def test_books_balance_across_a_redone_checkpoint_and_retention(tmp_path: Path) -> None:
     run = RunDir.at(tmp_path)
-    ledger = Ledger()
     _checkpoint(run, 2, 3, ["a", "b"], {})  # seq 2 was quarantined
-    ledger.capture(run.checkpoints)
     _checkpoint(run, 4, 7, ["c", "d", "e", "f"], {"d": "stale"})  # a lineage lost to a kill...
-    ledger.capture(run.checkpoints)
     (run.checkpoints / "step4" / "state.json").unlink()
     (run.checkpoints / "step4").rmdir()
+    (run.checkpoints / "latest").write_text("step2\n")
+    append_consumed(run.consumed_log, {"restored": 2})
     _checkpoint(run, 4, 6, ["c", "d", "e"], {"d": "stale", "e": "too_few_members"})  # ...redone
-    ledger.capture(run.checkpoints)
+    _checkpoint(run, 6, 6, [], {})
+    # Retention deleted step2 and step4 with their records; the ledger still holds them.
+    for step in (2, 4):
+        (run.checkpoints / f"step{step}" / "state.json").unlink()
+        (run.checkpoints / f"step{step}").rmdir()
     (run.spool / "retention.json").parent.mkdir(parents=True, exist_ok=True)
     (run.spool / "retention.json").write_text(json.dumps({"deleted_through": 3}))
     _spool(run, 4, 5, 6, 7, 8, quarantined=(2,))
-    books = reconcile(run, ledger)
+    books = reconcile(run)
     assert books.problems == []
     assert (books.written, books.consumed_seq, books.trained, books.quarantined, books.pending) == (
         8,
@@ -69,14 +73,26 @@ def test_books_balance_across_a_redone_checkpoint_and_retention(tmp_path: Path) 
     assert books.dropped == {"stale": 1, "too_few_members": 1}
 
 
+def test_a_record_never_committed_is_superseded_by_the_restore_that_followed(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path)
+    _checkpoint(run, 2, 2, ["a", "b"], {})
+    append_consumed(run.consumed_log, {"step": 4, "consumed": {"last_seq": 4, "group_ids": ["c", "d"]}})
+    append_consumed(run.consumed_log, {"restored": 2})  # killed before step 4's checkpoint was committed
+    _checkpoint(run, 5, 5, ["c", "d", "e"], {})  # the next checkpoint lands on another step
+    with run.consumed_log.open("a") as f:
+        f.write('{"step": 7, "cons')  # a kill mid-write: a torn last line
+    _spool(run, 1, 2, 3, 4, 5)
+    books = reconcile(run)
+    assert books.problems == [] and books.trained_twice == []
+    assert (books.written, books.consumed_seq, books.trained, books.pending) == (5, 5, 5, 0)
+
+
 def test_books_name_a_group_trained_twice_and_a_lost_sequence_number(tmp_path: Path) -> None:
     run = RunDir.at(tmp_path)
-    ledger = Ledger()
     _checkpoint(run, 1, 2, ["a", "b"], {})
-    ledger.capture(run.checkpoints)
     _checkpoint(run, 2, 4, ["b", "c"], {})
     _spool(run, 1, 2, 4, 5)  # 3 vanished
-    books = reconcile(run, ledger)
+    books = reconcile(run)
     assert books.trained_twice == ["b"]
     assert any("consumed twice" in p for p in books.problems)
     assert any("lost: [3]" in p for p in books.problems)

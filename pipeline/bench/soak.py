@@ -17,7 +17,8 @@ At the end it stops the daemon with SIGTERM and reports:
 - each process life's growth after `--warmup-minutes` (RSS, fds, threads, asyncio tasks), the
   longest stall without a learner step outside restarts, the run directory's size by part;
 - `soak.png` (drawn with `rollwise report`'s renderer), `summary.json`, `resources.jsonl`,
-  `events.jsonl` (starts, exits, kills), `ledger.json` (the checkpoint records) in `--out`.
+  `events.jsonl` (starts, exits, kills), `ledger.jsonl` (a copy of the learner's consumption ledger)
+  in `--out`.
 Exit code 0 when the books balance, 1 when they do not, 2 for bad arguments.
 """
 
@@ -27,6 +28,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,14 +40,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.bench.chaos import KillPlan
-from pipeline.bench.soak_books import Books, Ledger, reconcile
+from pipeline.bench.soak_books import Books, reconcile
 from pipeline.bench.soak_resources import Growth, daemon_processes, dir_sizes, growth, sample_process
 from pipeline.run_dir import RunDir
 
 CHAOS_ENV = "pipeline.bench.chaos:ChaosGuessNumber"
 RSS_GOAL = 0.05  # relative growth per process life after the warm-up
 STALL_GOAL_S = 60.0
-LEDGER_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,6 @@ class Soak:
     def __init__(self, opts: SoakOptions) -> None:
         self.opts = opts
         self.run = RunDir.at(opts.out / "run")
-        self.ledger = Ledger()
         self.plan = KillPlan(opts.kill_every_s, opts.seed) if opts.chaos else None
         self.lives: dict[tuple[str, int], Life] = {}
         self.steps: list[tuple[float, int]] = []
@@ -148,16 +148,6 @@ class Soak:
         self._resources: IO[str] = open(opts.out / "resources.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.daemon: Daemon | None = None
         self._expected_exit = False
-        self._ledger_lock = threading.Lock()
-        self._ledger_stop = threading.Event()
-        self._ledger_thread = threading.Thread(target=self._capture_ledger, name="soak-ledger", daemon=True)
-
-    def _capture_ledger(self) -> None:
-        """A checkpoint lives for keep_checkpoints x checkpoint_every steps, which can be a second or two
-        with fast steps: the ledger is polled on its own, much faster than the resources."""
-        while not self._ledger_stop.wait(LEDGER_POLL_S):
-            with self._ledger_lock:
-                self.ledger.capture(self.run.checkpoints)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -245,7 +235,6 @@ class Soak:
         next_kill = float("inf")
         target = self.plan.next_target() if self.plan is not None else ""
         self.start_daemon()
-        self._ledger_thread.start()
         while time.monotonic() < deadline:
             assert self.daemon is not None
             if self.daemon.proc.poll() is not None:
@@ -274,10 +263,6 @@ class Soak:
         code = daemon.close(timeout_s=180)
         self.steps.extend((t - self.t0, s) for t, s in daemon.steps)
         self._note(kind="exit", target="supervisor", pid=daemon.pid, code=code, killed=False, final=True)
-        self._ledger_stop.set()
-        if self._ledger_thread.is_alive():
-            self._ledger_thread.join()
-        self.ledger.capture(self.run.checkpoints)
         self._events.close()
         self._resources.close()
         return code
@@ -512,11 +497,11 @@ def main(argv: list[str]) -> int:
         soak.loop()
     finally:
         final_code = soak.stop()
-    books = reconcile(soak.run, soak.ledger)
-    soak.ledger.save(opts.out / "ledger.json")
+    books = reconcile(soak.run)
+    shutil.copyfile(soak.run.consumed_log, opts.out / "ledger.jsonl")
     summary = summarise(soak, books, final_code)
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(soak, opts.out / "soak.png")
     print_summary(summary)
-    print(f"wrote {opts.out}/summary.json, soak.png, resources.jsonl, events.jsonl, ledger.json")
+    print(f"wrote {opts.out}/summary.json, soak.png, resources.jsonl, events.jsonl, ledger.jsonl")
     return 0 if books.ok else 1

@@ -4,11 +4,11 @@ or still pending, exactly once, and no group is trained twice into the committed
 Sources, all on disk (a SIGKILLed supervisor remembers nothing):
 - written: spool sequence numbers are contiguous and never reused, so the highest one found in the
   spool, in quarantine or in retention.json is the number of groups ever written;
-- consumed: each checkpoint's state.json lists the group ids consumed since the previous checkpoint and,
-  under extra.dropped_groups, which of them were dropped and why. Retention deletes old checkpoints, so
-  `Ledger.capture` copies every checkpoint's record while it exists (the soak calls it every sample; a
-  checkpoint lives for `keep_checkpoints x checkpoint_every` steps). A step redone after a restart
-  overwrites its record; the committed chain is the records up to the final checkpoint's step;
+- consumed: each checkpoint's record (as in its state.json: the group ids consumed since the previous
+  checkpoint and, under extra.dropped_groups, which of them were dropped and why) from the learner's
+  consumption ledger, logs/consumed.jsonl (`pipeline.run_dir.committed_consumption`: retention deletes
+  old checkpoints, the ledger keeps their records; steps redone after a restart supersede the lost
+  lineage's). The committed chain is the records up to the final checkpoint's step;
 - quarantined: spool/quarantine/g<seq>.arrow;
 - pending: sequence numbers after the final checkpoint's consumed_seq still in the spool (the next start
   of the learner reads them).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,40 +26,10 @@ from pipeline.run_dir import (
     CHECKPOINT_STATE,
     DROPPED_GROUPS_KEY,
     RunDir,
-    checkpoint_dirs,
+    committed_consumption,
     latest_checkpoint_dir,
 )
 from pipeline.transport.spool import QUARANTINE_DIR, deleted_through, parse_seq
-
-
-@dataclass
-class Ledger:
-    """Checkpoint records by step, as captured while the run went on."""
-
-    records: dict[int, dict[str, Any]] = field(default_factory=dict)
-    _seen: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> (mtime_ns, size)
-
-    def capture(self, checkpoints: Path) -> int:
-        """Copy the record of every complete checkpoint not captured yet (or rewritten since); returns
-        how many were new."""
-        new = 0
-        for step, path in checkpoint_dirs(checkpoints):
-            state_file = path / CHECKPOINT_STATE
-            try:
-                stat = state_file.stat()
-                key = (stat.st_mtime_ns, stat.st_size)
-                if self._seen.get(step) == key:
-                    continue
-                record = json.loads(state_file.read_text(encoding="utf-8"))
-            except (FileNotFoundError, ValueError):
-                continue  # deleted by retention, or replaced, while we looked
-            self.records[step] = record
-            self._seen[step] = key
-            new += 1
-        return new
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps({str(k): v for k, v in sorted(self.records.items())}) + "\n")
 
 
 @dataclass(frozen=True)
@@ -90,18 +60,19 @@ def _seqs(directory: Path) -> list[int]:
     return sorted(s for p in directory.iterdir() if (s := parse_seq(p.name)) is not None)
 
 
-def reconcile(run: RunDir, ledger: Ledger) -> Books:
+def reconcile(run: RunDir) -> Books:
     """Check the identity in the module docstring on a stopped run (module docstring for the sources)."""
     problems: list[str] = []
+    records = committed_consumption(run.consumed_log)
     latest = latest_checkpoint_dir(run.checkpoints)
     final: dict[str, Any] = {"step": 0, "consumed": {"last_seq": 0, "group_ids": []}, "extra": {}}
     if latest is not None:
         final = json.loads((latest / CHECKPOINT_STATE).read_text(encoding="utf-8"))
-        ledger.records[int(final["step"])] = final  # the last word, in case the last capture missed it
+        records[int(final["step"])] = final  # the last word (the same record the ledger holds)
     final_step = int(final["step"])
     consumed_seq = max(0, int(final["consumed"]["last_seq"]))
 
-    chain = [ledger.records[s] for s in sorted(ledger.records) if s <= final_step]
+    chain: list[dict[str, Any]] = [records[s] for s in sorted(records) if s <= final_step]
     last_seqs = [int(r["consumed"]["last_seq"]) for r in chain]
     if last_seqs != sorted(last_seqs):
         problems.append(f"checkpoint chain's consumed_seq goes backwards: {last_seqs}")

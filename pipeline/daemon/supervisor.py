@@ -32,11 +32,18 @@ from pipeline.actors.rollout import ENGINE_LABEL
 from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import ConfigError, write_resolved
 from pipeline.daemon.engine_fleet import EngineFleet
+from pipeline.daemon.evaluation import Evaluator
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
 from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
 from pipeline.daemon.weightsync import sync_weights
-from pipeline.daemon.wiring import RunSetup, build_scheduler, ensure_initial_model, resolve_config
+from pipeline.daemon.wiring import (
+    RunSetup,
+    build_evaluator,
+    build_scheduler,
+    ensure_initial_model,
+    resolve_config,
+)
 from pipeline.observability import learner_metrics, metrics
 from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 
@@ -67,6 +74,7 @@ class Supervisor:
         )
         self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
         self.scheduler: GroupScheduler | None = None
+        self.evaluator: Evaluator | None = None  # held-out evaluation ([eval]); None when off
         self.version = 0  # the policy version the engines serve
         self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.step = 0
@@ -106,6 +114,7 @@ class Supervisor:
                         served_version=self.version,
                         dropped_already=self.drops_before_scheduler,
                     )
+                    self.start_evaluator()
                     background = [
                         self.watch(self.scheduler.run(self.stopping), "scheduler"),
                         self.watch(self.report_status(), "status"),
@@ -116,8 +125,12 @@ class Supervisor:
                 # (or are aborted after the grace period); then the engines go.
                 self.progress.message(f"stopping ({self.fatal or 'requested'}): draining, checkpointing")
                 drain = [self.scheduler.drain(grace)] if self.scheduler is not None else []
+                if self.evaluator is not None:
+                    await self.evaluator.stop()
                 await asyncio.gather(self.learner.stop(grace), *drain)
             finally:
+                if self.evaluator is not None:
+                    await self.evaluator.stop()
                 await cancel_all(background)
                 await self.learner.stop(grace)
                 await self.engines.stop(grace)
@@ -143,6 +156,24 @@ class Supervisor:
             await self.publish(ready.version, ready.path, received_at=time.monotonic())
         metrics.POLICY_VERSION.set(ready.version)
         return ready
+
+    def start_evaluator(self) -> None:
+        """Held-out evaluation on the training engines (pipeline.daemon.evaluation); the version the run
+        starts from is the first one evaluated unless `eval.at_start` is off."""
+        assert self.scheduler is not None
+        self.evaluator = build_evaluator(
+            self.setup,
+            engine=self.engines.pool,
+            tokenizer=self.scheduler.tokenizer,
+            progress=self.progress,
+            started_at=self.started_at,
+        )
+        if self.evaluator is None:
+            return
+        if self.cfg.eval.at_start:
+            self.evaluator.on_version(self.version, self.step)
+        else:
+            self.evaluator.skip_start(self.version)
 
     # --- learner events -----------------------------------------------------------------------------
     async def on_learner_event(self, event: events.LearnerEvent) -> None:
@@ -211,6 +242,8 @@ class Supervisor:
         metrics.POLICY_VERSION.set(version)
         if self.scheduler is not None:
             self.scheduler.on_version(version)
+        if self.evaluator is not None:
+            self.evaluator.on_version(version, self.step)
         log.info("version %d served: %s", version, timings)
         self.progress.on_sync(
             {

@@ -255,17 +255,23 @@ class EngineClient:
             raise EngineProtocolError(f"{path} replied {type(obj).__name__}, expected an object")
         return obj
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, priority: int | None = None
+    ) -> GenerateResult:
         """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
 
         An aborted request is not an error: it returns with finish_reason "abort" and its partial output.
+        `priority` is SGLang's request priority (sent only when given; a server without priority
+        scheduling ignores it).
         """
-        body = {
+        body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling.to_wire(),
             "return_logprob": True,
             "rid": rid,
         }
+        if priority is not None:
+            body["priority"] = priority
         url = self.base_url + "/generate"
         reply = await self._call("POST", "/generate", body, idempotent=False)
         try:

@@ -115,7 +115,13 @@ class EnginePool:
         return "pool[" + ",".join(m.client.base_url for m in self._members) + "]"
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        *,
+        affinity_key: str,
+        priority: int | None = None,
     ) -> GenerateResult:
         """Generate on the member owning `affinity_key`. Errors as EngineClient.generate."""
         tried: list[str] = []
@@ -130,7 +136,7 @@ class EnginePool:
             member = candidates[0]
             tried.append(member.client.base_url)
             try:
-                result = await member.client.generate(input_ids, sampling, rid)
+                result = await member.client.generate(input_ids, sampling, rid, priority=priority)
             except EngineError as exc:
                 if _counts_as_failure(exc):
                     self._record_failure(member)

@@ -4,7 +4,7 @@ PY := .venv/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := .venv/.installed
 
-.PHONY: run test lint unit venv clean prometheus
+.PHONY: run test lint unit venv clean prometheus chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -37,7 +37,15 @@ prometheus:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
 	  echo "warning: could not install prometheus; the Prometheus dashboard test will be skipped"; }
 
-test: lint prometheus
+# The inspector's browser tests drive headless Chromium through its driver (Debian packages).
+chromium:
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null; } || \
+	  echo "warning: could not install chromium; the inspector's browser tests will be skipped"; }
+
+test: lint prometheus chromium
 	.venv/bin/pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -311,7 +311,9 @@ def _open(driver: Any, url: str) -> None:
 
 
 def _group_ids(driver: Any) -> list[str]:
-    return [tr.get_attribute("data-group") for tr in driver.find_elements("css selector", "#groups tbody tr")]
+    # One script call: the table may be rebuilt between finding its rows and reading them.
+    script = "return Array.from(document.querySelectorAll('#groups tbody tr'), tr => tr.dataset.group)"
+    return list(driver.execute_script(script))
 
 
 def _rgb(css: str) -> tuple[int, int, int]:

@@ -69,7 +69,8 @@ class Group:
             out.setdefault(row.episode_id, []).append(row)
         for segments in out.values():
             segments.sort(key=lambda r: r.segment)
-        return out
+        # Episode order, not the trace's (mini-batch) order: "g-2" before "g-10".
+        return dict(sorted(out.items(), key=lambda item: _natural(item[0])))
 
     def outcome(self) -> str:
         firsts = [segments[0] for segments in self.episodes().values()]
@@ -330,6 +331,11 @@ class RunView:
             "traced": any((s.episode_id, s.segment) in group.traced for s in segments),
             "blocks": blocks,
         }
+
+
+def _natural(text: str) -> tuple[str, int]:
+    head, _, tail = text.rpartition("-")
+    return (head, int(tail)) if tail.isdigit() else (text, -1)
 
 
 def _finite(x: float | None) -> float | None:

@@ -347,10 +347,10 @@ class EvalConfig(_Section):
     max_concurrent_episodes: int = Field(
         32, ge=1, le=4096, description="Eval episodes in flight at once: the bound on eval's engine share."
     )
-    priority: int | None = Field(
+    priority: int | Literal["off"] = Field(
         -100,
         description=(
-            "SGLang request priority of eval requests (None = not sent). Training requests carry none, "
+            "SGLang request priority of eval requests (\"off\" = not sent). Training requests carry none, "
             "i.e. the server's default 0 (rollwise launches SGLang with --enable-priority-scheduling "
             "--default-priority-value 0 when this is set); higher values are scheduled first, and a "
             "difference above SGLang's preemption threshold (10) lets training preempt eval."

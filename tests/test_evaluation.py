@@ -242,6 +242,13 @@ async def test_stop_cancels_a_running_evaluation(
 
 
 # --- config -----------------------------------------------------------------------------------------------
+def test_eval_priority_off_sends_none() -> None:
+    assert resolve_eval(load_config(None, ["eval.priority=off"])).priority is None
+    assert resolve_eval(load_config(None, [])).priority == -100
+    with pytest.raises(ConfigError, match="eval.priority"):
+        load_config(None, ["eval.priority=low"])
+
+
 def test_eval_seed_equal_to_the_training_seed_is_refused_unless_content_is_held_out() -> None:
     with pytest.raises(ConfigError, match=r"eval.seed must differ from run.seed"):
         load_config(None, ["eval.seed=0"])
@@ -367,3 +374,21 @@ def test_report_plots_the_eval_log_against_the_learner_step(tmp_path: Path) -> N
         ("sampled success", [50.0], [0.3]),
         ("sampled pass@k", [50.0], [0.6]),
     ]
+
+
+def test_sglang_is_launched_with_priority_scheduling_only_when_eval_sends_a_priority(tmp_path: Path) -> None:
+    from pipeline.engine.launch import engine_argv, plan_engines
+
+    def argv(*overrides: str) -> list[str]:
+        cfg = load_config(None, ["engine.kind=sglang", *overrides])
+        return engine_argv(cfg, plan_engines(cfg)[0], model_dir=tmp_path, version=0)
+
+    on = argv("eval.every_versions=10")
+    assert on[on.index("--enable-priority-scheduling") + 1 : on.index("--default-priority-value") + 2] == [
+        "--default-priority-value",
+        "0",
+    ]
+    assert "--enable-priority-scheduling" not in argv()  # eval off
+    assert "--enable-priority-scheduling" not in argv("eval.every_versions=10", "eval.priority=off")
+    own = argv("eval.every_versions=10", 'engine.extra_args=["--enable-priority-scheduling"]')
+    assert own.count("--enable-priority-scheduling") == 1 and "--default-priority-value" not in own

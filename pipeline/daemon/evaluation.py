@@ -111,7 +111,7 @@ def resolve_eval(
         seed=cfg.eval.seed,
         holdout_fraction=cfg.eval.holdout_fraction,
         max_concurrent=cfg.eval.max_concurrent_episodes,
-        priority=cfg.eval.priority,
+        priority=None if cfg.eval.priority == "off" else cfg.eval.priority,
     )
 
 

@@ -58,7 +58,7 @@ def priority_scheduling_args(cfg: Config) -> list[str]:
     """SGLang flags that make `eval.priority` count: priority scheduling on, and requests without a
     priority (every training request) at 0 instead of SGLang's default, the lowest priority of all.
     None when eval sends no priority or the user's extra_args already configure it."""
-    if cfg.eval.every_versions == 0 or cfg.eval.priority is None:
+    if cfg.eval.every_versions == 0 or cfg.eval.priority == "off":
         return []
     if "--enable-priority-scheduling" in cfg.engine.extra_args:
         return []

@@ -245,7 +245,7 @@ async def test_stop_cancels_a_running_evaluation(
 def test_eval_priority_off_sends_none() -> None:
     assert resolve_eval(load_config(None, ["eval.priority=off"])).priority is None
     assert resolve_eval(load_config(None, [])).priority == -100
-    with pytest.raises(ConfigError, match="eval.priority"):
+    with pytest.raises(ConfigError, match=r"eval\.priority"):
         load_config(None, ["eval.priority=low"])
 
 
@@ -392,3 +392,15 @@ def test_sglang_is_launched_with_priority_scheduling_only_when_eval_sends_a_prio
     assert "--enable-priority-scheduling" not in argv("eval.every_versions=10", "eval.priority=off")
     own = argv("eval.every_versions=10", 'engine.extra_args=["--enable-priority-scheduling"]')
     assert own.count("--enable-priority-scheduling") == 1 and "--default-priority-value" not in own
+
+
+def test_the_live_view_line_names_each_mode_of_an_evaluation() -> None:
+    from pipeline.daemon.progress import eval_summary
+
+    row = {
+        "env": "guess-number",
+        "tasks": 64,
+        "greedy": {"success": 0.8125},
+        "sampled": {"success": 0.5, "k": 4, "pass_at_k": 0.9375},
+    }
+    assert eval_summary(row) == "guess-number: greedy 81.2%; sampled 50.0%, pass@4 93.8% (64 tasks)"

@@ -350,7 +350,7 @@ class EvalConfig(_Section):
     priority: int | Literal["off"] = Field(
         -100,
         description=(
-            "SGLang request priority of eval requests (\"off\" = not sent). Training requests carry none, "
+            'SGLang request priority of eval requests ("off" = not sent). Training requests carry none, '
             "i.e. the server's default 0 (rollwise launches SGLang with --enable-priority-scheduling "
             "--default-priority-value 0 when this is set); higher values are scheduled first, and a "
             "difference above SGLang's preemption threshold (10) lets training preempt eval."

@@ -241,6 +241,24 @@ async def test_stop_cancels_a_running_evaluation(
     assert evaluator.running is not None and evaluator.running.cancelled()
 
 
+async def test_finish_lets_a_running_evaluation_end_within_the_grace(
+    fake: FakeSGLang, pool: EnginePool, tok: Any, tmp_path: Path
+) -> None:
+    evaluator = Evaluator(
+        coin_setup(),
+        engine=pool,
+        tokenizer=tok,
+        settings=settings(),
+        every_versions=1,
+        log_path=tmp_path / "eval.jsonl",
+        progress=JsonProgress(io.StringIO()),
+        started_at=0.0,
+    )
+    evaluator.on_version(7, step=7)
+    await asyncio.wait_for(evaluator.finish(grace_s=60), 60)
+    assert [r["version"] for r in read_eval_log(tmp_path / "eval.jsonl")] == [7]
+
+
 # --- config -----------------------------------------------------------------------------------------------
 def test_eval_priority_off_sends_none() -> None:
     assert resolve_eval(load_config(None, ["eval.priority=off"])).priority is None

@@ -236,6 +236,13 @@ class Evaluator:
         self.completed += 1
         self.progress.on_eval(row)
 
+    async def finish(self, grace_s: float) -> None:
+        """At shutdown: let a running evaluation end within `grace_s` seconds (the engines are still up
+        while the learner checkpoints), so the last version served is scored; then cancel what is left."""
+        if self.running is not None and not self.running.done():
+            await asyncio.wait({self.running}, timeout=grace_s)
+        await self.stop()
+
     async def stop(self) -> None:
         """Cancel a running evaluation (its episodes are never trained on, so nothing is lost)."""
         if self.running is not None and not self.running.done():

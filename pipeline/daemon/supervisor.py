@@ -125,9 +125,9 @@ class Supervisor:
                 # (or are aborted after the grace period); then the engines go.
                 self.progress.message(f"stopping ({self.fatal or 'requested'}): draining, checkpointing")
                 drain = [self.scheduler.drain(grace)] if self.scheduler is not None else []
-                if self.evaluator is not None:
-                    await self.evaluator.stop()
-                await asyncio.gather(self.learner.stop(grace), *drain)
+                # A running evaluation may end meanwhile (the engines stay up until the learner is done).
+                scoring = [self.evaluator.finish(grace)] if self.evaluator is not None else []
+                await asyncio.gather(self.learner.stop(grace), *drain, *scoring)
             finally:
                 if self.evaluator is not None:
                     await self.evaluator.stop()

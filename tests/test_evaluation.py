@@ -422,3 +422,40 @@ def test_the_live_view_line_names_each_mode_of_an_evaluation() -> None:
         "sampled": {"success": 0.5, "k": 4, "pass_at_k": 0.9375},
     }
     assert eval_summary(row) == "guess-number: greedy 81.2%; sampled 50.0%, pass@4 93.8% (64 tasks)"
+
+
+async def test_the_daemons_training_stream_skips_the_held_out_tasks(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    import argparse
+    import itertools
+
+    from envs.task_split import is_held_out
+    from learner import events
+    from pipeline.daemon.wiring import build_scheduler, resolve_config
+
+    ns = argparse.Namespace(
+        config=None,
+        set=[
+            f"model.path={json.dumps(str(tiny_model_dir))}",
+            "eval.every_versions=5",
+            "eval.holdout_fraction=0.5",
+        ],
+        run_dir=str(tmp_path / "run"),
+        max_steps=None,
+        log_format=None,
+    )
+    setup = resolve_config(ns)
+    assert setup.evaluation is not None
+    held_out = {t.data["secret"] for t in setup.evaluation.plan.tasks}
+    assert held_out == {4, 6, 10, 11}
+    scheduler = await build_scheduler(
+        setup,
+        engine=None,
+        ready=events.Ready(0, 0, 0, ""),
+        served_version=0,
+        dropped_already=0,  # type: ignore[arg-type]
+    )
+    trained = list(itertools.islice(scheduler._tasks, 300))
+    assert not [t for t in trained if is_held_out(t, 0.5)]
+    assert {t.data["secret"] for t in trained} == set(range(1, 17)) - held_out

@@ -151,8 +151,9 @@ def summarise(
         ),
         "crossings": {str(s): c for s, c in crossings.items()},
         "crossed": len(hit),
-        "minutes_to_threshold": _asdict(t_interval([c["minutes"] for c in hit])),
-        "versions_to_threshold": _asdict(t_interval([c["version"] for c in hit])),
+        # Times and versions cannot be negative: the interval is clipped at 0 like the rates at [0, 1].
+        "minutes_to_threshold": _asdict(t_interval([c["minutes"] for c in hit], bounds=(0.0, math.inf))),
+        "versions_to_threshold": _asdict(t_interval([c["version"] for c in hit], bounds=(0.0, math.inf))),
     }
 
 

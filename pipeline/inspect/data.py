@@ -147,6 +147,7 @@ class RunView:
         self.tokenizer = tokenizer
         self.max_groups = max_groups
         self._files: dict[Path, tuple[float, tuple[str, list[EpisodeSegment]] | str]] = {}
+        self._trace_cache: dict[Path, tuple[float, list[tuple[EpisodeSegment, TraceValues]]]] = {}
         self._token_text: dict[int, str] = {}
 
     # ---- reading -----------------------------------------------------------------------------------
@@ -189,22 +190,38 @@ class RunView:
                 trained[str(group_id)] = (int(step["step"]), before)
         return trained, newest
 
-    def _traces(self) -> dict[str, list[tuple[EpisodeSegment, TraceValues]]]:
-        out: dict[str, list[tuple[EpisodeSegment, TraceValues]]] = {}
-        for _, path in trace_files(self.run.trace):
-            try:
-                table = pa.ipc.open_file(str(path)).read_all()
-            except (OSError, pa.ArrowInvalid):
-                continue  # pruned or being replaced
-            batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
-            if batch is None:
-                continue
+    def _trace_file(self, path: Path) -> list[tuple[EpisodeSegment, TraceValues]]:
+        """The rows of one trace file with their values (cached by mtime; [] when unreadable)."""
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return []
+        cached = self._trace_cache.get(path)
+        if cached is not None and cached[0] == mtime:
+            return cached[1]
+        parsed: list[tuple[EpisodeSegment, TraceValues]] = []
+        try:
+            table = pa.ipc.open_file(str(path)).read_all()
+        except (OSError, pa.ArrowInvalid):
+            return []  # pruned or being replaced: read again next time
+        if table.num_rows:
+            batch = table.combine_chunks().to_batches()[0]
             rows, _ = batch_to_segments(batch.select(TRAJECTORY_SCHEMA.names))
             values = batch.select(["step", "learner_version", *_TRACE_VALUES]).to_pylist()
             for row, v in zip(rows, values, strict=False):
                 step, version = int(v["step"]), int(v["learner_version"])
-                values_of_row = TraceValues(step, version, *(v[c] for c in _TRACE_VALUES))
-                out.setdefault(row.group_id, []).append((row, values_of_row))
+                parsed.append((row, TraceValues(step, version, *(v[c] for c in _TRACE_VALUES))))
+        self._trace_cache[path] = (mtime, parsed)
+        return parsed
+
+    def _traces(self) -> dict[str, list[tuple[EpisodeSegment, TraceValues]]]:
+        out: dict[str, list[tuple[EpisodeSegment, TraceValues]]] = {}
+        files = trace_files(self.run.trace)
+        for stale in set(self._trace_cache) - {path for _, path in files}:
+            del self._trace_cache[stale]  # pruned by the learner's retention
+        for _, path in files:
+            for row, values in self._trace_file(path):
+                out.setdefault(row.group_id, []).append((row, values))
         return out
 
     def groups(self) -> tuple[list[Group], int | None]:
@@ -215,6 +232,8 @@ class RunView:
         listed = sorted(
             (seq, p) for p in self.run.spool.glob("g*.arrow") if (seq := parse_seq(p.name)) is not None
         )[-self.max_groups :]
+        for stale in set(self._files) - {path for _, path in listed}:
+            del self._files[stale]  # pruned, or older than the newest max_groups
         groups: dict[str, Group] = {}
         for seq, path in listed:
             parsed = self._spool_file(path)

@@ -4,7 +4,7 @@ PY := .venv/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := .venv/.installed
 
-.PHONY: run test lint unit venv clean prometheus bubblewrap
+.PHONY: run test lint unit venv clean system-packages
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -29,24 +29,20 @@ lint: $(STAMP)
 unit: $(STAMP)
 	.venv/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# The dashboard test evaluates every panel's PromQL on a real Prometheus (Debian package).
-prometheus:
-	@command -v prometheus >/dev/null || { \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends prometheus >/dev/null; } || \
-	  echo "warning: could not install prometheus; the Prometheus dashboard test will be skipped"; }
+# Debian packages some tests use for real; each test skips with the reason when its package is missing.
+#   prometheus                    evaluates every dashboard panel's PromQL
+#   bubblewrap                    the sandbox's isolation (the rlimits-only path is tested either way)
+#   chromium, chromium-driver     the inspector's browser tests
+SYSTEM_PACKAGES := prometheus:prometheus bwrap:bubblewrap chromium:chromium chromedriver:chromium-driver
 
-# The sandbox's isolation tests run code under bubblewrap (Debian package); without it they are skipped
-# and the rlimits-only path is tested alone.
-bubblewrap:
-	@command -v bwrap >/dev/null || { \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } || \
-	  echo "warning: could not install bubblewrap; the sandbox's bubblewrap tests will be skipped"; }
+system-packages:
+	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); missing=; \
+	for pair in $(SYSTEM_PACKAGES); do command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \
+	[ -z "$$missing" ] || $$SUDO apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends $$missing >/dev/null; } || \
+	  echo "warning: could not install$$missing; the tests that need them will be skipped"
 
-test: lint prometheus bubblewrap
+test: lint system-packages
 	.venv/bin/pytest -q $(PYTEST_ARGS)
 
 clean:

@@ -221,6 +221,43 @@ def overview() -> DashboardSpec:
             ],
         )
     )
+    d.rows.append(
+        (
+            "Held-out evaluation",
+            [
+                PanelSpec(
+                    "Held-out eval success",
+                    "rollwise_eval_success_ratio (greedy and sampled episodes of the last evaluation on the "
+                    "held-out tasks, [eval]) and rollwise_eval_pass_at_k_ratio of the sampled mode (a task "
+                    "counts when one of its k episodes solved it). Not training episodes: see Success rate.",
+                    "percentunit",
+                    (
+                        q(f"max by (env, mode) (rollwise_eval_success_ratio{{{SEL}}})", "{{env}} {{mode}}"),
+                        q(
+                            f'max by (env) (rollwise_eval_pass_at_k_ratio{{{SEL}, mode="sampled"}})',
+                            "{{env}} pass@k",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Held-out eval reward and turns",
+                    "rollwise_eval_reward_mean (turn rewards plus outcome) and rollwise_eval_turns_mean of "
+                    "the last evaluation (rollwise_eval_policy_version: the version it evaluated).",
+                    "short",
+                    (
+                        q(
+                            f"max by (env, mode) (rollwise_eval_reward_mean{{{SEL}}})",
+                            "reward {{env}} {{mode}}",
+                        ),
+                        q(
+                            f"max by (env, mode) (rollwise_eval_turns_mean{{{SEL}}})",
+                            "turns {{env}} {{mode}}",
+                        ),
+                    ),
+                ),
+            ],
+        )
+    )
     return d
 
 

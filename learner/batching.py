@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from learner.schema import EpisodeSegment
+
 
 @dataclass(frozen=True)
 class TrainSequence:
@@ -31,6 +33,7 @@ class TrainSequence:
     old_logprobs: list[float]
     advantages: list[float]
     versions: list[int] | None = None  # policy version of each generated token (-1 elsewhere)
+    source: EpisodeSegment | None = None  # the trajectory row it came from (the learner's trace names it)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -66,6 +69,7 @@ class PackedBatch:
     versions: torch.Tensor
     proximal_logprobs: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
+    rows: tuple[int, ...] | None = None  # index of each row's sequence in the step (learner.trace)
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +82,9 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         moved: dict[str, Any] = {
-            f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+            f.name: value.to(device) if isinstance(value, torch.Tensor) else value
             for f in fields(self)
+            for value in (getattr(self, f.name),)
         }
         return PackedBatch(**moved)
 

@@ -33,6 +33,7 @@ from learner.policy_forward import PolicyForward, forward_policy
 from learner.precision import resolve_precision
 from learner.regularizers import kl_estimate, overlong_penalty
 from learner.schema import EpisodeSegment, RejectedRow
+from learner.trace import StepTracer, token_clip_active
 from pipeline.config import LearnerConfig
 
 # Per-turn advantages below this are float noise of a group whose members all scored the same.
@@ -169,6 +170,7 @@ def build_step_input(
                         old_logprobs=list(seg.logprobs),
                         advantages=token_adv,
                         versions=list(seg.versions),
+                        source=seg,
                     )
                 )
     return result
@@ -390,6 +392,7 @@ class Trainer:
         action_token_ids: Sequence[int] = (),
         reference: Any = None,
         ranks: Ranks | None = None,
+        tracer: StepTracer | None = None,
     ) -> None:
         if not (math.isfinite(temperature) and temperature > 0.0):
             raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
@@ -439,6 +442,8 @@ class Trainer:
         self.optimizer_updates = 0
         self._policy_version = 0
         self.last_rejected: list[RejectedRow] = []
+        # Token-level record of a few trained groups per step for `rollwise inspect` (learner.trace).
+        self.tracer = tracer or StepTracer()
 
     @property
     def policy_version(self) -> int:
@@ -488,6 +493,7 @@ class Trainer:
             ),
         )
         self.last_rejected = data.rejected
+        self.tracer.begin(self.steps, data.sequences)
         stats = _UpdateStats()
         if data.sequences:
             self._update(data.sequences, stats)
@@ -512,7 +518,9 @@ class Trainer:
             # is empty runs a placeholder: FSDP needs every rank in every forward and backward.
             chunks = [share(chunk, self.ranks.rank, self.ranks.world) for chunk in chunks]
         packs = [
-            pack_sequences([sequences[i] for i in chunk], pad_id=self.pad_token_id)
+            dataclasses.replace(
+                pack_sequences([sequences[i] for i in chunk], pad_id=self.pad_token_id), rows=tuple(chunk)
+            )
             if chunk
             else idle_batch(pad_id=self.pad_token_id)
             for chunk in chunks
@@ -666,6 +674,17 @@ class Trainer:
         )
         if kl_term is not None:  # this micro-batch's tokens over the window's: they sum to the token mean
             loss = loss + self.cfg.kl_coef * kl_term
+        if self.tracer.active:
+            clip_active = token_clip_active(
+                logprobs,
+                batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.old_logprobs,
+                advantages,
+                batch.loss_mask,
+                level=self.cfg.loss_level,
+                clip_low=self.cfg.clip_low,
+                clip_high=self.cfg.clip_high,
+            )
+            self.tracer.record(batch, logprobs, clip_active)
         entropy = out.entropy(batch.loss_mask, self.temperature)
         # The bonus and the prior are means over this micro-batch; weighted by its share of the window's
         # tokens (turn starts), they sum to the window's mean, as the policy-gradient term does.

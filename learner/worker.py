@@ -190,6 +190,7 @@ class LearnerWorker:
         from learner.checkpoint import load_latest_checkpoint, restore
         from learner.model import load_policy, resolve_device
         from learner.precision import resolve_precision
+        from learner.trace import StepTracer
         from learner.trainer import Trainer
 
         cfg = self.cfg
@@ -217,6 +218,7 @@ class LearnerWorker:
             action_token_ids=env_action_token_ids(cfg, self.tokenizer),
             reference=reference,
             ranks=self.ranks,
+            tracer=StepTracer(cfg.trace.groups_per_step, cfg.trace.every_steps),
         )
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
@@ -390,6 +392,7 @@ class LearnerWorker:
         self.tell(Command("train", tuple(item.seq for item, _ in pending.items)))
         metrics = self.trainer.step(groups)
         updated = self.version != version_before
+        self.write_trace(version_before)
         if not updated:
             # Keeps the actors' admission count `accepted = v·B + unconsumed` true.
             for item, _ in pending.items:
@@ -420,6 +423,21 @@ class LearnerWorker:
             )
         )
         self.idle_s = 0.0
+
+    def write_trace(self, version_before: int) -> None:
+        """The step's traced rows (learner.trace) for `rollwise inspect`; a failed write costs the trace
+        of this step, never the step."""
+        from learner.trace import trace_batch, write_trace
+
+        rows = self.trainer.tracer.take()
+        if not rows:
+            return
+        step = self.trainer.steps
+        try:
+            batch = trace_batch(rows, step=step, learner_version=version_before)
+            write_trace(self.run_dir.trace, batch, step=step, keep=self.cfg.trace.keep_steps)
+        except OSError as exc:
+            log.warning("could not write the trace of step %d: %s", step, exc)
 
     # ------------------------------------------------------------------ publishing and checkpoints
     def durably(self, component: str, directory: Path, write: Callable[[], T]) -> T:

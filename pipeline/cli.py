@@ -50,6 +50,13 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "render key metrics of a run to PNG (no Grafana needed)",
     ),
+    ("eval",): ("pipeline.offline_eval", "main", "score a published version on held-out tasks"),
+    ("inspect",): ("pipeline.inspect.server", "main", "browse a run's trajectories token by token"),
+    ("bench", "learn"): (
+        "pipeline.bench.learn",
+        "main",
+        "held-out success per minute over seeds, mean and 95% interval",
+    ),
 }
 
 

@@ -457,6 +457,83 @@ class AdminConfig(_Section):
     )
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation during training (docs/operations.md, "Evaluation"). Eval episodes run on the
+    training engines at a lower priority, are never written to the spool and never trained on."""
+
+    every_versions: int = Field(
+        0, ge=0, description="Evaluate every n published policy versions (0 = no evaluation during training)."
+    )
+    at_start: bool = Field(
+        True, description="Also evaluate the version the run starts (or resumes) from: the curve's baseline."
+    )
+    env: str | None = Field(None, description="Environment to evaluate (None = env.name, the training env).")
+    options: dict[str, Any] | None = Field(
+        None,
+        description="Its factory options (None = env.options for the training env, {} for another env).",
+    )
+    seed: int = Field(
+        1_000_003,
+        description=(
+            "Seed of the eval task stream, fixed across training seeds so that every run of a config is "
+            "scored on the same tasks; must differ from run.seed unless holdout_fraction > 0."
+        ),
+    )
+    holdout_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "0: eval tasks are fresh draws from the eval seed's stream (stream-disjoint: no task id in "
+            "common, same distribution). > 0: this share of the task space, chosen by a hash of each "
+            "task's content, is held out: training never sees it and eval draws only from it "
+            "(content-disjoint; envs.task_split)."
+        ),
+    )
+    tasks: int = Field(32, ge=1, le=100_000, description="Tasks per evaluation.")
+    greedy: bool = Field(True, description="Evaluate one greedy episode per task (temperature 0).")
+    samples: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="k episodes per task at sampling.temperature: pass@k and mean success (0 = off).",
+    )
+    max_concurrent_episodes: int = Field(
+        32, ge=1, le=4096, description="Eval episodes in flight at once: the bound on eval's engine share."
+    )
+    priority: int | Literal["off"] = Field(
+        -100,
+        description=(
+            'SGLang request priority of eval requests ("off" = not sent). Training requests carry none, '
+            "i.e. the server's default 0 (rollwise launches SGLang with --enable-priority-scheduling "
+            "--default-priority-value 0 when this is set); higher values are scheduled first, and a "
+            "difference above SGLang's preemption threshold (10) lets training preempt eval."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _some_mode(self) -> EvalConfig:
+        if not self.greedy and self.samples == 0:
+            raise ValueError("eval needs greedy = true or samples >= 1 (nothing to evaluate otherwise)")
+        return self
+
+
+class TraceConfig(_Section):
+    """The learner's per-step trace for `rollwise inspect` (docs/operations.md, "Inspecting trajectories")."""
+
+    groups_per_step: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description=(
+            "Trained groups per traced step whose rows the learner records token by token (learner "
+            "log-prob, advantage, IS weight, clip state) in run_dir/trace/ (0 = no trace)."
+        ),
+    )
+    every_steps: int = Field(1, ge=1, description="Trace every n-th learner step.")
+    keep_steps: int = Field(200, ge=1, description="Trace files kept (the newest); older ones are deleted.")
+
+
 class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address of /metrics, /healthz, /readyz.")
     port: int = Field(9400, ge=0, le=65535, description="Port of the supervisor's HTTP endpoint (0 = pick).")
@@ -500,6 +577,8 @@ class Config(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    trace: TraceConfig = Field(default_factory=TraceConfig)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -524,6 +603,16 @@ class Config(_Section):
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
             )
         self._fleet_rules()
+        if (
+            self.eval.holdout_fraction == 0.0
+            and self.eval.seed == self.run.seed
+            and self.eval.env in (None, self.env.name)
+        ):
+            # Eval would replay the training stream's first tasks: scores of tasks trained on.
+            raise ValueError(
+                "eval.seed must differ from run.seed (or set eval.holdout_fraction > 0): the eval tasks "
+                "would be the training tasks"
+            )
         return self
 
     def _fleet_rules(self) -> None:

@@ -6,8 +6,9 @@ one reader of "which version did the last checkpoint publish".
     <run_dir>/spool/g<seq>.arrow       finished groups (pipeline.transport.spool)
     <run_dir>/weights/v<n>/            published policy version n, HF format (the newest few are kept)
     <run_dir>/checkpoints/step<n>/     learner checkpoints (learner.checkpoint), `latest` names the newest
-    <run_dir>/logs/                    supervisor.log, learner.log, engine<i>.log, steps.jsonl,
+    <run_dir>/logs/                    supervisor.log, learner.log, engine<i>.log, steps.jsonl, eval.jsonl,
                                        consumed.jsonl (the learner's consumption ledger)
+    <run_dir>/trace/s<step>.arrow      the learner's token trace of a few trained groups (learner.trace)
     <run_dir>/supervisor.lock          one daemon per run directory
     <run_dir>/learner.lock             one learner per run directory
 
@@ -78,6 +79,16 @@ class RunDir:
 
     def log_file(self, name: str) -> Path:
         return self.logs / f"{name}.log"
+
+    @property
+    def eval_log(self) -> Path:
+        """One JSON line per held-out evaluation (pipeline.daemon.evaluation)."""
+        return self.logs / "eval.jsonl"
+
+    @property
+    def trace(self) -> Path:
+        """The learner's per-step token trace for `rollwise inspect` (learner.trace)."""
+        return self.root / "trace"
 
     def weights_of(self, version: int) -> Path:
         """Where version `version` is (or will be) published; version 0 is the initial model."""

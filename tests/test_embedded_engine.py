@@ -547,6 +547,7 @@ async def test_each_bad_request_is_400_and_the_server_keeps_serving(
             ("duplicate rids in batch", {"input_ids": [[1], [2]], "rid": ["a", "a"]}),
             ("sampling_params list length", {"input_ids": [[1], [2]], "sampling_params": [{}]}),
             ("top_logprobs", {"input_ids": [1], "top_logprobs_num": 3}),
+            ("string priority", {"input_ids": [1], "priority": "high"}),
         ]
         for what, body in bad_bodies:
             kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}

@@ -67,6 +67,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]
         "--set", f"metrics.port={ports['metrics']}", "--set", f"engine.port={ports['engine']}",
         "--set", "admin.port=0",
         "--set", "env.group_size=4", "--set", "learner.batch_groups=2",
+        # the held-out eval panels: both modes (the example evaluates greedy only)
+        "--set", "eval.samples=2", "--set", "eval.tasks=4",
     ]  # fmt: skip
     log = (run_dir.parent / "daemon.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -166,6 +166,7 @@ def test_prometheus_report_queries_the_key_panels_promql_with_their_units_and_le
         "Clip fraction",
         "Train vs engine log-prob mismatch",
         "Step duration",
+        "Held-out eval success",
     ]
     # The fake answers each query with one series, so the panels' series follow the queries in order.
     queries = iter(r["query"] for r in prometheus.requests)

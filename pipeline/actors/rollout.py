@@ -230,6 +230,22 @@ def _episodes_counter(env_name: str, finish_reason: str) -> Any:
 _ENGINE_LATENCY = metrics.ENGINE_REQUEST_LATENCY.labels(engine=ENGINE_LABEL)
 
 
+class _Unrecorded:
+    """A metric child that records nothing: the turn-level metrics of an evaluation episode."""
+
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+@lru_cache(maxsize=64)
+def _unrecorded(env_name: str) -> _EnvMetrics:
+    fields = [f.name for f in dataclasses.fields(_EnvMetrics) if f.name != "env_name"]
+    return _EnvMetrics(**dict.fromkeys(fields, _Unrecorded()), env_name=env_name)
+
+
 class _Started:
     """Awaiting this finishes a coroutine that was already advanced to its first suspension, where it
     handed `pending` to the event loop: the same as awaiting the coroutine from there (`yield from`)."""
@@ -337,13 +353,14 @@ class _EpisodeRun:
         settings: RolloutSettings,
         episode_id: str,
         env_name: str,
+        record_metrics: bool = True,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.env = env
         self.settings = settings
         self.episode_id = episode_id
-        self.metrics = _env_metrics(env_name)
+        self.metrics = _env_metrics(env_name) if record_metrics else _unrecorded(env_name)
         self.parser = get_parser(settings.tool_parser)
         self.stops = stop_token_ids(settings, tokenizer)
         self.sampling = dataclasses.replace(settings.sampling, stop_token_ids=self.stops)
@@ -567,16 +584,21 @@ async def run_episode(
     episode_id: str,
     group_id: str,
     env_name: str,
+    record_metrics: bool = True,
 ) -> EpisodeOutcome:
     """Run one episode to its end (see the module docstring); never raises for env or engine failures.
 
     Cancellation propagates (after env.close()). The rows are the episode's segments, in order.
+    `record_metrics = False` (evaluation) keeps the episode out of the training episodes' metrics
+    (episodes, turns, rewards, successes, in flight); engine and env failures are still counted.
     """
     started = time.perf_counter()
-    metrics.EPISODES_IN_FLIGHT.inc()
+    in_flight = metrics.EPISODES_IN_FLIGHT if record_metrics else None
+    if in_flight is not None:
+        in_flight.inc()
     error: str | None = None
     try:
-        episode = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name)
+        episode = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name, record_metrics)
         try:
             async with asyncio.timeout(env.spec.episode_timeout_s):
                 finish_reason = await episode.play(task)
@@ -587,7 +609,8 @@ async def run_episode(
             error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
     finally:
         close_error = await _close_env(env, env_name)
-        metrics.EPISODES_IN_FLIGHT.dec()
+        if in_flight is not None:
+            in_flight.dec()
     outcome = EpisodeOutcome(
         episode_id=episode_id,
         group_id=group_id,
@@ -603,7 +626,8 @@ async def run_episode(
         engine_seconds=episode.engine_seconds,
         error=error or close_error,
     )
-    _record_episode(outcome)
+    if record_metrics:
+        _record_episode(outcome)
     return outcome
 
 

@@ -89,6 +89,7 @@ class Progress(Protocol):
     def on_step(self, event: dict[str, Any]) -> None: ...
     def on_status(self, status: Status) -> None: ...
     def on_sync(self, sync: dict[str, Any]) -> None: ...
+    def on_eval(self, row: dict[str, Any]) -> None: ...
     def message(self, text: str) -> None: ...
     def stop(self) -> None: ...
 
@@ -115,6 +116,9 @@ class JsonProgress:
     def on_sync(self, sync: dict[str, Any]) -> None:
         self._emit({"event": "sync", "time": round(time.time(), 3), **sync})
 
+    def on_eval(self, row: dict[str, Any]) -> None:
+        self._emit({"time": round(time.time(), 3), **row, "event": "eval"})
+
     def message(self, text: str) -> None:
         self._emit({"event": "message", "time": round(time.time(), 3), "text": text})
 
@@ -138,6 +142,7 @@ class RichProgress:
         self._status: Status | None = None
         self._step: dict[str, Any] = {}
         self._sync: dict[str, Any] = {}
+        self._eval: dict[str, Any] = {}
 
     def start(self) -> None:
         self._live.start()
@@ -153,6 +158,10 @@ class RichProgress:
 
     def on_sync(self, sync: dict[str, Any]) -> None:
         self._sync = sync
+        self._render()
+
+    def on_eval(self, row: dict[str, Any]) -> None:
+        self._eval = row
         self._render()
 
     def message(self, text: str) -> None:
@@ -189,9 +198,25 @@ class RichProgress:
                 f"v{self._sync['version']} served {self._sync['publish_to_served_s']:.3f} s after publish"
             )
             rows.append(("last weight sync", synced))
+        if self._eval:
+            rows.append((f"held-out eval v{self._eval.get('version')}", eval_summary(self._eval)))
         for k, v in rows:
             table.add_row(k, v)
         self._live.update(table)
+
+
+def eval_summary(row: dict[str, Any]) -> str:
+    """One line per evaluation row (pipeline.daemon.evaluation): its modes' success and pass@k."""
+    parts = []
+    greedy, sampled = row.get("greedy"), row.get("sampled")
+    if isinstance(greedy, dict):
+        parts.append(f"greedy {_fmt(greedy.get('success'), pct=True)}")
+    if isinstance(sampled, dict):
+        parts.append(
+            f"sampled {_fmt(sampled.get('success'), pct=True)}, "
+            f"pass@{sampled.get('k')} {_fmt(sampled.get('pass_at_k'), pct=True)}"
+        )
+    return f"{row.get('env')}: " + "; ".join(parts) + f" ({row.get('tasks')} tasks)"
 
 
 def _fmt(x: float | None, *, pct: bool = False, unit: str = "") -> str:

@@ -35,6 +35,7 @@ from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import ConfigError, reveal, write_resolved
 from pipeline.daemon.admin import AdminEndpoint, make_admin_app
 from pipeline.daemon.engine_fleet import EngineFleet
+from pipeline.daemon.evaluation import Evaluator
 from pipeline.daemon.fleet_membership import FleetMembership, scaled_concurrency
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
@@ -42,6 +43,7 @@ from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progre
 from pipeline.daemon.weightsync import sync_weights
 from pipeline.daemon.wiring import (
     RunSetup,
+    build_evaluator,
     build_scheduler,
     ensure_initial_model,
     load_tokenizer,
@@ -94,6 +96,7 @@ class Supervisor:
         self.initial_capacity = 0
         self.flight: SpoolFlightService | None = None
         self.scheduler: GroupScheduler | None = None
+        self.evaluator: Evaluator | None = None  # held-out evaluation ([eval]); None when off
         self.version = 0  # the policy version the engines serve
         self.step = 0
         self.last_step_time_s: float | None = None
@@ -130,6 +133,7 @@ class Supervisor:
                 if ready is not None:
                     # 2. Actors fill the spool; learner events drive weight syncs (on_learner_event).
                     scheduler = await self.start_scheduler(ready)
+                    self.start_evaluator()
                     background = [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
                         self.watch(self.report_status(), "status"),
@@ -140,8 +144,12 @@ class Supervisor:
                 # (or are aborted after the grace period); then the engines go.
                 self.progress.message(f"stopping ({self.fatal or 'requested'}): draining, checkpointing")
                 drain = [self.scheduler.drain(grace)] if self.scheduler is not None else []
-                await asyncio.gather(self.learner.stop(grace), *drain)
+                # A running evaluation may end meanwhile (the engines stay up until the learner is done).
+                scoring = [self.evaluator.finish(grace)] if self.evaluator is not None else []
+                await asyncio.gather(self.learner.stop(grace), *drain, *scoring)
             finally:
+                if self.evaluator is not None:
+                    await self.evaluator.stop()
                 await cancel_all(background)
                 await self.learner.stop(grace)
                 await self.engines.stop(grace)
@@ -212,6 +220,24 @@ class Supervisor:
         )
         self.initial_capacity = self.membership.capacity
         return self.scheduler
+
+    def start_evaluator(self) -> None:
+        """Held-out evaluation on the training engines (pipeline.daemon.evaluation); the version the run
+        starts from is the first one evaluated unless `eval.at_start` is off."""
+        assert self.scheduler is not None
+        self.evaluator = build_evaluator(
+            self.setup,
+            engine=self.engines.pool,
+            tokenizer=self.scheduler.tokenizer,
+            progress=self.progress,
+            started_at=self.started_at,
+        )
+        if self.evaluator is None:
+            return
+        if self.cfg.eval.at_start:
+            self.evaluator.on_version(self.version, self.step)
+        else:
+            self.evaluator.skip_start(self.version)
 
     # --- learner events -----------------------------------------------------------------------------
     async def on_learner_event(self, event: events.LearnerEvent) -> None:
@@ -346,6 +372,8 @@ class Supervisor:
         metrics.POLICY_VERSION.set(version)
         if self.scheduler is not None:
             self.scheduler.on_version(version)
+        if self.evaluator is not None:
+            self.evaluator.on_version(version, self.step)
         log.info("version %d served: %s", version, timings)
         self.progress.on_sync(
             {

@@ -18,12 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
+from envs.task_split import training_tasks
 from learner import events
 from pipeline.actors.admission import AdmissionController
 from pipeline.actors.chat import ChatTokenizer
 from pipeline.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.actors.scheduler import GroupScheduler
 from pipeline.config import Config, ConfigError, check_exposed_ports, load_config
+from pipeline.daemon.evaluation import EvalSetup, Evaluator, resolve_eval, training_holdout
+from pipeline.daemon.progress import Progress
 from pipeline.engine.protocol import SamplingParams
 from pipeline.run_dir import RunDir, is_model_dir
 from pipeline.transport.spool import SpoolWriter, spool_depth
@@ -43,6 +46,7 @@ class RunSetup:
     run: RunDir
     env_factory: EnvFactory
     env: Environment
+    evaluation: EvalSetup | None = None  # the checked [eval] section when eval.every_versions > 0
 
 
 def resolve_config(ns: argparse.Namespace) -> RunSetup:
@@ -80,7 +84,8 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     run = RunDir.at(cfg.run.run_dir, cfg.model.path)
     if cfg.model.path is not None and not is_model_dir(run.initial_model):
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
-    return RunSetup(cfg, run, factory, env)
+    evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
+    return RunSetup(cfg, run, factory, env, evaluation)
 
 
 def ensure_initial_model(setup: RunSetup) -> Path:
@@ -151,7 +156,9 @@ def build_scheduler(
     unconsumed, _ = spool_depth(run.spool, ready.consumed_seq)
     spool = SpoolWriter(run.spool)
     # A resumed run continues the task stream after the groups already produced instead of replaying it.
-    tasks = itertools.islice(setup.env.tasks(cfg.run.seed), spool.next_seq - 1, None)
+    # Tasks held out for evaluation (eval.holdout_fraction) are never trained on.
+    stream = training_tasks(setup.env.tasks(cfg.run.seed), training_holdout(cfg))
+    tasks = itertools.islice(stream, spool.next_seq - 1, None)
     return GroupScheduler(
         engine=engine,
         tokenizer=tokenizer,
@@ -186,3 +193,21 @@ async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Con
     set_run_endpoint(endpoint.base_url, endpoint.service_key)
     judge_metrics.install()
     return endpoint
+
+
+def build_evaluator(
+    setup: RunSetup, *, engine: Any, tokenizer: Any, progress: Progress, started_at: float
+) -> Evaluator | None:
+    """The evaluation side (pipeline.daemon.evaluation) on the training engines; None when eval is off."""
+    if setup.evaluation is None:
+        return None
+    return Evaluator(
+        setup.evaluation,
+        engine=engine,
+        tokenizer=tokenizer,
+        settings=rollout_settings(setup.cfg),
+        every_versions=setup.cfg.eval.every_versions,
+        log_path=setup.run.eval_log,
+        progress=progress,
+        started_at=started_at,
+    )

@@ -288,20 +288,30 @@ class EngineClient:
         return obj
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, routing_key: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        *,
+        routing_key: str | None = None,
+        priority: int | None = None,
     ) -> GenerateResult:
         """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
 
         An aborted request is not an error: it returns with finish_reason "abort" and its partial output.
         `routing_key` goes out as sglang-router's `X-SMG-Routing-Key` header (its `manual` policy sends
         every request with one key to the same worker); an engine ignores it.
+        `priority` is SGLang's request priority (sent only when given; a server without priority
+        scheduling ignores it).
         """
-        body = {
+        body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling.to_wire(),
             "return_logprob": True,
             "rid": rid,
         }
+        if priority is not None:
+            body["priority"] = priority
         url = self.base_url + "/generate"
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         try:

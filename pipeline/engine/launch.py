@@ -56,6 +56,17 @@ def plan_engines(cfg: Config) -> list[EngineSlot]:
     return [EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True) for i, p in enumerate(ports)]
 
 
+def priority_scheduling_args(cfg: Config) -> list[str]:
+    """SGLang flags that make `eval.priority` count: priority scheduling on, and requests without a
+    priority (every training request) at 0 instead of SGLang's default, the lowest priority of all.
+    None when eval sends no priority or the user's extra_args already configure it."""
+    if cfg.eval.every_versions == 0 or cfg.eval.priority == "off":
+        return []
+    if "--enable-priority-scheduling" in cfg.engine.extra_args:
+        return []
+    return ["--enable-priority-scheduling", "--default-priority-value", "0"]
+
+
 def engine_argv(
     cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, weights_dir: Path | None = None
 ) -> list[str]:
@@ -104,7 +115,11 @@ def engine_argv(
             dp=e.dp,
             api_key=reveal(e.api_key),
             weight_version=str(version),
-            extra_args=(*(["--dtype", e.dtype] if e.dtype is not None else []), *e.extra_args),
+            extra_args=(
+                *(["--dtype", e.dtype] if e.dtype is not None else []),
+                *priority_scheduling_args(cfg),
+                *e.extra_args,
+            ),
         )
         return build_sglang_command(spec)
     raise ValueError(f"engine.kind = {e.kind!r} starts no process")

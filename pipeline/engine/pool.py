@@ -134,15 +134,23 @@ class EnginePool:
         return "pool[" + ",".join(m.client.base_url for m in self._members) + "]"
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        *,
+        affinity_key: str,
+        priority: int | None = None,
     ) -> GenerateResult:
         """Generate on the member owning `affinity_key` (or through the router, keyed by it). A request
         handed back by a drained member is sent again. Errors as EngineClient.generate."""
         while True:
             if self.router is not None:
-                result = await self._tracked(self.router, input_ids, sampling, rid, affinity_key)
+                result = await self._tracked(
+                    self.router, input_ids, sampling, rid, affinity_key, priority=priority
+                )
             else:
-                result = await self._generate_direct(input_ids, sampling, rid, affinity_key)
+                result = await self._generate_direct(input_ids, sampling, rid, affinity_key, priority)
             if result.finish_reason == "abort" and rid in self._handed_back:
                 self._handed_back.discard(rid)
                 self.handed_back_total += 1
@@ -157,17 +165,23 @@ class EnginePool:
         sampling: SamplingParams,
         rid: str,
         affinity_key: str,
+        *,
+        priority: int | None,
     ) -> GenerateResult:
         self._in_flight[rid] = client.base_url
+        routing_key = affinity_key if client is self.router else None
         try:
-            if client is self.router:
-                return await client.generate(input_ids, sampling, rid, routing_key=affinity_key)
-            return await client.generate(input_ids, sampling, rid)
+            return await client.generate(input_ids, sampling, rid, routing_key=routing_key, priority=priority)
         finally:
             self._in_flight.pop(rid, None)
 
     async def _generate_direct(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, affinity_key: str
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        affinity_key: str,
+        priority: int | None,
     ) -> GenerateResult:
         tried: list[str] = []
         last_failure: EngineUnavailable | None = None
@@ -181,7 +195,9 @@ class EnginePool:
             member = candidates[0]
             tried.append(member.client.base_url)
             try:
-                result = await self._tracked(member.client, input_ids, sampling, rid, affinity_key)
+                result = await self._tracked(
+                    member.client, input_ids, sampling, rid, affinity_key, priority=priority
+                )
             except EngineError as exc:
                 if _counts_as_failure(exc):
                     self._record_failure(member)

@@ -447,6 +447,62 @@ for _kind in SANDBOX_KINDS:
     for _reason in SANDBOX_STOP_REASONS:
         SANDBOX_EXECUTIONS.labels(kind=_kind, reason=_reason)
 
+# --- held-out evaluation (pipeline.daemon.evaluation) --------------------------------------------------
+# Each evaluation scores one policy version on a fixed task set, so its results are gauges of the last
+# evaluation (like the learner's loss); the counters let PromQL average over any window as well.
+EVAL_SUCCESS = Gauge(
+    "rollwise_eval_success_ratio",
+    "Mean success of the last evaluation's episodes, by eval env and mode (greedy, sampled).",
+    ["env", "mode"],
+    registry=REGISTRY,
+)
+EVAL_PASS_AT_K = Gauge(
+    "rollwise_eval_pass_at_k_ratio",
+    "Share of the last evaluation's tasks solved by at least one of their k episodes (greedy: k = 1).",
+    ["env", "mode"],
+    registry=REGISTRY,
+)
+EVAL_REWARD = Gauge(
+    "rollwise_eval_reward_mean",
+    "Mean episode return (turn rewards plus outcome) of the last evaluation.",
+    ["env", "mode"],
+    registry=REGISTRY,
+)
+EVAL_TURNS = Gauge(
+    "rollwise_eval_turns_mean",
+    "Mean turns per episode of the last evaluation.",
+    ["env", "mode"],
+    registry=REGISTRY,
+)
+EVAL_VERSION = Gauge(
+    "rollwise_eval_policy_version",
+    "Policy version the engines served when the last evaluation started.",
+    ["env"],
+    registry=REGISTRY,
+)
+EVAL_EPISODES = Counter(
+    "rollwise_eval_episodes",
+    "Evaluation episodes by env, mode and finish reason.",
+    ["env", "mode", "reason"],
+    registry=REGISTRY,
+)
+EVAL_SUCCESSES = Counter(
+    "rollwise_eval_successes",
+    "Evaluation episodes whose outcome reached 1.0.",
+    ["env", "mode"],
+    registry=REGISTRY,
+)
+EVAL_RUNS = Counter(
+    "rollwise_eval_runs", "Evaluations by status (ok, failed).", ["env", "status"], registry=REGISTRY
+)
+EVAL_DURATION = Histogram(
+    "rollwise_eval_duration_seconds",
+    "Wall time of one evaluation (every mode).",
+    ["env"],
+    buckets=_STEP_BUCKETS,
+    registry=REGISTRY,
+)
+
 # Known label values, initialised to zero at start-up so every dashboard query has a series before the
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
 FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
@@ -531,3 +587,17 @@ FLEET_HANDED_BACK = Counter(
     "In-flight turns a drained engine handed back (aborted there, sent again to another engine).",
     registry=REGISTRY,
 )
+
+
+def init_eval_label_values(env: str, modes: tuple[str, ...] | list[str]) -> None:
+    """The eval series of one eval env at zero, so its panel has data before the first evaluation ends."""
+    for mode in modes:
+        for gauge in (EVAL_SUCCESS, EVAL_PASS_AT_K, EVAL_REWARD, EVAL_TURNS):
+            gauge.labels(env=env, mode=mode)
+        EVAL_SUCCESSES.labels(env=env, mode=mode)
+        for reason in FINISH_REASONS:
+            EVAL_EPISODES.labels(env=env, mode=mode, reason=reason)
+    EVAL_VERSION.labels(env=env)
+    EVAL_DURATION.labels(env=env)
+    for status in ("ok", "failed"):
+        EVAL_RUNS.labels(env=env, status=status)

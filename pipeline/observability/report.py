@@ -33,6 +33,7 @@ KEY_PANELS = (
     ("learner.json", "Clip fraction"),
     ("learner.json", "Train vs engine log-prob mismatch"),
     ("learner.json", "Step duration"),
+    ("overview.json", "Held-out eval success"),
 )
 # step-log fallback: panel title -> keys of the learner's step metrics
 STEP_LOG_PANELS = (
@@ -44,6 +45,13 @@ STEP_LOG_PANELS = (
     ("Entropy", ("entropy",)),
     ("Gradient norm", ("grad_norm",)),
     ("Step duration (s)", ("step_time_s",)),
+)
+# eval-log panel: series label -> (mode block, key) of each logs/eval.jsonl row, against its learner step
+EVAL_LOG_PANEL = "Held-out eval success"
+EVAL_LOG_SERIES = (
+    ("greedy success", "greedy", "success"),
+    ("sampled success", "sampled", "success"),
+    ("sampled pass@k", "sampled", "pass_at_k"),
 )
 
 
@@ -136,7 +144,26 @@ def from_step_log(run_dir: Path) -> list[Panel]:
                 xs, ys = zip(*pts, strict=True)
                 series.append(Series(key, list(xs), list(ys)))
         panels.append(Panel(title, "none", series))
+    panels.append(eval_panel(RunDir.at(run_dir).eval_log))
     return panels
+
+
+def eval_panel(path: Path) -> Panel:
+    """The held-out evaluation curve from logs/eval.jsonl (empty when the run evaluated nothing)."""
+    from pipeline.daemon.evaluation import read_eval_log
+
+    rows = [r for r in read_eval_log(path) if isinstance(r.get("step"), int)]
+    series = []
+    for label, mode, key in EVAL_LOG_SERIES:
+        pts = [
+            (float(r["step"]), float(r[mode][key]))
+            for r in rows
+            if isinstance(r.get(mode), dict) and isinstance(r[mode].get(key), (int, float))
+        ]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            series.append(Series(label, list(xs), list(ys)))
+    return Panel(EVAL_LOG_PANEL, "percentunit", series)
 
 
 def render(panels: list[Panel], out: Path, *, title: str, xlabel: str) -> int:

@@ -86,6 +86,7 @@ class EngineRequest:
     sampling: RequestSampling
     notify: Callable[[EngineRequest, bool], None]
     stream: bool = False
+    priority: int = 0  # SGLang's request priority: higher is admitted first, ties in arrival order
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -333,7 +334,7 @@ class ContinuousBatcher:
         self._thread.join(timeout)
 
     def submit(self, requests: list[EngineRequest]) -> None:
-        self._commands.put(lambda: self._waiting.extend(requests))
+        self._commands.put(lambda: self._enqueue(requests))
 
     def abort(self, rid: str | None, message: str = "Aborted by /abort_request") -> None:
         """Abort the request `rid` (running or waiting), or every request when rid is None."""
@@ -461,6 +462,19 @@ class ContinuousBatcher:
             except queue.Empty:
                 return
             self._execute(command)
+
+    def _enqueue(self, requests: list[EngineRequest]) -> None:
+        """Queue behind every waiting request of the same or a higher priority (SGLang's priority
+        scheduling: higher values first, arrival order among equals). With one priority, a plain append."""
+        waiting = self._waiting
+        for request in requests:
+            at = len(waiting)
+            while at > 0 and waiting[at - 1].priority < request.priority:
+                at -= 1
+            if at == len(waiting):
+                waiting.append(request)
+            else:
+                waiting.insert(at, request)
 
     def _publish(self) -> None:
         """Update the gauges, then notify the requests finished since the last call."""

@@ -453,12 +453,16 @@ def _build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[_Tra
     if busy:
         raise ValueError(f"Duplicate request ID {busy[0]!r}: a request with this rid is still running")
     stream = bool(body.get("stream", False))
+    priority = body.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
     tracked = []
     for i, (rid, ids, sampling) in enumerate(zip(rids, prompts, params, strict=True)):
         item = state.track(rid, list(ids), sampling, stream=stream)
         item.return_logprob = bool(body.get("return_logprob", False))
         item.text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
         item.index = i if (is_batch and stream) else None
+        item.request.priority = priority if priority is not None else 0
         tracked.append(item)
     return tracked, is_batch
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from learner import events
 from learner.groups import TrainGroup, token_staleness, triage_group
@@ -40,11 +40,14 @@ from pipeline.run_dir import (
     PUBLISHED_VERSION_KEY,
     RunDir,
     acquire_learner_lock,
-    is_model_dir,
+    is_published_dir,
     prune_weights,
     published_version,
 )
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader, prune_consumed
+
+if TYPE_CHECKING:
+    from learner.lora import LoraPolicy
 
 log = logging.getLogger("rollwise.learner")
 
@@ -145,6 +148,7 @@ class LearnerWorker:
         self.idle_s = 0.0
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
+        self.probe: list[int] = []  # the served-policy check's probe (learner.served_probe)
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -162,6 +166,13 @@ class LearnerWorker:
         model, self.tokenizer = load_policy(
             self.run_dir.initial_model, device=device, dtype=precision.param_dtype_name
         )
+        self.lora: LoraPolicy | None = None
+        if cfg.learner.lora.enabled:
+            from learner.lora import apply_lora
+
+            # The base stays the initial model; only the adapter trains, is checkpointed and published.
+            self.lora = apply_lora(model, cfg.learner.lora, seed=cfg.run.seed)
+            model = self.lora.model
         reference = None
         if cfg.learner.kl_coef > 0.0:
             # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
@@ -183,7 +194,7 @@ class LearnerWorker:
         self.checkpoint_seqs: collections.deque[int] = collections.deque(maxlen=cfg.learner.keep_checkpoints)
         self.last_published = 0
         if ckpt is not None:
-            restore(self.trainer, ckpt)
+            restore(self.trainer, ckpt, adapter=self.lora)
             self.consumed_seq = max(0, ckpt.consumed.last_seq)
             self.checkpoint_seqs.append(self.consumed_seq)
             self.last_published = published_version(ckpt.path)
@@ -205,7 +216,7 @@ class LearnerWorker:
 
     def announce_ready(self) -> None:
         path = self.run_dir.weights_of(self.version)
-        if self.version > 0 and not is_model_dir(path):
+        if self.version > 0 and not is_published_dir(path):
             # The engines must be able to load the version the learner resumes from. No "published"
             # event: the ready event names the path, and the supervisor has no engines yet.
             self.publish(announce=False)
@@ -296,6 +307,10 @@ class LearnerWorker:
                 self.drop(item.seq, item.group_id, "no_update")
         self.consumed_seq = pending.last_seq
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
+        if updated and self.cfg.async_.served_check.enabled:
+            from learner.served_probe import probe_ids
+
+            self.probe = probe_ids(groups, self.cfg.async_.served_check.probe_tokens)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
             self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
@@ -321,13 +336,32 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ publishing and checkpoints
     def publish(self, *, announce: bool = True) -> None:
+        """Write `weights/v<version>`: HF weights, or with LoRA the PEFT adapter (serving "adapter") or
+        the merged weights (serving "merged"); then announce it with the served-policy probe."""
+        from learner.lora import directory_bytes
         from learner.model import export_weights
+        from learner.served_probe import probe_logprobs
 
         version = self.version
-        path = export_weights(self.trainer, self.tokenizer, self.run_dir.weights_of(version), version)
+        target = self.run_dir.weights_of(version)
+        if self.lora is None:
+            path = export_weights(self.trainer, self.tokenizer, target, version)
+        elif self.cfg.learner.lora.serving == "adapter":
+            path = self.lora.publish_adapter(target, version)
+        else:
+            path = self.lora.publish_merged(target, self.tokenizer, version)
         self.last_published = version
         if announce:
-            self.out.emit(events.Published(version=version, path=str(path)))
+            logprobs = probe_logprobs(self.trainer.model, self.probe) if self.probe else []
+            self.out.emit(
+                events.Published(
+                    version=version,
+                    path=str(path),
+                    bytes=directory_bytes(path),
+                    probe_ids=list(self.probe) if logprobs else [],
+                    probe_logprobs=logprobs,
+                )
+            )
         prune_weights(self.run_dir.weights, version)
 
     def checkpoint(self) -> None:
@@ -342,6 +376,7 @@ class LearnerWorker:
             extra={PUBLISHED_VERSION_KEY: self.last_published},
             keep=self.cfg.learner.keep_checkpoints,
             tokenizer=self.tokenizer,
+            adapter=self.lora,
         )
         self.consumed_since_checkpoint = []
         self.last_checkpoint_step = self.trainer.steps

@@ -5,6 +5,11 @@ A managed engine is kept running with backoff; each (re)start loads the version 
 that moment (`served_version()`), and an engine that comes up after a newer version was published
 loads it before it is marked up. An engine that fails its start `MAX_FAILED_STARTS` times in a row
 calls `fail(why)`.
+
+With LoRA served as adapters (`learner.lora.serving = "adapter"`) every engine runs the initial model
+with SGLang's LoRA flags and a version is its adapter (pipeline.engine.adapters): a (re)started engine
+loads the served version's adapter at launch (`--lora-paths`), `sync` loads new ones, and `generator`
+(what the actors call) makes each request name the served adapter.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pipeline.actors.rollout import GenerateEngine
 from pipeline.config import Config
 from pipeline.daemon.children import Child, ChildSpec, keep_running
+from pipeline.daemon.weightsync import SyncMode, SyncTimings, sync_weights
+from pipeline.engine.adapters import AdapterRegistry, AdapterRouting, adapter_name, unloader
 from pipeline.engine.client import EngineClient
 from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
 from pipeline.engine.pool import EnginePool
@@ -48,10 +56,24 @@ class EngineFleet:
             EngineClient(s.url, api_key=e.api_key, request_timeout_s=e.request_timeout_s) for s in self.slots
         ]
         self.pool = EnginePool(self.clients)
+        lora = self.cfg.learner.lora
+        self.adapters: AdapterRegistry | None = None
+        self.generator: GenerateEngine = self.pool
+        if lora.enabled and lora.serving == "adapter":
+            self.adapters = AdapterRegistry(0, unloader(self.pool))
+            self.generator = AdapterRouting(self.pool, self.adapters)
+
+    async def sync(self, path: str, version: int, mode: SyncMode) -> SyncTimings:
+        """Load published `version` (at `path`) on every engine: weights, or the version's adapter."""
+        return await sync_weights(
+            self.pool, model_path=path, version=version, mode=mode, adapter=self.adapters
+        )
 
     async def start(self) -> None:
         """Start the managed engines and wait until every engine, external ones included, answers
         /health."""
+        if self.adapters is not None:
+            self.adapters.version = self.served_version()
         for slot, client in zip(self.slots, self.clients, strict=True):
             if slot.managed:
                 self._tasks.append(asyncio.create_task(self.keep(slot, client), name=slot.name))
@@ -70,10 +92,30 @@ class EngineFleet:
 
     def _spec(self, slot: EngineSlot) -> ChildSpec:
         version = self.served_version()
+        if self.adapters is not None:
+            adapter = self.run_dir.weights_of(version) if version > 0 else None
+            return engine_child_spec(
+                self.cfg,
+                slot,
+                model_dir=self.run_dir.initial_model,
+                version=version,
+                log_dir=self.run_dir.logs,
+                adapter=adapter,
+            )
         weights = self.run_dir.serving_weights(version)
         return engine_child_spec(
             self.cfg, slot, model_dir=weights, version=version, log_dir=self.run_dir.logs
         )
+
+    async def _catch_up(self, client: EngineClient, version: int) -> None:
+        """Load `version` on an engine that started on an older one."""
+        if self.adapters is not None:
+            name = adapter_name(version)
+            if name is not None:
+                await client.load_lora_adapter(name, str(self.run_dir.weights_of(version)))
+            return
+        weights = self.run_dir.serving_weights(version)
+        await client.update_weights_from_disk(str(weights), weight_version=str(version))
 
     async def keep(self, slot: EngineSlot, client: EngineClient) -> None:
         """Keep one engine running; a restarted engine loads the version served at its start."""
@@ -90,8 +132,7 @@ class EngineFleet:
             failed_starts = 0
             version = self.served_version()
             if version != launched:  # a version was published while this engine was starting
-                weights = self.run_dir.serving_weights(version)
-                await client.update_weights_from_disk(str(weights), weight_version=str(version))
+                await self._catch_up(client, version)
             self._mark_up(slot, version)
             await child.wait()
             self.up[slot.name] = False

@@ -35,8 +35,9 @@ from pipeline.daemon.engine_fleet import EngineFleet
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
 from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
-from pipeline.daemon.weightsync import sync_weights
+from pipeline.daemon.served_check import Probe, ServedPolicyCheck, Verdict, tolerance_for
 from pipeline.daemon.wiring import RunSetup, build_scheduler, ensure_initial_model, resolve_config
+from pipeline.engine.adapters import adapter_name
 from pipeline.observability import learner_metrics, metrics
 from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 
@@ -64,6 +65,17 @@ class Supervisor:
         )
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
+        )
+        check = cfg.async_.served_check
+        self.served_check = (
+            ServedPolicyCheck(
+                self.engines.pool,
+                tolerance=tolerance_for(cfg),
+                max_failures=check.max_failures,
+                fail=self.fail,
+            )
+            if check.enabled
+            else None
         )
         self.endpoints = HttpEndpoints(cfg.metrics.host, cfg.metrics.port, self.not_ready)
         self.scheduler: GroupScheduler | None = None
@@ -101,7 +113,7 @@ class Supervisor:
                     # 2. Actors fill the spool; learner events drive weight syncs (on_learner_event).
                     self.scheduler = await build_scheduler(
                         self.setup,
-                        engine=self.engines.pool,
+                        engine=self.engines.generator,
                         ready=ready,
                         served_version=self.version,
                         dropped_already=self.drops_before_scheduler,
@@ -149,7 +161,9 @@ class Supervisor:
         if isinstance(event, events.Step):
             self.on_step(event)
         elif isinstance(event, events.Published):
-            await self.publish(event.version, event.path, received_at=time.monotonic())
+            metrics.PUBLISHED_BYTES.set(event.bytes)
+            probe = Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None
+            await self.publish(event.version, event.path, received_at=time.monotonic(), probe=probe)
         elif isinstance(event, events.Dropped):
             self.on_dropped(event.seq, event.reason)
         elif isinstance(event, events.Ready):
@@ -194,20 +208,25 @@ class Supervisor:
         else:
             self.drops_before_scheduler += 1
 
-    async def publish(self, version: int, path: str, *, received_at: float) -> None:
-        """Load a newly published version into every engine, then let the scheduler admit against it.
+    async def publish(
+        self, version: int, path: str, *, received_at: float, probe: Probe | None = None
+    ) -> None:
+        """Load a newly published version into every engine, prove they serve it (the served-policy
+        check, with the learner's `probe`), then let the scheduler admit against it.
 
         sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
         that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
+        verdicts: list[Verdict] = []
         async with self.publish_lock:
             if version <= self.version:
                 # Never move the engines backwards (a late "ready" after a newer publish, a replayed event).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
                 return
-            timings = await sync_weights(
-                self.engines.pool, model_path=path, version=version, mode=self.cfg.async_.weight_sync_mode
-            )
+            timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
             self.version = version
+            if self.served_check is not None and probe is not None:
+                lora_path = adapter_name(version) if self.engines.adapters is not None else None
+                verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
         metrics.POLICY_VERSION.set(version)
         if self.scheduler is not None:
             self.scheduler.on_version(version)
@@ -221,8 +240,16 @@ class Supervisor:
                 "continue_s": round(timings.continue_s, 4),
                 "ok": timings.ok,
                 **({"errors": timings.errors} if timings.errors else {}),
+                **({"served_check": served_summary(verdicts)} if verdicts else {}),
             }
         )
+        for verdict in verdicts:
+            if verdict.status == "mismatch":
+                self.progress.error(
+                    "served_policy_mismatch",
+                    f"engine {verdict.engine} does not serve policy version {version}: {verdict.detail}",
+                    {"engine": verdict.engine, "version": version, "diff": verdict.diff},
+                )
 
     # --- stopping, signals, status, readiness -----------------------------------------------------------
     def request_stop(self, why: str) -> None:
@@ -316,6 +343,18 @@ class Supervisor:
                 )
             self.progress.on_status(status)
             before, self.step_rewards = after, []
+
+
+def served_summary(verdicts: list[Verdict]) -> dict[str, dict[str, Any]]:
+    """Per engine URL: the check's status, mean |engine - learner| log-prob and (adapters) base gap."""
+    return {
+        v.engine: {
+            "status": v.status,
+            "diff": None if v.diff is None else round(v.diff, 6),
+            **({"base_diff": round(v.base_diff, 6)} if v.base_diff is not None else {}),
+        }
+        for v in verdicts
+    }
 
 
 def step_line(event: events.Step) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """Weight sync across every engine: pause -> update_weights_from_disk -> continue, each phase timed.
 
+With LoRA served as adapters (`adapter` given) the load phase is /load_lora_adapter of the version's
+PEFT directory under its versioned name instead, and once it is loaded new requests name it
+(pipeline.engine.adapters); requests in flight keep the adapter they named, which is unloaded after them.
+
 `mode` is SGLang's pause mode (the `mode` field of /pause_generation): `in_place` freezes running
 requests with their KV (tokens decoded after the update carry the new version), `retract` requeues them
 (KV recomputed with the new weights), `abort` returns them to their callers (the runner may resubmit).
@@ -17,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from pipeline.engine.adapters import AdapterRegistry, adapter_name
 from pipeline.engine.pool import MemberOutcome
 from pipeline.observability import metrics
 
@@ -41,6 +46,8 @@ class ControlPool(Protocol):
 
     async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]: ...
 
+    async def load_lora_all(self, name: str, path: str) -> list[MemberOutcome[dict[str, Any]]]: ...
+
 
 @dataclass(frozen=True)
 class SyncTimings:
@@ -62,10 +69,20 @@ def _collect(phase: str, outcomes: list[MemberOutcome[Any]], errors: dict[str, s
             errors[outcome.url] = f"{phase}: {outcome.error}"
 
 
-async def sync_weights(pool: ControlPool, *, model_path: str, version: int, mode: SyncMode) -> SyncTimings:
-    """Load the HF directory `model_path` as policy `version` on every engine (see module docstring)."""
+async def sync_weights(
+    pool: ControlPool,
+    *,
+    model_path: str,
+    version: int,
+    mode: SyncMode,
+    adapter: AdapterRegistry | None = None,
+) -> SyncTimings:
+    """Load `model_path` as policy `version` on every engine (see module docstring): an HF directory, or
+    with `adapter` the PEFT adapter directory of that version."""
     if mode not in ("in_place", "retract", "abort"):
         raise ValueError(f"weight sync mode must be in_place, retract or abort, got {mode!r}")
+    if adapter is not None and version < 1:
+        raise ValueError(f"an adapter is published for versions >= 1, got version {version}")
     errors: dict[str, str] = {}
     started = time.perf_counter()
     pause_s = load_s = 0.0
@@ -75,7 +92,13 @@ async def sync_weights(pool: ControlPool, *, model_path: str, version: int, mode
         pause_s = time.perf_counter() - started
         _collect("pause", pause_outcomes, errors)
         load_started = time.perf_counter()
-        update_outcomes = await pool.update_all(model_path, str(version), abort_all_requests=False)
+        if adapter is None:
+            update_outcomes = await pool.update_all(model_path, str(version), abort_all_requests=False)
+        else:
+            update_outcomes = await pool.load_lora_all(adapter_name(version) or "", model_path)
+            # Engines that failed the load answer requests naming it with an error (counted per episode);
+            # the served-policy check names them.
+            adapter.serve(version)
         load_s = time.perf_counter() - load_started
         _collect("update", update_outcomes, errors)
         loaded = {o.url for o in update_outcomes if o.ok}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.daemon.children import ChildSpec
+from pipeline.engine.adapters import lora_launch_flags
 from pipeline.engine.sglang import SGLangLaunchSpec, build_sglang_command
 
 
@@ -54,9 +55,16 @@ def plan_engines(cfg: Config) -> list[EngineSlot]:
     return [EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True) for i, p in enumerate(ports)]
 
 
-def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int) -> list[str]:
-    """Command line that starts `slot` serving `model_dir` labelled as policy version `version`."""
+def engine_argv(
+    cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, adapter: Path | None = None
+) -> list[str]:
+    """Command line that starts `slot` serving `model_dir` labelled as policy version `version`.
+
+    With `learner.lora.serving = "adapter"`, `model_dir` is the base model, the engine is launched with
+    SGLang's LoRA flags, and `adapter` (the PEFT directory of `version`, if > 0) is loaded at start under
+    its versioned name."""
     e = cfg.engine
+    lora_flags = lora_launch_flags(cfg.learner.lora, version=version, adapter=adapter)
     if e.kind == "embedded":
         return [
             sys.executable,
@@ -80,6 +88,8 @@ def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int)
             str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
             *(["--dtype", e.dtype] if e.dtype is not None else []),
             "--enable-metrics",
+            *lora_flags,
+            *e.extra_args,
         ]
     if e.kind == "sglang":
         spec = SGLangLaunchSpec(
@@ -91,20 +101,26 @@ def engine_argv(cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int)
             dp=e.dp,
             api_key=e.api_key,
             weight_version=str(version),
-            extra_args=(*(["--dtype", e.dtype] if e.dtype is not None else []), *e.extra_args),
+            extra_args=(*(["--dtype", e.dtype] if e.dtype is not None else []), *lora_flags, *e.extra_args),
         )
         return build_sglang_command(spec)
     raise ValueError(f"engine.kind = {e.kind!r} starts no process")
 
 
 def engine_child_spec(
-    cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, log_dir: Path
+    cfg: Config,
+    slot: EngineSlot,
+    *,
+    model_dir: Path,
+    version: int,
+    log_dir: Path,
+    adapter: Path | None = None,
 ) -> ChildSpec:
     threads = str(cfg.engine.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
     return ChildSpec(
         name=slot.name,
-        argv=engine_argv(cfg, slot, model_dir=model_dir, version=version),
+        argv=engine_argv(cfg, slot, model_dir=model_dir, version=version, adapter=adapter),
         log_path=log_dir / f"{slot.name}.log",
         env=env,
     )

@@ -115,7 +115,13 @@ class EnginePool:
         return "pool[" + ",".join(m.client.base_url for m in self._members) + "]"
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        *,
+        affinity_key: str,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """Generate on the member owning `affinity_key`. Errors as EngineClient.generate."""
         tried: list[str] = []
@@ -130,7 +136,7 @@ class EnginePool:
             member = candidates[0]
             tried.append(member.client.base_url)
             try:
-                result = await member.client.generate(input_ids, sampling, rid)
+                result = await member.client.generate(input_ids, sampling, rid, lora_path=lora_path)
             except EngineError as exc:
                 if _counts_as_failure(exc):
                     self._record_failure(member)
@@ -196,6 +202,22 @@ class EnginePool:
 
     async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]:
         return await self._fan_out(lambda c: c.continue_generation())
+
+    async def load_lora_all(self, name: str, path: str) -> list[MemberOutcome[dict[str, Any]]]:
+        return await self._fan_out(lambda c: c.load_lora_adapter(name, path))
+
+    async def unload_lora_all(self, name: str) -> list[MemberOutcome[dict[str, Any]]]:
+        return await self._fan_out(lambda c: c.unload_lora_adapter(name))
+
+    async def prompt_logprobs_all(
+        self, input_ids: list[int], *, rid: str, lora_path: str | None = None
+    ) -> list[MemberOutcome[list[float]]]:
+        """Every member's prompt log-probs of `input_ids` (EngineClient.prompt_logprobs), rid suffixed
+        with the member's index so that the requests stay distinct."""
+        index = {m.client.base_url: i for i, m in enumerate(self._members)}
+        return await self._fan_out(
+            lambda c: c.prompt_logprobs(input_ids, rid=f"{rid}-{index[c.base_url]}", lora_path=lora_path)
+        )
 
     async def abort_all(self) -> list[MemberOutcome[None]]:
         return await self._fan_out(lambda c: c.abort_request(abort_all=True))

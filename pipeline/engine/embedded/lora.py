@@ -1,0 +1,228 @@
+"""LoRA adapters in the embedded engine, served as SGLang 0.5.x serves them.
+
+Server flags: `--enable-lora`, `--max-lora-rank R`, `--lora-target-modules M ...`, `--lora-paths NAME=PATH
+...` (loaded before the engine reports ready). Endpoints: `/load_lora_adapter {lora_name, lora_path,
+pinned}` and `/unload_lora_adapter {lora_name}` (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput; the
+internal `lora_id` is accepted and ignored), both answering `{success, error_message, loaded_adapters:
+{name: path}}` with 200 or 400. `/generate` names an adapter in `lora_path` (a name, or one per batch item,
+null = the base model); a name that is not loaded is a 400, as in SGLang.
+
+Loop side, `EngineAdapters`: the registry (name -> path, requests holding it), SGLang's checks on a new
+adapter (rank <= --max-lora-rank, target modules within --lora-target-modules), and unloading: the name
+stops being accepted at once, the adapter leaves the model once the last request naming it finished
+(SGLang's `wait_for_unload`).
+
+Worker side, `attach_adapter` / `detach_adapter`: the model the batcher runs is peft's PeftModel over the
+base while adapters are loaded, the plain base when none is. A batch whose rows name different adapters
+(or none) is ONE forward with peft's mixed-adapter batches (`adapter_names`, one per row, "__base__" for
+none): every row shares the base matmuls and each LoRA layer adds B A x to its own adapter's rows.
+`rollwise bench lora` measured it against one forward per adapter (docs/benchmarks.md).
+
+Fault injection (`--fault-stale-weights`, tests only): loads are acknowledged, the name is registered,
+but its requests run on the base model, like an engine the adapter never reached (verl #7495).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+
+
+def lora_reply(success: bool, error: str, loaded: dict[str, str]) -> dict[str, Any]:
+    """SGLang's LoRAUpdateOutput as JSON."""
+    return {"success": success, "error_message": error, "loaded_adapters": dict(loaded)}
+
+
+@dataclass
+class _Adapter:
+    path: str
+    peft_name: str | None  # the adapter's name inside the model; None = requests run on the base
+    holders: int = 0
+    unloading: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def read_adapter(path: str, device: str) -> tuple[Any, dict[str, Any]]:
+    """peft's config and tensors of a PEFT adapter directory (runs in the loader thread)."""
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+
+    return PeftConfig.from_pretrained(path), load_peft_weights(path, device=device)
+
+
+def attach_adapter(model: Any, name: str, config: Any, weights: dict[str, Any]) -> Any:
+    """Inject adapter `name` into `model` (worker thread); returns the model to run from now on."""
+    from peft import PeftModel
+    from peft.utils import set_peft_model_state_dict
+
+    wrapped = isinstance(model, PeftModel)
+    if wrapped:
+        model.add_adapter(name, config)
+    else:
+        model = PeftModel(model, config, adapter_name=name)
+    result: Any = set_peft_model_state_dict(model, weights, adapter_name=name)
+    missing = [k for k in result.missing_keys if ".lora_" in k and f".{name}." in k]
+    if result.unexpected_keys or missing:
+        model = detach_adapter(model, name)
+        raise ValueError(
+            f"adapter {name} does not fit the model: unexpected keys {result.unexpected_keys[:3]}, "
+            f"missing {missing[:3]}"
+        )
+    model.eval()
+    return model
+
+
+def detach_adapter(model: Any, name: str) -> Any:
+    """Remove adapter `name` (worker thread); the last one out gives back the plain base model."""
+    if len(model.peft_config) <= 1:
+        return model.unload()
+    model.delete_adapter(name)
+    model.eval()
+    return model
+
+
+def adapter_names(rows: Sequence[str | None]) -> list[str]:
+    return [BASE if name is None else name for name in rows]
+
+
+class EngineAdapters:
+    """The registry of loaded adapters (event-loop side). `enabled` = --enable-lora."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        max_rank: int | None,
+        target_modules: Sequence[str] | None,
+        stale: bool = False,
+    ) -> None:
+        self.enabled = enabled
+        self.max_rank = max_rank
+        self.target_modules = set(target_modules) if target_modules else None
+        self.stale = stale
+        self.loaded: dict[str, _Adapter] = {}
+        self.lock = asyncio.Lock()  # one load or unload at a time
+
+    @property
+    def paths(self) -> dict[str, str]:
+        return {name: a.path for name, a in self.loaded.items() if not a.unloading}
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def resolve(self, lora_path: object, count: int) -> list[str | None]:
+        """The adapter each of `count` batch items names (validated, not yet held). ValueError -> 400."""
+        if lora_path is None:
+            return [None] * count
+        raw: list[object] = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        if len(raw) != count:
+            raise ValueError(f"lora_path has {len(raw)} entries for a batch of {count}")
+        names = [name for name in raw if name is None or isinstance(name, str)]
+        if len(names) != count:
+            raise ValueError("lora_path must be a string, null, or a list of them (one per batch item)")
+        wanted = {name for name in names if name is not None}
+        if wanted and not self.enabled:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        missing = sorted(name for name in wanted if name not in self.paths)
+        if missing:
+            raise ValueError(
+                f"The following requested LoRA adapters are not loaded: {', '.join(missing)}\n"
+                f"Loaded adapters: {', '.join(sorted(self.paths)) or '(none)'}"
+            )
+        return list(names)
+
+    def acquire(self, name: str | None) -> str | None:
+        """Hold adapter `name` for one request; returns the name to run it with inside the model."""
+        if name is None:
+            return None
+        adapter = self.loaded[name]
+        adapter.holders += 1
+        adapter.idle.clear()
+        return adapter.peft_name
+
+    def release(self, name: str | None) -> None:
+        if name is None or name not in self.loaded:
+            return
+        adapter = self.loaded[name]
+        adapter.holders -= 1
+        if adapter.holders <= 0:
+            adapter.holders = 0
+            adapter.idle.set()
+
+    # ---- control ----------------------------------------------------------------------------------
+    def check_new(self, name: object, path: object) -> str | None:
+        """Why a load of (`name`, `path`) is refused before reading anything, or None."""
+        if not self.enabled:
+            return "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return "lora_name and lora_path must be non-empty strings"
+        if name in self.loaded:
+            return f"The LoRA adapter {name!r} is already loaded (unload it first)."
+        return None
+
+    def check_config(self, name: str, config: Any) -> str | None:
+        """SGLang's compatibility checks of an adapter with the server's LoRA flags, or None."""
+        if getattr(config, "peft_type", None) is None or str(config.peft_type).rsplit(".", 1)[-1] != "LORA":
+            return f"adapter {name} is not a LoRA adapter (peft_type {getattr(config, 'peft_type', None)})"
+        rank = int(config.r)
+        if self.max_rank is not None and rank > self.max_rank:
+            return f"LoRA adapter {name} has rank {rank} > --max-lora-rank {self.max_rank}"
+        targets = config.target_modules
+        if not isinstance(targets, (list, set, tuple)):
+            return f"LoRA adapter {name} names its target modules as a pattern ({targets!r}); list them"
+        if self.target_modules is not None and not set(targets) <= self.target_modules:
+            extra = sorted(set(targets) - self.target_modules)
+            return f"LoRA adapter {name} targets {extra}, outside --lora-target-modules"
+        return None
+
+    async def load(
+        self, name: object, path: object, batcher: Any, loader: concurrent.futures.Executor, device: str
+    ) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, reply) of /load_lora_adapter."""
+        async with self.lock:
+            problem = self.check_new(name, path)
+            if problem is not None:
+                return 400, lora_reply(False, problem, self.paths)
+            assert isinstance(name, str) and isinstance(path, str)
+            loop = asyncio.get_running_loop()
+            try:
+                config, weights = await loop.run_in_executor(loader, read_adapter, path, device)
+            except Exception as exc:
+                message = f"Failed to load LoRA adapter {name} from {path}: {type(exc).__name__}: {exc}"
+                return 400, lora_reply(False, message, self.paths)
+            problem = self.check_config(name, config)
+            if problem is not None:
+                return 400, lora_reply(False, problem, self.paths)
+            if self.stale:
+                log.warning("fault injection: adapter %s acknowledged but not applied", name)
+                peft_name = None
+            else:
+                try:
+                    await asyncio.wrap_future(batcher.attach_adapter(name, config, weights))
+                except ValueError as exc:
+                    return 400, lora_reply(False, str(exc), self.paths)
+                peft_name = name
+            self.loaded[name] = _Adapter(path=path, peft_name=peft_name)
+            self.loaded[name].idle.set()
+            log.info("LoRA adapter %s loaded from %s", name, path)
+            return 200, lora_reply(True, "", self.paths)
+
+    async def unload(self, name: object, batcher: Any) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, reply) of /unload_lora_adapter; waits for the requests holding the adapter."""
+        if not isinstance(name, str) or name not in self.loaded or self.loaded[name].unloading:
+            return 400, lora_reply(False, f"LoRA adapter {name!r} is not loaded.", self.paths)
+        adapter = self.loaded[name]
+        adapter.unloading = True  # no new request may name it from now on
+        await adapter.idle.wait()
+        async with self.lock:
+            if adapter.peft_name is not None:
+                await asyncio.wrap_future(batcher.detach_adapter(adapter.peft_name))
+            del self.loaded[name]
+        log.info("LoRA adapter %s unloaded", name)
+        return 200, lora_reply(True, "", self.paths)

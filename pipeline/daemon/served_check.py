@@ -88,7 +88,13 @@ class ServedPolicyCheck:
     """Runs the check after each sync and keeps each engine's consecutive mismatches."""
 
     def __init__(
-        self, pool: EnginePool, *, tolerance: float, max_failures: int, fail: Callable[[str], None]
+        self,
+        pool: EnginePool,
+        *,
+        tolerance: float,
+        max_failures: int,
+        fail: Callable[[str], None],
+        names: dict[str, str] | None = None,
     ) -> None:
         if not tolerance > 0 or max_failures < 1:
             raise ValueError(f"need tolerance > 0 and max_failures >= 1, got {tolerance}, {max_failures}")
@@ -96,6 +102,7 @@ class ServedPolicyCheck:
         self.tolerance = tolerance
         self.max_failures = max_failures
         self.fail = fail
+        self.names = names or {}  # engine URL -> the daemon's name for it (engine0, ...), for messages
         self.consecutive: dict[str, int] = {}
         for client in pool.members:
             self.consecutive[client.base_url] = 0
@@ -157,8 +164,9 @@ class ServedPolicyCheck:
             v.detail,
         )
         if count >= self.max_failures:
+            name = f"{self.names[v.engine]} ({v.engine})" if v.engine in self.names else v.engine
             self.fail(
-                f"engine {v.engine} does not serve the published policy: {count} consecutive served-policy "
+                f"engine {name} does not serve the published policy: {count} consecutive served-policy "
                 f"checks failed (last: version {v.version}, {v.detail}); it acknowledged the updates but "
                 "its log-probs are another policy's. See docs/operations.md, LoRA / served-policy check."
             )

@@ -73,6 +73,7 @@ class Supervisor:
                 tolerance=tolerance_for(cfg),
                 max_failures=check.max_failures,
                 fail=self.fail,
+                names={slot.url: slot.name for slot in self.engines.slots},
             )
             if check.enabled
             else None

@@ -84,6 +84,8 @@ def detach_adapter(model: Any, name: str) -> Any:
     """Remove adapter `name` (worker thread); the last one out gives back the plain base model."""
     if len(model.peft_config) <= 1:
         return model.unload()
+    if name in model.active_adapters:  # requests name their adapters; peft's "active" one is moot
+        model.set_adapter(next(n for n in model.peft_config if n != name))
     model.delete_adapter(name)
     model.eval()
     return model

@@ -28,6 +28,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("bench", "async"): ("pipeline.bench.async_", "main", "learner steps/hour, eta=2 vs eta=0"),
     ("bench", "sync"): ("pipeline.bench.weight_sync", "main", "weight publish -> version served latency"),
     ("bench", "learner"): ("pipeline.bench.learner", "main", "learner step memory and time per precision"),
+    ("bench", "lora"): (
+        "pipeline.bench.lora",
+        "main",
+        "LoRA vs full weights: memory, bytes, publish -> served",
+    ),
     ("report",): (
         "pipeline.observability.report",
         "main",

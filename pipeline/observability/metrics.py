@@ -295,7 +295,7 @@ SERVED_CHECKS = Counter(
 )
 SERVED_LOGPROB_DIFF = Gauge(
     "rollwise_served_check_logprob_diff_nats",
-    "Mean |engine - learner| log-prob over the probe at the last served-policy check.",
+    "Mean absolute difference of engine and learner log-probs of the probe at the last served-policy check.",
     ["engine"],
     registry=REGISTRY,
 )

@@ -331,6 +331,7 @@ class ContinuousBatcher:
         self._device = next(model.parameters()).device
         self._cache_kwarg = cache_kwarg(model)
         self._lora_active = False  # the model is a PeftModel (adapters loaded): forwards name them
+        self._active_adapter: str | None = None  # peft's active adapter, as last set here
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._waiting: deque[EngineRequest] = deque()
         self._batch: RunningBatch | None = None
@@ -410,6 +411,7 @@ class ContinuousBatcher:
         def command() -> None:
             self.model = attach_adapter(self.model, name, config, weights)
             self._lora_active = True
+            self._active_adapter = None
 
         return self._call(command)
 
@@ -422,6 +424,7 @@ class ContinuousBatcher:
                 raise ValueError(f"adapter {name} is still named by a request")
             self.model = detach_adapter(self.model, name)
             self._lora_active = hasattr(self.model, "peft_config")
+            self._active_adapter = None
 
         return self._call(command)
 
@@ -430,13 +433,24 @@ class ContinuousBatcher:
         return [*running, *self._waiting]
 
     def _forward_kwargs(self, rows: list[EngineRequest]) -> dict[str, Any]:
-        """The cache keyword's name aside, what a forward over `rows` needs: their adapters, if any."""
+        """The cache keyword's name aside, what a forward over `rows` needs: their adapters, if any.
+
+        Rows that all name one adapter (the usual batch: every request names the served version) run
+        with it as peft's active adapter, a plain forward; rows that differ (around a sync, or with the
+        base) run as peft's mixed-adapter batch. `rollwise bench lora` measured both."""
         if not self._lora_active:
             if any(r.adapter is not None for r in rows):
                 raise ValueError("a request names a LoRA adapter but none is loaded")
             return {}
         from pipeline.engine.embedded.lora import adapter_names
 
+        names = {r.adapter for r in rows}
+        if len(names) == 1 and None not in names:
+            (name,) = names
+            if name != self._active_adapter:
+                self.model.set_adapter(name)
+                self._active_adapter = name
+            return {}
         return {"adapter_names": adapter_names([r.adapter for r in rows])}
 
     def flush_cache(self) -> concurrent.futures.Future[bool]:

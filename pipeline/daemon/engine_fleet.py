@@ -27,6 +27,7 @@ from pipeline.engine.adapters import AdapterRegistry, AdapterRouting, adapter_na
 from pipeline.engine.client import EngineClient
 from pipeline.engine.launch import EngineSlot, engine_child_spec, plan_engines
 from pipeline.engine.pool import EnginePool
+from pipeline.engine.protocol import EngineError
 from pipeline.observability import metrics
 from pipeline.run_dir import RunDir
 
@@ -79,7 +80,15 @@ class EngineFleet:
                 self._tasks.append(asyncio.create_task(self.keep(slot, client), name=slot.name))
             else:
                 await client.wait_ready(self.cfg.engine.startup_timeout_s)
-                self._mark_up(slot, self.served_version())
+                version = self.served_version()
+                if self.adapters is not None and version > 0:
+                    # An external server does not start on our adapter; one that kept running since the
+                    # last daemon already has it (then the load is refused, and the check still verifies).
+                    try:
+                        await self._catch_up(client, version)
+                    except EngineError as exc:
+                        log.warning("loading adapter of version %d on %s: %s", version, slot.url, exc)
+                self._mark_up(slot, version)
         await asyncio.gather(*(e.wait() for e in self._up_events.values()))
 
     def not_up(self) -> list[str]:

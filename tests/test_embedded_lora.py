@@ -218,9 +218,15 @@ async def test_unload_waits_for_the_requests_naming_the_adapter(
         status, obj = await held
         assert status == 200 and len(obj["output_ids"]) == 3
         assert (await unload)["loaded_adapters"] == {}
-        # The last adapter out gives back the plain base model.
-        assert not hasattr(server.state.require_scheduler().model, "peft_config")
         _close(await client.prompt_logprobs(PROMPT, rid="after"), probe_logprobs(setup["base"], PROMPT))
+        # The next adapter of the same shape reuses A's slot: its tensors are copied in, nothing injected.
+        assert server.state.adapters.free == [("slot0", server.state.adapters.free[0][1])]
+        await client.load_lora_adapter("B", str(root / "adapter-b"))
+        assert server.state.adapters.loaded["B"].peft_name == "slot0" and server.state.adapters.free == []
+        _close(
+            await client.prompt_logprobs(PROMPT, rid="b", lora_path="B"), probe_logprobs(setup["B"], PROMPT)
+        )
+        _close(await client.prompt_logprobs(PROMPT, rid="base"), probe_logprobs(setup["base"], PROMPT))
 
 
 async def test_fault_switch_acknowledges_updates_but_keeps_the_start_weights(setup: dict[str, Any]) -> None:

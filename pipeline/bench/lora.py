@@ -5,9 +5,10 @@
    AdamW state bytes, trainable parameters and step time, for `full` and `lora` on the same synthetic
    batch (`--groups` x `--group-size` one-turn episodes of `--prompt` + `--generated` random tokens).
 2. Publishing and serving, with the embedded engine as a child process launched as the daemon launches
-   it: per version, the bytes written (full HF weights vs the PEFT adapter), the time to write them, and
-   publish -> served (from the start of the write until the engine answers a probe request with the
-   version: `update_weights_from_disk`, or `/load_lora_adapter` and a request naming the adapter).
+   it: per version (after two warm-up versions), the bytes written (full HF weights vs the PEFT
+   adapter), the time to write them, the sync (pause -> `update_weights_from_disk` or
+   `/load_lora_adapter` -> continue), and publish -> served (from the start of the write until the
+   engine answered a one-token request with the version; with LoRA the request names the adapter).
 3. The embedded engine's mixed-adapter batch (one forward, peft's `adapter_names`) against one forward
    per adapter on the same rows, prefill and decode, and a decode step whose rows all name one adapter
    (peft's active adapter, a plain forward) against the base alone, in this process.
@@ -112,27 +113,37 @@ async def _serving(model_dir: Path, work: Path, args: argparse.Namespace, *, lor
     policy = apply_lora(model, cfg.learner.lora) if lora else None
     registry = AdapterRegistry(0, unloader(pool)) if lora else None
     engine = AdapterRouting(pool, registry) if registry is not None else pool
-    written, write_s, served_s = [], [], []
+    written, write_s, sync_s, served_s = [], [], [], []
+    warmup = 2  # the engine's first adapter loads inject slots; later ones refill them
     try:
         await pool.members[0].wait_ready(300)
-        for version in range(1, args.repeats + 1):
+        for version in range(1, warmup + args.repeats + 1):
             started = time.perf_counter()
             target = run.weights_of(version)
             if policy is not None:
                 path = await asyncio.to_thread(policy.publish_adapter, target, version)
             else:
                 path = await asyncio.to_thread(export_weights, model, tokenizer, target, version)
-            write_s.append(time.perf_counter() - started)
-            written.append(directory_bytes(path))
+            wrote = time.perf_counter() - started
             timings = await sync_weights(
                 pool, model_path=str(path), version=version, mode="in_place", adapter=registry
             )
             probe = await engine.generate(
                 [1, 2, 3], SamplingParams(max_new_tokens=1), f"p{version}", affinity_key="p"
             )
-            served_s.append(time.perf_counter() - started)
+            served = time.perf_counter() - started
             if not timings.ok or probe.weight_version != str(version):
                 raise RuntimeError(f"version {version} not served: {timings.errors or probe.weight_version}")
+            if args.verbose:
+                print(
+                    f"v{version} write {wrote:.3f} sync {timings.total_s:.3f} served {served:.3f}",
+                    file=sys.stderr,
+                )
+            if version > warmup:
+                written.append(directory_bytes(path))
+                write_s.append(wrote)
+                sync_s.append(timings.total_s)
+                served_s.append(served)
         if registry is not None:
             await registry.drain()
     finally:
@@ -141,6 +152,7 @@ async def _serving(model_dir: Path, work: Path, args: argparse.Namespace, *, lor
     return {
         "bytes_per_version": float(statistics.median(written)),
         "write_s": statistics.median(write_s),
+        "sync_s": statistics.median(sync_s),
         "publish_to_served_s": statistics.median(served_s),
     }
 
@@ -252,6 +264,8 @@ def run(argv: list[str]) -> dict[str, Any]:
             "lora": asyncio.run(_serving(model_dir, work, args, lora=True)),
         }
         mixed = _mixed_batch(model_dir, args)
+    for part in serving.values():
+        part["write_plus_sync_s"] = part["write_s"] + part["sync_s"]
     full, lora = learner["full"], learner["lora"]
     ratios = {
         "learner_peak_memory": lora["peak_extra_bytes"] / max(full["peak_extra_bytes"], 1.0),
@@ -260,6 +274,8 @@ def run(argv: list[str]) -> dict[str, Any]:
         "learner_step_time": lora["step_seconds"] / full["step_seconds"],
         "bytes_per_version": serving["lora"]["bytes_per_version"] / serving["full"]["bytes_per_version"],
         "publish_to_served": serving["lora"]["publish_to_served_s"] / serving["full"]["publish_to_served_s"],
+        "write_plus_sync": (serving["lora"]["write_s"] + serving["lora"]["sync_s"])
+        / (serving["full"]["write_s"] + serving["full"]["sync_s"]),
         "mixed_batch_prefill_vs_per_adapter": mixed["prefill_mixed_s"] / mixed["prefill_per_adapter_s"],
         "mixed_batch_decode_vs_per_adapter": mixed["decode_mixed_s"] / mixed["decode_per_adapter_s"],
         "mixed_batch_decode_vs_base_only": mixed["decode_mixed_s"] / mixed["decode_base_only_s"],
@@ -288,6 +304,7 @@ def format_report(r: dict[str, Any]) -> str:
         ("trainable parameters", "learner", "trainable_parameters", 1.0, "trainable_parameters"),
         ("learner step (s)", "learner", "step_seconds", 1.0, "learner_step_time"),
         ("bytes per version (MiB)", "serving", "bytes_per_version", mib, "bytes_per_version"),
+        ("write + sync (s)", "serving", "write_plus_sync_s", 1.0, "write_plus_sync"),
         ("publish -> served (s)", "serving", "publish_to_served_s", 1.0, "publish_to_served"),
     ]
     for label, part, key, scale, ratio in rows:
@@ -317,6 +334,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="rows of the mixed-adapter engine forward")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (learner and engine)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--verbose", action="store_true", help="print each version's sync timings to stderr")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # one learner variant, in this process
     p.add_argument("--model", help=argparse.SUPPRESS)
     return p

@@ -19,7 +19,7 @@ with spare room) because DynamicLayer's per-step concatenation copies the whole 
 
 LoRA (pipeline.engine.embedded.lora): while adapters are loaded the model is peft's PeftModel over the
 base, and every forward passes `adapter_names` (each row's adapter, "__base__" for none), so one batch
-mixes adapters; `attach_adapter` / `detach_adapter` change the model between two steps.
+mixes adapters; `attach_adapter`, `refill_adapter` and `detach_adapter` change it between two steps.
 
 Prompt log-probs: a request with `logprob_start_len` gets `input_logprobs` from its first prefill, the
 log-softmax of the raw logits (SGLang's `input_token_logprobs`: one entry per token from the start, the
@@ -412,6 +412,17 @@ class ContinuousBatcher:
             self.model = attach_adapter(self.model, name, config, weights)
             self._lora_active = True
             self._active_adapter = None
+
+        return self._call(command)
+
+    def refill_adapter(self, slot: str, weights: dict[str, Any]) -> concurrent.futures.Future[None]:
+        """Copy new LoRA weights into the free adapter `slot` between two steps."""
+        from pipeline.engine.embedded.lora import refill_adapter
+
+        def command() -> None:
+            if any(r.adapter == slot for r in self._all_requests()):
+                raise ValueError(f"adapter slot {slot} is still named by a request")
+            refill_adapter(self.model, slot, weights)
 
         return self._call(command)
 

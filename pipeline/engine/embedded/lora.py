@@ -12,11 +12,15 @@ adapter (rank <= --max-lora-rank, target modules within --lora-target-modules), 
 stops being accepted at once, the adapter leaves the model once the last request naming it finished
 (SGLang's `wait_for_unload`).
 
-Worker side, `attach_adapter` / `detach_adapter`: the model the batcher runs is peft's PeftModel over the
-base while adapters are loaded, the plain base when none is. A batch whose rows name different adapters
-(or none) is ONE forward with peft's mixed-adapter batches (`adapter_names`, one per row, "__base__" for
-none): every row shares the base matmuls and each LoRA layer adds B A x to its own adapter's rows.
-`rollwise bench lora` measured it against one forward per adapter (docs/benchmarks.md).
+Worker side: the model the batcher runs is peft's PeftModel over the base once an adapter was loaded.
+Adapters live in slots (peft adapters named `slot<i>`): a load fills a free slot of the same shape (rank,
+alpha, targets) by copying the tensors in (`refill_adapter`, milliseconds) and only otherwise injects a
+new one (`attach_adapter`: peft's module surgery, ~0.2 s on the small preset); an unloaded adapter's slot
+is kept free for the next version (at most `MAX_FREE_SLOTS`, the rest are removed), as SGLang keeps a
+memory pool of adapter slots. A batch whose rows all name one adapter runs it as peft's active adapter;
+rows that differ (or name none) run as ONE forward with peft's mixed-adapter batches (`adapter_names`,
+"__base__" for none): the base matmuls are shared and each LoRA layer adds B A x to its adapter's rows.
+`rollwise bench lora` measured the choices (docs/benchmarks.md).
 
 Fault injection (`--fault-stale-weights`, tests only): loads are acknowledged, the name is registered,
 but its requests run on the base model, like an engine the adapter never reached (verl #7495).
@@ -34,6 +38,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+MAX_FREE_SLOTS = 2  # slots of unloaded adapters kept for reuse (a sync needs one: the retiring version's)
 
 
 def lora_reply(success: bool, error: str, loaded: dict[str, str]) -> dict[str, Any]:
@@ -44,7 +49,8 @@ def lora_reply(success: bool, error: str, loaded: dict[str, str]) -> dict[str, A
 @dataclass
 class _Adapter:
     path: str
-    peft_name: str | None  # the adapter's name inside the model; None = requests run on the base
+    peft_name: str | None  # the adapter's slot inside the model; None = requests run on the base
+    shape: tuple[Any, ...] = ()  # slot_shape of its config
     holders: int = 0
     unloading: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -80,6 +86,38 @@ def attach_adapter(model: Any, name: str, config: Any, weights: dict[str, Any]) 
     return model
 
 
+def slot_shape(config: Any) -> tuple[Any, ...]:
+    """What must match for an adapter to reuse another's slot (its tensors' shapes and its scaling)."""
+    return (
+        int(config.r),
+        float(config.lora_alpha),
+        tuple(sorted(config.target_modules)),
+        bool(getattr(config, "use_rslora", False)),
+        bool(getattr(config, "use_dora", False)),
+        str(getattr(config, "bias", "none")),
+    )
+
+
+def refill_adapter(model: Any, slot: str, weights: dict[str, Any]) -> None:
+    """Copy PEFT-format `weights` into the tensors of the existing adapter `slot` (worker thread).
+    ValueError, changing nothing, unless the keys and shapes match the slot's exactly."""
+    import torch
+
+    params = {name: p for name, p in model.named_parameters() if f".{slot}." in name}
+    targets: dict[str, Any] = {}
+    for key, tensor in weights.items():
+        for part in (".lora_A.", ".lora_B."):
+            if key.endswith(f"{part}weight"):
+                targets[key[: -len("weight")] + f"{slot}.weight"] = tensor
+    unknown = sorted(k for k, t in targets.items() if k not in params or params[k].shape != t.shape)
+    missing = sorted(set(params) - set(targets))
+    if unknown or missing or len(targets) != len(weights):
+        raise ValueError(f"adapter does not fit slot {slot}: unexpected {unknown[:3]}, missing {missing[:3]}")
+    with torch.no_grad():
+        for key, tensor in targets.items():
+            params[key].copy_(tensor)
+
+
 def detach_adapter(model: Any, name: str) -> Any:
     """Remove adapter `name` (worker thread); the last one out gives back the plain base model."""
     if len(model.peft_config) <= 1:
@@ -111,6 +149,8 @@ class EngineAdapters:
         self.target_modules = set(target_modules) if target_modules else None
         self.stale = stale
         self.loaded: dict[str, _Adapter] = {}
+        self.free: list[tuple[str, tuple[Any, ...]]] = []  # (slot, shape) of unloaded adapters
+        self._slots = 0
         self.lock = asyncio.Lock()  # one load or unload at a time
 
     @property
@@ -201,19 +241,33 @@ class EngineAdapters:
             problem = self.check_config(name, config)
             if problem is not None:
                 return 400, lora_reply(False, problem, self.paths)
+            shape = slot_shape(config)
             if self.stale:
                 log.warning("fault injection: adapter %s acknowledged but not applied", name)
-                peft_name = None
+                slot = None
             else:
                 try:
-                    await asyncio.wrap_future(batcher.attach_adapter(name, config, weights))
+                    slot = await self._fill_slot(shape, config, weights, batcher)
                 except ValueError as exc:
                     return 400, lora_reply(False, str(exc), self.paths)
-                peft_name = name
-            self.loaded[name] = _Adapter(path=path, peft_name=peft_name)
+            self.loaded[name] = _Adapter(path=path, peft_name=slot, shape=shape)
             self.loaded[name].idle.set()
             log.info("LoRA adapter %s loaded from %s", name, path)
             return 200, lora_reply(True, "", self.paths)
+
+    async def _fill_slot(
+        self, shape: tuple[Any, ...], config: Any, weights: dict[str, Any], batcher: Any
+    ) -> str:
+        """A slot holding `weights`: a free one of the same shape refilled, else a new one injected."""
+        for i, (slot, free_shape) in enumerate(self.free):
+            if free_shape == shape:
+                await asyncio.wrap_future(batcher.refill_adapter(slot, weights))
+                del self.free[i]
+                return slot
+        slot = f"slot{self._slots}"
+        await asyncio.wrap_future(batcher.attach_adapter(slot, config, weights))
+        self._slots += 1
+        return slot
 
     async def unload(self, name: object, batcher: Any) -> tuple[int, dict[str, Any]]:
         """(HTTP status, reply) of /unload_lora_adapter; waits for the requests holding the adapter."""
@@ -224,7 +278,10 @@ class EngineAdapters:
         await adapter.idle.wait()
         async with self.lock:
             if adapter.peft_name is not None:
-                await asyncio.wrap_future(batcher.detach_adapter(adapter.peft_name))
+                if len(self.free) < MAX_FREE_SLOTS:
+                    self.free.append((adapter.peft_name, adapter.shape))
+                else:
+                    await asyncio.wrap_future(batcher.detach_adapter(adapter.peft_name))
             del self.loaded[name]
         log.info("LoRA adapter %s unloaded", name)
         return 200, lora_reply(True, "", self.paths)

@@ -146,7 +146,8 @@ class EngineAdapters:
     ) -> None:
         self.enabled = enabled
         self.max_rank = max_rank
-        self.target_modules = set(target_modules) if target_modules else None
+        # SGLang's `--lora-target-modules all` allows every module.
+        self.target_modules = set(target_modules) if target_modules and "all" not in target_modules else None
         self.stale = stale
         self.loaded: dict[str, _Adapter] = {}
         self.free: list[tuple[str, tuple[Any, ...]]] = []  # (slot, shape) of unloaded adapters

@@ -11,7 +11,7 @@
    engine answered a one-token request with the version; with LoRA the request names the adapter).
 3. The embedded engine's mixed-adapter batch (one forward, peft's `adapter_names`) against one forward
    per adapter on the same rows, prefill and decode, and a decode step whose rows all name one adapter
-   (peft's active adapter, a plain forward) against the base alone, in this process.
+   (peft's active adapter) against the same step of an engine without LoRA, in this process.
 
 Prints a table (or `--json`). CPU numbers on a shared machine: compare the ratios, not the seconds.
 """
@@ -169,6 +169,7 @@ def _mixed_batch(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from pipeline.engine.embedded.batcher import cache_kwarg
     from pipeline.engine.embedded.server import load_model
 
+    plain = load_model(str(model_dir), "cpu", "float32")  # an engine without LoRA
     base = load_model(str(model_dir), "cpu", "float32")
     kwarg = cache_kwarg(base)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -183,12 +184,14 @@ def _mixed_batch(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     names = ["a" if i % 2 == 0 else "b" for i in range(rows)]
     halves = {n: [i for i, m in enumerate(names) if m == n] for n in ("a", "b")}
 
-    def timed(fn: Any) -> float:
-        fn()  # warm-up
+    def timed(fn: Any, fresh: Any = lambda: ()) -> float:
+        """Median seconds of fn(*fresh()) (fresh() builds its inputs, e.g. KV caches, untimed)."""
+        fn(*fresh())  # warm-up
         samples = []
         for _ in range(args.repeats):
+            inputs = fresh()
             started = time.perf_counter()
-            fn()
+            fn(*inputs)
             samples.append(time.perf_counter() - started)
         return statistics.median(samples)
 
@@ -206,34 +209,34 @@ def _mixed_batch(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     split_caches = [_cache_of(out) for out in prefill_split()]
     step = ids[:, -1:]
 
-    def decode_mixed() -> Any:
-        return model(input_ids=step, adapter_names=names, use_cache=True, **{kwarg: _clone(mixed_cache)})
+    def decode_mixed(cache: Any) -> Any:
+        return model(input_ids=step, adapter_names=names, use_cache=True, **{kwarg: cache})
 
-    def decode_split() -> list[Any]:
+    def decode_split(caches: list[Any]) -> list[Any]:
         outs = []
-        for (name, index), cache in zip(halves.items(), split_caches, strict=True):
+        for (name, index), cache in zip(halves.items(), caches, strict=True):
             model.set_adapter(name)
-            outs.append(model(input_ids=step[index], use_cache=True, **{kwarg: _clone(cache)}))
+            outs.append(model(input_ids=step[index], use_cache=True, **{kwarg: cache}))
         return outs
 
-    def decode_one_adapter() -> Any:  # every row names "a": the engine's usual batch
-        model.set_adapter("a")
-        return model(input_ids=step, use_cache=True, **{kwarg: _clone(mixed_cache)})
+    def decode_one_adapter(cache: Any) -> Any:  # every row names "a": the engine's usual batch
+        return model(input_ids=step, use_cache=True, **{kwarg: cache})
 
-    def decode_base() -> Any:
-        with model.disable_adapter():
-            return model(input_ids=step, use_cache=True, **{kwarg: _clone(mixed_cache)})
+    def decode_plain(cache: Any) -> Any:
+        return plain(input_ids=step, use_cache=True, **{kwarg: cache})
 
-    return {
+    result = {
         "rows": float(rows),
         "prefill_tokens": float(length),
         "prefill_mixed_s": timed(prefill_mixed),
         "prefill_per_adapter_s": timed(prefill_split),
-        "decode_mixed_s": timed(decode_mixed),
-        "decode_per_adapter_s": timed(decode_split),
-        "decode_one_adapter_s": timed(decode_one_adapter),
-        "decode_base_only_s": timed(decode_base),
+        "decode_mixed_s": timed(decode_mixed, lambda: (_clone(mixed_cache),)),
+        "decode_per_adapter_s": timed(decode_split, lambda: ([_clone(c) for c in split_caches],)),
     }
+    model.set_adapter("a")
+    result["decode_one_adapter_s"] = timed(decode_one_adapter, lambda: (_clone(mixed_cache),))
+    result["decode_base_only_s"] = timed(decode_plain, lambda: (_clone(mixed_cache),))
+    return result
 
 
 def _cache_of(output: Any) -> Any:

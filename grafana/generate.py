@@ -593,6 +593,42 @@ def reliability() -> DashboardSpec:
                     quantiles("rollwise_weight_sync_phase_duration_seconds", SEL, by="phase", qs=(0.5, 1.0)),
                 ),
                 PanelSpec(
+                    "Served-policy check: engine vs learner",
+                    "rollwise_served_check_logprob_diff_nats (mean |engine - learner| log-prob of the "
+                    "learner's probe after the last sync; above async.served_check.tolerance = another "
+                    "policy) and rollwise_served_check_consecutive_failures by engine.",
+                    "none",
+                    (
+                        q(
+                            f"max by (engine) (rollwise_served_check_logprob_diff_nats{{{SEL}}})",
+                            "{{engine}} gap",
+                        ),
+                        q(
+                            f"max by (engine) (rollwise_served_check_consecutive_failures{{{SEL}}})",
+                            "{{engine}} mismatches in a row",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Served-policy checks by result",
+                    "increase(rollwise_served_checks_total) by engine and result (ok, mismatch, error).",
+                    "short",
+                    (
+                        q(
+                            "sum by (engine, result) "
+                            f"(increase(rollwise_served_checks_total{{{SEL}}}[{RI}]))",
+                            "{{engine}} {{result}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Bytes published per version",
+                    "rollwise_weights_published_bytes: the newest published version on disk (full weights, "
+                    "merged weights or a LoRA adapter).",
+                    "bytes",
+                    (q(f"max(rollwise_weights_published_bytes{{{SEL}}})", "bytes"),),
+                ),
+                PanelSpec(
                     "Supervisor event-loop lag",
                     "rollwise_supervisor_event_loop_lag_seconds histogram.",
                     "s",

@@ -3,6 +3,8 @@
 Layout (docs/architecture.md, Contract 5; names and the `latest` pointer are pipeline.run_dir's):
 
     <checkpoints_dir>/step<n>/model/            HF directory (config.json, model.safetensors[, tokenizer])
+    <checkpoints_dir>/step<n>/adapter/          with [learner.lora] instead of model/: the PEFT adapter
+                                                (learner.lora; the base is the run's initial model)
     <checkpoints_dir>/step<n>/trainer_state.pt  optimizer, LR scheduler, torch RNG + the trainer's generator
     <checkpoints_dir>/step<n>/state.json        counters, consumed trajectories, python/numpy RNG, extra
     <checkpoints_dir>/latest                    name of the newest complete step dir
@@ -21,7 +23,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,9 +40,13 @@ from pipeline.run_dir import (
     latest_checkpoint_dir,
 )
 
+if TYPE_CHECKING:
+    from learner.lora import LoraPolicy
+
 FORMAT_VERSION = 1
 # A learner of several ranks writes torch.distributed.checkpoint shards instead (learner.sharded_checkpoint).
 SHARDED_FORMAT_VERSION = 2
+ADAPTER_DIR = "adapter"
 
 
 @dataclass
@@ -106,6 +112,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep: int = 2,
     tokenizer: Any = None,
+    adapter: LoraPolicy | None = None,
 ) -> Path:
     """Write `step<trainer.steps>` atomically, point `latest` at it and keep the newest `keep` step dirs.
 
@@ -119,9 +126,12 @@ def save_checkpoint(
     name = checkpoint_name(trainer.steps)
     staged = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
-        trainer.model.save_pretrained(staged / "model")
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, staged / "model")
+        if adapter is not None:
+            adapter.save(staged / ADAPTER_DIR)
+        else:
+            trainer.model.save_pretrained(staged / "model")
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, staged / "model")
         tensors: dict[str, Any] = {
             "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.scheduler.state_dict(),
@@ -200,18 +210,28 @@ def _check_optimizer_layout(
         )
 
 
-def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
-    """Load weights, optimizer, scheduler, RNG states and counters of `ckpt` into `trainer` in place."""
+def restore(trainer: Trainer, ckpt: Checkpoint, *, adapter: LoraPolicy | None = None) -> None:
+    """Load weights (or the LoRA `adapter`'s), optimizer, scheduler, RNG states and counters of `ckpt`
+    into `trainer` in place."""
+    has_adapter = (ckpt.path / ADAPTER_DIR).is_dir()
+    if has_adapter != (adapter is not None):
+        raise ValueError(
+            f"checkpoint {ckpt.path} holds {'a LoRA adapter' if has_adapter else 'full weights'} but "
+            f"learner.lora.enabled is {adapter is not None}: resume with the setting the run started with"
+        )
     if ckpt.sharded or trainer.ranks is not None:  # written or resumed by several ranks: any pair works
         from learner.sharded_checkpoint import restore_sharded
 
         restore_sharded(trainer, ckpt)
         return
-    weights = ckpt.model_dir / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")
-    # strict: a key mismatch raises naming the keys; tied embeddings are saved once and matched by storage.
-    load_model(trainer.model, weights, strict=True, device=str(trainer.device))
+    if adapter is not None:
+        adapter.load(ckpt.path / ADAPTER_DIR)
+    else:
+        weights = ckpt.model_dir / "model.safetensors"
+        if not weights.is_file():
+            raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")
+        # strict: a key mismatch raises naming the keys; tied embeddings are saved once, matched by storage.
+        load_model(trainer.model, weights, strict=True, device=str(trainer.device))
     tensors = torch.load(ckpt.path / "trainer_state.pt", map_location="cpu", weights_only=True)
     _check_optimizer_layout(ckpt, tensors["optimizer"], trainer.optimizer)
     trainer.optimizer.load_state_dict(tensors["optimizer"])

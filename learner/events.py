@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union, get_type_hints
 
 
@@ -64,11 +64,18 @@ class Step:
 
 @dataclass(frozen=True)
 class Published:
-    """Weights of `version` are complete at `path` (HF format) and may be loaded by the engines."""
+    """Weights of `version` are complete at `path` and may be loaded by the engines: an HF directory, or
+    with LoRA served as adapters a PEFT adapter directory. `bytes` = the size of that directory. The probe
+    (learner.served_probe) is what the supervisor's served-policy check compares each engine against:
+    `probe_logprobs[i]` = the learner's log P(probe_ids[i + 1] | probe_ids[: i + 1]) for these weights;
+    both empty when the check is off."""
 
     name: ClassVar[str] = "published"
     version: int
     path: str
+    bytes: int = 0
+    probe_ids: list[int] = field(default_factory=list)
+    probe_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,14 @@ def _coerce(value: object, hint: object, where: str) -> Any:
     elif hint == list[str]:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return value
+    elif hint == list[int]:
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return value
+    elif hint == list[float]:
+        if isinstance(value, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+        ):
+            return [float(v) for v in value]
     elif hint == dict[str, float | None]:
         if isinstance(value, dict) and all(
             v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value.values()

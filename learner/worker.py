@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner import events
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
@@ -61,12 +61,15 @@ from pipeline.run_dir import (
     RunDir,
     acquire_learner_lock,
     append_consumed,
-    is_model_dir,
+    is_published_dir,
     prune_weights,
     published_version,
 )
 from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file, spool_name
+
+if TYPE_CHECKING:
+    from learner.lora import LoraPolicy
 
 log = logging.getLogger("rollwise.learner")
 T = TypeVar("T")
@@ -182,6 +185,7 @@ class LearnerWorker:
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
         self.dropped_since_checkpoint: dict[str, str] = {}
+        self.probe: list[int] = []  # the served-policy check's probe (learner.served_probe)
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -204,6 +208,13 @@ class LearnerWorker:
 
             load = functools.partial(load_policy_for_ranks, ranks=self.ranks)
         model, self.tokenizer = load(self.run_dir.initial_model, dtype=precision.param_dtype_name)
+        self.lora: LoraPolicy | None = None
+        if cfg.learner.lora.enabled:
+            from learner.lora import apply_lora
+
+            # The base stays the initial model; only the adapter trains, is checkpointed and published.
+            self.lora = apply_lora(model, cfg.learner.lora, seed=cfg.run.seed)
+            model = self.lora.model
         reference = None
         if cfg.learner.kl_coef > 0.0:
             # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
@@ -236,7 +247,7 @@ class LearnerWorker:
         if self.leader:
             append_consumed(self.run_dir.consumed_log, {"restored": ckpt.step if ckpt is not None else 0})
         if ckpt is not None:
-            restore(self.trainer, ckpt)
+            restore(self.trainer, ckpt, adapter=self.lora)
             self.consumed_seq = max(0, ckpt.consumed.last_seq)
             self.checkpoint_seqs.append(self.consumed_seq)
             self.last_published = published_version(ckpt.path)
@@ -258,7 +269,7 @@ class LearnerWorker:
 
     def announce_ready(self) -> None:
         path = self.run_dir.weights_of(self.version)
-        if self.version > 0 and not is_model_dir(path):
+        if self.version > 0 and not is_published_dir(path):
             # The engines must be able to load the version the learner resumes from. No "published"
             # event: the ready event names the path, and the supervisor has no engines yet.
             self.publish(announce=False)
@@ -401,6 +412,10 @@ class LearnerWorker:
         self.consumed_seq = pending.last_seq
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
+        if updated and self.cfg.async_.served_check.enabled:
+            from learner.served_probe import probe_ids
+
+            self.probe = probe_ids(groups, self.cfg.async_.served_check.probe_tokens)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
             self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
@@ -468,23 +483,31 @@ class LearnerWorker:
             return result
 
     def publish(self, *, announce: bool = True) -> None:
+        """Write `weights/v<version>`: HF weights, or with LoRA the PEFT adapter (serving "adapter") or
+        the merged weights (serving "merged"); then announce it with the served-policy probe."""
+        from learner.lora import directory_bytes
         from learner.model import export_weights
+        from learner.served_probe import probe_logprobs
 
         version = self.version
         target = self.run_dir.weights_of(version)
         if self.ranks is None:
+
+            def export() -> Path:
+                if self.lora is None:
+                    return export_weights(self.trainer, self.tokenizer, target, version)
+                if self.cfg.learner.lora.serving == "adapter":
+                    return self.lora.publish_adapter(target, version)
+                return self.lora.publish_merged(target, self.tokenizer, version)
+
             try:
-                path = self.durably(
-                    "weights",
-                    target.parent,
-                    lambda: export_weights(self.trainer, self.tokenizer, target, version),
-                )
+                path = self.durably("weights", target.parent, export)
             except StorageGaveUp as exc:
                 log.error("version %d not published: %s", version, exc)
                 return
         else:
             # One rank cannot retry a collective alone: a storage fault here ends the learner, which
-            # the supervisor restarts from its checkpoint.
+            # the supervisor restarts from its checkpoint. (LoRA runs in one process: config rule.)
             from learner.sharded_checkpoint import export_gathered
 
             self.tell(Command("publish"))
@@ -493,7 +516,16 @@ class LearnerWorker:
         if not self.leader:
             return
         if announce:
-            self.out.emit(events.Published(version=version, path=str(path)))
+            logprobs = probe_logprobs(self.trainer.model, self.probe) if self.probe else []
+            self.out.emit(
+                events.Published(
+                    version=version,
+                    path=str(path),
+                    bytes=directory_bytes(path),
+                    probe_ids=list(self.probe) if logprobs else [],
+                    probe_logprobs=logprobs,
+                )
+            )
         prune_weights(self.run_dir.weights, version)
 
     def checkpoint(self) -> None:
@@ -518,6 +550,7 @@ class LearnerWorker:
                     extra=extra,
                     keep=keep,
                     tokenizer=self.tokenizer,
+                    adapter=self.lora,
                 )
 
             try:

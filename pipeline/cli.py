@@ -45,6 +45,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "sandboxed python executions/s vs subprocess.run",
     ),
+    ("bench", "lora"): (
+        "pipeline.bench.lora",
+        "main",
+        "LoRA vs full weights: memory, bytes, publish -> served",
+    ),
     ("report",): (
         "pipeline.observability.report",
         "main",

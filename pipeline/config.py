@@ -63,7 +63,13 @@ class EngineConfig(_Section):
             "engine.host is not loopback. Never written to the run directory or logged."
         ),
     )
-    extra_args: list[str] = Field(default_factory=list, description="Extra launch_server flags (sglang).")
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Extra flags appended to each engine's command line: SGLang launch_server flags, or the "
+            "embedded engine's (e.g. its fault-injection switch --fault-stale-weights)."
+        ),
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one /generate call.")
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
     max_batch: int = Field(64, ge=1, description="Embedded engine: most requests decoded together.")
@@ -146,6 +152,30 @@ class RolloutConfig(_Section):
     max_concurrent_groups: int = Field(16, ge=1, description="Upper bound on groups running at once.")
 
 
+class ServedCheckConfig(_Section):
+    """Proof after every weight sync that each engine serves the new policy (docs/operations.md, LoRA)."""
+
+    enabled: bool = Field(
+        True,
+        description=(
+            "After each sync, compare each engine's log-probs of a probe sequence (the newest trained "
+            "one) with the learner's for the new weights; a version string alone is no proof."
+        ),
+    )
+    probe_tokens: int = Field(64, ge=2, le=4096, description="Tokens of the probe sequence (its first ones).")
+    tolerance: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Largest mean |engine - learner| log-prob over the probe (nats) that counts as the same "
+            "policy. None = from engine.dtype: 1e-3 for float32, 5e-2 for bfloat16 or SGLang's auto."
+        ),
+    )
+    max_failures: int = Field(
+        3, ge=1, description="Consecutive mismatches of one engine after which the daemon stops."
+    )
+
+
 class AsyncConfig(_Section):
     max_staleness: int = Field(
         2, ge=0, description="eta: admitted work stays within eta versions of the policy."
@@ -154,6 +184,7 @@ class AsyncConfig(_Section):
         "in_place", description="How in-flight requests live through a weight update."
     )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
+    served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)
 
 
 class MismatchConfig(_Section):
@@ -198,6 +229,27 @@ class MismatchConfig(_Section):
                     "start of the step"
                 )
         return self
+
+
+class LoraConfig(_Section):
+    """LoRA on the learner with peft; adapters published in PEFT format (docs/operations.md, LoRA)."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of the full weights.")
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
+    alpha: int = Field(32, ge=1, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Module names (as in the HF model) that get adapters; SGLang's --lora-target-modules.",
+    )
+    serving: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description=(
+            "adapter: engines load each version with /load_lora_adapter and requests name it (SGLang "
+            "dynamic LoRA); merged: the adapter merged into the base is published as full weights."
+        ),
+    )
 
 
 class LearnerConfig(_Section):
@@ -348,6 +400,7 @@ class LearnerConfig(_Section):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every n steps (and on shutdown).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     threads: int = Field(1, ge=1, description="torch intra-op threads of the learner process.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     spool_url: str | None = Field(
         None,
         description=(
@@ -405,6 +458,11 @@ class LearnerConfig(_Section):
             host, _, port = self.rdzv_endpoint.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"learner.rdzv_endpoint must be host:port, got {self.rdzv_endpoint!r}")
+        if self.lora.enabled and self.world_size > 1:
+            raise ValueError(
+                "learner.lora with more than one learner rank is not supported: LoRA runs in one process "
+                "(learner.nproc x learner.nnodes must be 1)"
+            )
         if self.spool_url is not None and self.world_size > 1:
             raise ValueError(
                 "learner.spool_url (reading the spool over Flight) works with one learner process: ranks "
@@ -598,6 +656,17 @@ class Config(_Section):
         budget = self.learner.overlong_budget
         if budget is not None and self.learner.overlong_slope > budget:
             raise ValueError("learner.overlong_slope must be <= learner.overlong_budget")
+        lora = self.learner.lora
+        if lora.enabled and self.learner.embedding_weight_decay is not None:
+            raise ValueError(
+                "learner.embedding_weight_decay: LoRA (learner.lora.enabled) freezes the embeddings, "
+                "so there is nothing for it to decay; unset it"
+            )
+        if lora.enabled and lora.serving == "adapter" and self.engine.dp > 1:
+            raise ValueError(
+                "learner.lora.serving = 'adapter' needs engine.dp = 1: SGLang loads adapters dynamically "
+                "only without data parallelism (start more engines instead, or serve 'merged')"
+            )
         if self.learner.lr_schedule != "constant" and self.learner.lr_decay_steps < 1:
             raise ValueError(
                 f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
@@ -618,6 +687,12 @@ class Config(_Section):
     def _fleet_rules(self) -> None:
         """Router, weight transport and Flight settings that only make sense together."""
         e = self.engine
+        lora = self.learner.lora
+        if lora.enabled and lora.serving == "adapter" and e.weight_transport == "http":
+            raise ValueError(
+                "learner.lora.serving = 'adapter' reads each adapter from the run directory: with "
+                "engine.weight_transport = 'http' use learner.lora.serving = 'merged'"
+            )
         if e.fetch_urls and (e.weight_transport != "http" or e.kind != "external"):
             raise ValueError("engine.fetch_urls needs engine.weight_transport = 'http' and kind = 'external'")
         if e.fetch_urls and len(e.fetch_urls) != len(e.urls):

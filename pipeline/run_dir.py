@@ -4,7 +4,7 @@ one reader of "which version did the last checkpoint publish".
     <run_dir>/config.toml              the resolved config (both processes read it)
     <run_dir>/model/                   the initial model when `model.path` is unset (a preset)
     <run_dir>/spool/g<seq>.arrow       finished groups (pipeline.transport.spool)
-    <run_dir>/weights/v<n>/            published policy version n, HF format (the newest few are kept)
+    <run_dir>/weights/v<n>/            published policy version n, HF format or a PEFT adapter (newest kept)
     <run_dir>/checkpoints/step<n>/     learner checkpoints (learner.checkpoint), `latest` names the newest
     <run_dir>/logs/                    supervisor.log, learner.log, engine<i>.log, steps.jsonl, eval.jsonl,
                                        consumed.jsonl (the learner's consumption ledger)
@@ -98,7 +98,7 @@ class RunDir:
         """Weights an engine should load for `version`: the published directory when it is complete, else
         the initial model (with a warning for version > 0: the learner re-publishes on resume)."""
         path = self.weights_of(version)
-        if version > 0 and not is_model_dir(path):
+        if version > 0 and not is_published_dir(path):
             log.warning("weights for version %d not found at %s; serving the initial model", version, path)
             return self.initial_model
         return path
@@ -107,6 +107,12 @@ class RunDir:
 def is_model_dir(path: Path) -> bool:
     """An HF model directory is complete once its config.json is there (it is renamed into place last)."""
     return (path / "config.json").is_file()
+
+
+def is_published_dir(path: Path) -> bool:
+    """A complete published version: an HF model directory, or a PEFT adapter directory (LoRA served as
+    adapters: adapter_config.json; both are renamed into place whole)."""
+    return is_model_dir(path) or (path / "adapter_config.json").is_file()
 
 
 def prune_weights(weights_dir: Path, newest: int, keep: int = KEEP_WEIGHT_VERSIONS) -> list[int]:
@@ -166,7 +172,7 @@ def checkpointed_version(run: RunDir) -> int:
     lets the engines start in parallel with it."""
     latest = latest_checkpoint_dir(run.checkpoints)
     version = published_version(latest) if latest is not None else 0
-    return version if version > 0 and is_model_dir(run.weights_of(version)) else 0
+    return version if version > 0 and is_published_dir(run.weights_of(version)) else 0
 
 
 # --- locks ------------------------------------------------------------------------------------------------

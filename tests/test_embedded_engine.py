@@ -60,6 +60,7 @@ META_KEYS = [
     "weight_version",
     "completion_tokens",
     "cached_tokens",
+    "input_token_logprobs",
     "output_token_logprobs",
     "output_token_weight_versions",
     "e2e_latency",

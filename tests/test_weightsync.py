@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
@@ -140,6 +140,7 @@ class _HangingPool:
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
+        model_paths: Mapping[str, str] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]:
         self.calls.append("update")
         await asyncio.Event().wait()

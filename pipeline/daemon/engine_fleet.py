@@ -13,6 +13,11 @@ again once it is up on the served version. Engines added or drained while the da
 
 Weights: with `engine.weight_transport = "http"` an engine's fetcher downloads each version into the
 engine's own disk before it loads it (`weights_for`; pipeline.transport.weights_http).
+
+With LoRA served as adapters (`learner.lora.serving = "adapter"`) every engine runs the initial model
+with SGLang's LoRA flags and a version is its adapter (pipeline.engine.adapters): a (re)started engine
+loads the served version's adapter at launch (`--lora-paths`), `sync` loads new ones, and `generator`
+(what the actors call) makes each request name the served adapter.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pipeline.actors.rollout import GenerateEngine
 from pipeline.config import Config, reveal
 from pipeline.daemon.children import Child, ChildSpec, keep_running
+from pipeline.daemon.weightsync import SyncMode, SyncTimings, sync_weights
+from pipeline.engine.adapters import AdapterRegistry, AdapterRouting, adapter_name, unloader
 from pipeline.engine.client import EngineClient
 from pipeline.engine.launch import EngineSlot, engine_child_spec, free_port, plan_engines
 from pipeline.engine.pool import EnginePool
@@ -80,6 +88,12 @@ class EngineFleet:
             router_client = self.make_client(self.router_url)
             self.router_admin = RouterAdmin(self.router_url)
         self.pool = EnginePool(self.clients, router=router_client)
+        lora = self.cfg.learner.lora
+        self.adapters: AdapterRegistry | None = None
+        self.generator: GenerateEngine = self.pool
+        if lora.enabled and lora.serving == "adapter":
+            self.adapters = AdapterRegistry(0, unloader(self.pool))
+            self.generator = AdapterRouting(self.pool, self.adapters)
         self.weight_source: str | None = None  # the admin endpoint's URL, set by the supervisor
         self.weight_token: str | None = None
         self.on_capacity: Callable[[], None] = lambda: None
@@ -88,9 +102,19 @@ class EngineFleet:
         e = self.cfg.engine
         return EngineClient(url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s)
 
+    async def sync(self, path: str, version: int, mode: SyncMode) -> SyncTimings:
+        """Load published `version` (at `path`) on every engine: its weights (each engine's own copy when
+        they travel over HTTP, fetched before the pause), or the version's adapter."""
+        local = await self.stage(version, path) if self.fetchers and self.adapters is None else None
+        return await sync_weights(
+            self.pool, model_path=path, version=version, mode=mode, model_paths=local, adapter=self.adapters
+        )
+
     async def start(self) -> None:
         """Start the managed engines and wait until every engine, external ones included, answers
         /health; then the router, until it lists every engine as a healthy worker."""
+        if self.adapters is not None:
+            self.adapters.version = self.served_version()
         for slot, client in zip(self.slots, self.clients, strict=True):
             if slot.managed:
                 task = asyncio.create_task(self.keep(slot, client), name=slot.name)
@@ -120,6 +144,16 @@ class EngineFleet:
 
     def _spec(self, slot: EngineSlot) -> ChildSpec:
         version = self.served_version()
+        if self.adapters is not None:
+            adapter = self.run_dir.weights_of(version) if version > 0 else None
+            return engine_child_spec(
+                self.cfg,
+                slot,
+                model_dir=self.run_dir.initial_model,
+                version=version,
+                log_dir=self.run_dir.logs,
+                adapter=adapter,
+            )
         weights = self.run_dir.serving_weights(version)
         fetched = self.run_dir.root / "fetched" / slot.name if slot.url in self.fetchers else None
         return engine_child_spec(
@@ -155,6 +189,17 @@ class EngineFleet:
     async def catch_up(self, client: EngineClient, serving: str | None, version: int) -> None:
         """Load `version` into an engine that serves another one (a late start, a joining engine)."""
         if serving == str(version) or (serving == "default" and version == 0):
+            return
+        if self.adapters is not None:
+            name = adapter_name(version)
+            if name is None:
+                return
+            try:
+                await client.load_lora_adapter(name, str(self.run_dir.weights_of(version)))
+            except EngineError as exc:
+                # An external server that kept running since the last daemon may hold it already (the load
+                # is refused then); the served-policy check verifies what it serves either way.
+                log.warning("loading adapter of version %d on %s: %s", version, client.base_url, exc)
             return
         path = await self.weights_for(client.base_url, version)
         await client.update_weights_from_disk(path, weight_version=str(version))

@@ -91,6 +91,7 @@ class Progress(Protocol):
     def on_sync(self, sync: dict[str, Any]) -> None: ...
     def on_eval(self, row: dict[str, Any]) -> None: ...
     def message(self, text: str) -> None: ...
+    def error(self, kind: str, text: str, fields: dict[str, Any]) -> None: ...
     def stop(self) -> None: ...
 
 
@@ -121,6 +122,9 @@ class JsonProgress:
 
     def message(self, text: str) -> None:
         self._emit({"event": "message", "time": round(time.time(), 3), "text": text})
+
+    def error(self, kind: str, text: str, fields: dict[str, Any]) -> None:
+        self._emit({"event": "error", "time": round(time.time(), 3), "kind": kind, "text": text, **fields})
 
     def stop(self) -> None:
         self.out.flush()
@@ -166,6 +170,11 @@ class RichProgress:
 
     def message(self, text: str) -> None:
         self._live.console.print(text)
+
+    def error(self, kind: str, text: str, fields: dict[str, Any]) -> None:
+        from rich.markup import escape
+
+        self._live.console.print(f"[bold red]error ({escape(kind)})[/]: {escape(text)}")
 
     def stop(self) -> None:
         self._live.stop()

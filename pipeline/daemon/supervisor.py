@@ -40,7 +40,7 @@ from pipeline.daemon.fleet_membership import FleetMembership, scaled_concurrency
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
 from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
-from pipeline.daemon.weightsync import sync_weights
+from pipeline.daemon.served_check import Probe, ServedPolicyCheck, Verdict, tolerance_for
 from pipeline.daemon.wiring import (
     RunSetup,
     build_evaluator,
@@ -50,6 +50,7 @@ from pipeline.daemon.wiring import (
     resolve_config,
     start_openai_endpoint,
 )
+from pipeline.engine.adapters import adapter_name
 from pipeline.observability import learner_metrics, metrics
 from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 from pipeline.transport.flight import SpoolFlightService
@@ -80,6 +81,18 @@ class Supervisor:
         self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
+        )
+        check = cfg.async_.served_check
+        self.served_check = (
+            ServedPolicyCheck(
+                self.engines.pool,
+                tolerance=tolerance_for(cfg),
+                max_failures=check.max_failures,
+                fail=self.fail,
+                names={slot.url: slot.name for slot in self.engines.slots},
+            )
+            if check.enabled
+            else None
         )
         self.endpoints = HttpEndpoints(
             cfg.metrics.host, cfg.metrics.port, self.not_ready, api_key=reveal(cfg.metrics.api_key)
@@ -205,12 +218,12 @@ class Supervisor:
 
     async def start_scheduler(self, ready: events.Ready) -> GroupScheduler:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.run_dir.initial_model)
-        endpoint = await start_openai_endpoint(self.engines.pool, tokenizer, self.cfg)
+        endpoint = await start_openai_endpoint(self.engines.generator, tokenizer, self.cfg)
         # No await from here to the assignment: versions published and groups dropped until now are in
         # self.version and drops_before_scheduler; later ones reach the scheduler via on_learner_event.
         self.scheduler = build_scheduler(
             self.setup,
-            engine=self.engines.pool,
+            engine=self.engines.generator,
             tokenizer=tokenizer,
             agent_endpoint=endpoint,
             ready=ready,
@@ -227,7 +240,7 @@ class Supervisor:
         assert self.scheduler is not None
         self.evaluator = build_evaluator(
             self.setup,
-            engine=self.engines.pool,
+            engine=self.engines.generator,
             tokenizer=self.scheduler.tokenizer,
             progress=self.progress,
             started_at=self.started_at,
@@ -244,7 +257,9 @@ class Supervisor:
         if isinstance(event, events.Step):
             self.on_step(event)
         elif isinstance(event, events.Published):
-            await self.publish(event.version, event.path, received_at=time.monotonic())
+            metrics.PUBLISHED_BYTES.set(event.bytes)
+            probe = Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None
+            await self.publish(event.version, event.path, received_at=time.monotonic(), probe=probe)
         elif isinstance(event, events.Dropped):
             self.on_dropped(event.seq, event.reason)
         elif isinstance(event, events.Ready):
@@ -347,28 +362,33 @@ class Supervisor:
         )
         await self.publish(ready.version, ready.path, received_at=time.monotonic(), rollback=True)
 
-    async def publish(self, version: int, path: str, *, received_at: float, rollback: bool = False) -> None:
-        """Load a newly published version into every engine, then let the scheduler admit against it.
-        `rollback` = the learner restarted at an older version (follow_restarted_learner): load it even
-        though the engines serve a higher number.
+    async def publish(
+        self,
+        version: int,
+        path: str,
+        *,
+        received_at: float,
+        probe: Probe | None = None,
+        rollback: bool = False,
+    ) -> None:
+        """Load a newly published version into every engine, prove they serve it (the served-policy
+        check, with the learner's `probe`), then let the scheduler admit against it. `rollback` = the
+        learner restarted at an older version (follow_restarted_learner): load it even though the
+        engines serve a higher number.
 
         sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
         that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
+        verdicts: list[Verdict] = []
         async with self.publish_lock:
             if version == self.version or (version < self.version and not rollback):
                 # Never move the engines backwards otherwise (a late event after a newer publish).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
                 return
-            # Weights over HTTP: every engine downloads its copy now, while it still generates.
-            local = await self.engines.stage(version, path) if self.engines.fetchers else None
-            timings = await sync_weights(
-                self.engines.pool,
-                model_path=path,
-                version=version,
-                mode=self.cfg.async_.weight_sync_mode,
-                model_paths=local,
-            )
+            timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
             self.version = version
+            if self.served_check is not None and probe is not None:
+                lora_path = adapter_name(version) if self.engines.adapters is not None else None
+                verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
         metrics.POLICY_VERSION.set(version)
         if self.scheduler is not None:
             self.scheduler.on_version(version)
@@ -384,8 +404,16 @@ class Supervisor:
                 "continue_s": round(timings.continue_s, 4),
                 "ok": timings.ok,
                 **({"errors": timings.errors} if timings.errors else {}),
+                **({"served_check": served_summary(verdicts)} if verdicts else {}),
             }
         )
+        for verdict in verdicts:
+            if verdict.status == "mismatch":
+                self.progress.error(
+                    "served_policy_mismatch",
+                    f"engine {verdict.engine} does not serve policy version {version}: {verdict.detail}",
+                    {"engine": verdict.engine, "version": version, "diff": verdict.diff},
+                )
 
     # --- stopping, signals, status, readiness -----------------------------------------------------------
     def request_stop(self, why: str) -> None:
@@ -479,6 +507,18 @@ class Supervisor:
                 )
             self.progress.on_status(status)
             before, self.step_rewards = after, []
+
+
+def served_summary(verdicts: list[Verdict]) -> dict[str, dict[str, Any]]:
+    """Per engine URL: the check's status, mean |engine - learner| log-prob and (adapters) base gap."""
+    return {
+        v.engine: {
+            "status": v.status,
+            "diff": None if v.diff is None else round(v.diff, 6),
+            **({"base_diff": round(v.base_diff, 6)} if v.base_diff is not None else {}),
+        }
+        for v in verdicts
+    }
 
 
 def step_line(event: events.Step) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """Weight sync across every engine: pause -> update_weights_from_disk -> continue, each phase timed.
 
+With LoRA served as adapters (`adapter` given) the load phase is /load_lora_adapter of the version's
+PEFT directory under its versioned name instead, and once it is loaded new requests name it
+(pipeline.engine.adapters); requests in flight keep the adapter they named, which is unloaded after them.
+
 `mode` is SGLang's pause mode (the `mode` field of /pause_generation): `in_place` freezes running
 requests with their KV (tokens decoded after the update carry the new version), `retract` requeues them
 (KV recomputed with the new weights), `abort` returns them to their callers (the runner may resubmit).
@@ -18,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from pipeline.engine.adapters import AdapterRegistry, adapter_name
 from pipeline.engine.pool import MemberOutcome
 from pipeline.observability import metrics
 
@@ -38,9 +43,12 @@ class ControlPool(Protocol):
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
+        model_paths: Mapping[str, str] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]: ...
 
     async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]: ...
+
+    async def load_lora_all(self, name: str, path: str) -> list[MemberOutcome[dict[str, Any]]]: ...
 
 
 @dataclass(frozen=True)
@@ -70,11 +78,15 @@ async def sync_weights(
     version: int,
     mode: SyncMode,
     model_paths: Mapping[str, str] | None = None,
+    adapter: AdapterRegistry | None = None,
 ) -> SyncTimings:
-    """Load the HF directory `model_path` as policy `version` on every engine (see module docstring).
-    `model_paths` maps an engine URL to its own copy (weights fetched over HTTP before the pause)."""
+    """Load `model_path` as policy `version` on every engine (see module docstring): an HF directory, or
+    with `adapter` the PEFT adapter directory of that version. `model_paths` maps an engine URL to its
+    own copy of the weights (fetched over HTTP before the pause)."""
     if mode not in ("in_place", "retract", "abort"):
         raise ValueError(f"weight sync mode must be in_place, retract or abort, got {mode!r}")
+    if adapter is not None and version < 1:
+        raise ValueError(f"an adapter is published for versions >= 1, got version {version}")
     errors: dict[str, str] = {}
     started = time.perf_counter()
     pause_s = load_s = 0.0
@@ -84,10 +96,15 @@ async def sync_weights(
         pause_s = time.perf_counter() - started
         _collect("pause", pause_outcomes, errors)
         load_started = time.perf_counter()
-        per_engine: dict[str, Any] = {"model_paths": model_paths} if model_paths else {}
-        update_outcomes = await pool.update_all(
-            model_path, str(version), abort_all_requests=False, **per_engine
-        )
+        if adapter is None:
+            update_outcomes = await pool.update_all(
+                model_path, str(version), abort_all_requests=False, model_paths=model_paths
+            )
+        else:
+            update_outcomes = await pool.load_lora_all(adapter_name(version) or "", model_path)
+            # Engines that failed the load answer requests naming it with an error (counted per episode);
+            # the served-policy check names them.
+            adapter.serve(version)
         load_s = time.perf_counter() - load_started
         _collect("update", update_outcomes, errors)
         loaded = {o.url for o in update_outcomes if o.ok}

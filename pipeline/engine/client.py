@@ -41,6 +41,7 @@ from pipeline.engine.protocol import (
     GenerateResult,
     SamplingParams,
     parse_generate_response,
+    parse_input_logprobs,
 )
 from pipeline.observability import metrics
 
@@ -121,6 +122,8 @@ def _error_message(reply: _Reply) -> str:
             return str(error["message"])
         if isinstance(error, str):
             return error
+        if obj.get("error_message"):  # SGLang's LoRA replies (LoRAUpdateOutput)
+            return str(obj["error_message"])
         if "message" in obj:
             return str(obj["message"])
     return text[:500]
@@ -295,6 +298,7 @@ class EngineClient:
         *,
         routing_key: str | None = None,
         priority: int | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
 
@@ -303,6 +307,7 @@ class EngineClient:
         every request with one key to the same worker); an engine ignores it.
         `priority` is SGLang's request priority (sent only when given; a server without priority
         scheduling ignores it).
+        `lora_path` names a loaded LoRA adapter (SGLang's GenerateReqInput.lora_path); None = the base.
         """
         body: dict[str, Any] = {
             "input_ids": input_ids,
@@ -312,6 +317,8 @@ class EngineClient:
         }
         if priority is not None:
             body["priority"] = priority
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         url = self.base_url + "/generate"
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         try:
@@ -352,6 +359,48 @@ class EngineClient:
             return  # the server is gone or unreachable: it decodes nothing for us then either
         if 200 <= reply.status < 300:
             metrics.ENGINE_ABORTS.labels(reason=reason).inc()
+
+    async def prompt_logprobs(
+        self, input_ids: list[int], *, rid: str, lora_path: str | None = None
+    ) -> list[float]:
+        """The engine's teacher-forced log P(ids[i + 1] | ids[: i + 1]) for every i < len(ids) - 1 (raw
+        logits, temperature 1): a score-only request (`max_new_tokens = 0`, `logprob_start_len = 0`)
+        whose `meta_info.input_token_logprobs` carries them. `lora_path` as in `generate`."""
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "rid": rid,
+        }
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        url = self.base_url + "/generate"
+        reply = await self._call("POST", "/generate", body, idempotent=False)
+        try:
+            return parse_input_logprobs(_decode_json(reply, url), input_ids, start=0, rid=rid)
+        except EngineProtocolError as exc:
+            raise EngineProtocolError(exc.defect, rid=rid, url=url) from None
+
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> dict[str, Any]:
+        """Load the PEFT adapter directory `path` (readable by the server) under `name`
+        (LoadLoRAAdapterReqInput). Returns the reply (`loaded_adapters` maps names to paths); a refusal
+        raises EngineHTTPError with SGLang's `error_message`. Never resent once it may have arrived: a
+        second load of the same name is an error on the server."""
+        path_ = "/load_lora_adapter"
+        body = {"lora_name": name, "lora_path": path, "pinned": pinned}
+        return self._lora_reply(await self._call_json("POST", path_, body, idempotent=False), path_)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unload adapter `name` (UnloadLoRAAdapterReqInput); SGLang waits for the requests using it."""
+        path_ = "/unload_lora_adapter"
+        return self._lora_reply(await self._call_json("POST", path_, {"lora_name": name}), path_)
+
+    def _lora_reply(self, reply: dict[str, Any], path: str) -> dict[str, Any]:
+        if reply.get("success") is not True:
+            message = reply.get("error_message") or "success is not true"
+            raise EngineHTTPError(200, str(message), self.base_url + path)
+        return reply
 
     async def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
         """Readiness probe: 200 -> True; 5xx (503 = still starting), refused or timeout -> False.

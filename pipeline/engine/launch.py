@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.config import Config, reveal
 from pipeline.daemon.children import ChildSpec
+from pipeline.engine.adapters import lora_launch_flags
 from pipeline.engine.sglang import SGLangLaunchSpec, build_sglang_command
 from pipeline.http_guard import ENGINE_API_KEY_ENV
 from pipeline.run_dir import RunDir
@@ -68,11 +69,22 @@ def priority_scheduling_args(cfg: Config) -> list[str]:
 
 
 def engine_argv(
-    cfg: Config, slot: EngineSlot, *, model_dir: Path, version: int, weights_dir: Path | None = None
+    cfg: Config,
+    slot: EngineSlot,
+    *,
+    model_dir: Path,
+    version: int,
+    weights_dir: Path | None = None,
+    adapter: Path | None = None,
 ) -> list[str]:
     """Command line that starts `slot` serving `model_dir` labelled as policy version `version`.
-    `weights_dir`: an embedded engine also downloads published versions over HTTP into it."""
+    `weights_dir`: an embedded engine also downloads published versions over HTTP into it.
+
+    With `learner.lora.serving = "adapter"`, `model_dir` is the base model, the engine is launched with
+    SGLang's LoRA flags, and `adapter` (the PEFT directory of `version`, if > 0) is loaded at start under
+    its versioned name."""
     e = cfg.engine
+    lora_flags = lora_launch_flags(cfg.learner.lora, version=version, adapter=adapter)
     if e.kind == "embedded":
         fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
         run = RunDir.at(cfg.run.run_dir, cfg.model.path)
@@ -104,6 +116,8 @@ def engine_argv(
             str(run.initial_model),
             "--enable-metrics",
             *fetch,
+            *lora_flags,
+            *e.extra_args,
         ]
     if e.kind == "sglang":
         spec = SGLangLaunchSpec(
@@ -118,6 +132,7 @@ def engine_argv(
             extra_args=(
                 *(["--dtype", e.dtype] if e.dtype is not None else []),
                 *priority_scheduling_args(cfg),
+                *lora_flags,
                 *e.extra_args,
             ),
         )
@@ -133,6 +148,7 @@ def engine_child_spec(
     version: int,
     log_dir: Path,
     weights_dir: Path | None = None,
+    adapter: Path | None = None,
 ) -> ChildSpec:
     threads = str(cfg.engine.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
@@ -141,7 +157,9 @@ def engine_child_spec(
         env[ENGINE_API_KEY_ENV] = key  # the environment, not argv: /proc/<pid>/cmdline and the log show argv
     return ChildSpec(
         name=slot.name,
-        argv=engine_argv(cfg, slot, model_dir=model_dir, version=version, weights_dir=weights_dir),
+        argv=engine_argv(
+            cfg, slot, model_dir=model_dir, version=version, weights_dir=weights_dir, adapter=adapter
+        ),
         log_path=log_dir / f"{slot.name}.log",
         env=env,
     )

@@ -141,16 +141,25 @@ class EnginePool:
         *,
         affinity_key: str,
         priority: int | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
         """Generate on the member owning `affinity_key` (or through the router, keyed by it). A request
         handed back by a drained member is sent again. Errors as EngineClient.generate."""
         while True:
             if self.router is not None:
                 result = await self._tracked(
-                    self.router, input_ids, sampling, rid, affinity_key, priority=priority
+                    self.router,
+                    input_ids,
+                    sampling,
+                    rid,
+                    affinity_key,
+                    priority=priority,
+                    lora_path=lora_path,
                 )
             else:
-                result = await self._generate_direct(input_ids, sampling, rid, affinity_key, priority)
+                result = await self._generate_direct(
+                    input_ids, sampling, rid, affinity_key, priority=priority, lora_path=lora_path
+                )
             if result.finish_reason == "abort" and rid in self._handed_back:
                 self._handed_back.discard(rid)
                 self.handed_back_total += 1
@@ -167,11 +176,14 @@ class EnginePool:
         affinity_key: str,
         *,
         priority: int | None,
+        lora_path: str | None,
     ) -> GenerateResult:
         self._in_flight[rid] = client.base_url
         routing_key = affinity_key if client is self.router else None
         try:
-            return await client.generate(input_ids, sampling, rid, routing_key=routing_key, priority=priority)
+            return await client.generate(
+                input_ids, sampling, rid, routing_key=routing_key, priority=priority, lora_path=lora_path
+            )
         finally:
             self._in_flight.pop(rid, None)
 
@@ -181,7 +193,9 @@ class EnginePool:
         sampling: SamplingParams,
         rid: str,
         affinity_key: str,
+        *,
         priority: int | None,
+        lora_path: str | None,
     ) -> GenerateResult:
         tried: list[str] = []
         last_failure: EngineUnavailable | None = None
@@ -196,7 +210,13 @@ class EnginePool:
             tried.append(member.client.base_url)
             try:
                 result = await self._tracked(
-                    member.client, input_ids, sampling, rid, affinity_key, priority=priority
+                    member.client,
+                    input_ids,
+                    sampling,
+                    rid,
+                    affinity_key,
+                    priority=priority,
+                    lora_path=lora_path,
                 )
             except EngineError as exc:
                 if _counts_as_failure(exc):
@@ -314,6 +334,22 @@ class EnginePool:
 
     async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]:
         return await self._fan_out(lambda c: c.continue_generation())
+
+    async def load_lora_all(self, name: str, path: str) -> list[MemberOutcome[dict[str, Any]]]:
+        return await self._fan_out(lambda c: c.load_lora_adapter(name, path))
+
+    async def unload_lora_all(self, name: str) -> list[MemberOutcome[dict[str, Any]]]:
+        return await self._fan_out(lambda c: c.unload_lora_adapter(name))
+
+    async def prompt_logprobs_all(
+        self, input_ids: list[int], *, rid: str, lora_path: str | None = None
+    ) -> list[MemberOutcome[list[float]]]:
+        """Every member's prompt log-probs of `input_ids` (EngineClient.prompt_logprobs), rid suffixed
+        with the member's index so that the requests stay distinct."""
+        index = {m.client.base_url: i for i, m in enumerate(self._members)}
+        return await self._fan_out(
+            lambda c: c.prompt_logprobs(input_ids, rid=f"{rid}-{index[c.base_url]}", lora_path=lora_path)
+        )
 
     async def abort_all(self) -> list[MemberOutcome[None]]:
         return await self._fan_out(lambda c: c.abort_request(abort_all=True))

@@ -331,3 +331,37 @@ def parse_generate_response(obj: object, *, expected_rid: str | None) -> Generat
         cached_tokens=_int_field(meta, "cached_tokens", got_rid, default=0),
         abort_message=abort_message,
     )
+
+
+def parse_input_logprobs(obj: object, input_ids: list[int], *, start: int, rid: str) -> list[float]:
+    """The prompt log-probs of a `/generate` reply sent with `return_logprob` and `logprob_start_len =
+    start`: `meta_info.input_token_logprobs` lists `[logprob, id, text]` for `input_ids[start:]`, entry 0
+    null (it has no context in the reply). Returns the floats of entries 1.. (log P(ids[start + i] |
+    ids[: start + i]) for i >= 1). EngineProtocolError naming the defect otherwise."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("meta_info"), dict):
+        raise EngineProtocolError("response has no meta_info object", rid=rid)
+    entries = obj["meta_info"].get("input_token_logprobs")
+    expected = input_ids[start:]
+    if not isinstance(entries, list) or len(entries) != len(expected):
+        size = len(entries) if isinstance(entries, list) else entries
+        raise EngineProtocolError(
+            f"meta_info.input_token_logprobs has {size} entries, expected {len(expected)} "
+            f"(logprob_start_len = {start} of {len(input_ids)} prompt tokens)",
+            rid=rid,
+        )
+    values: list[float] = []
+    for i, (entry, token) in enumerate(zip(entries, expected, strict=True)):
+        if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
+            raise EngineProtocolError(
+                f"meta_info.input_token_logprobs[{i}] is {entry!r}, expected [logprob, {token}, text]",
+                rid=rid,
+            )
+        logprob = entry[0]
+        if i == 0:
+            continue  # null in SGLang: the first listed token has no logprob in the reply
+        if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) or not math.isfinite(logprob):
+            raise EngineProtocolError(
+                f"meta_info.input_token_logprobs[{i}] logprob {logprob!r} is not a finite number", rid=rid
+            )
+        values.append(float(logprob))
+    return values

@@ -334,6 +334,30 @@ WEIGHT_SYNC_PHASE = Histogram(
     registry=REGISTRY,
 )
 WEIGHT_SYNCS = Counter("rollwise_weight_syncs", "Weight syncs by status.", ["status"], registry=REGISTRY)
+SERVED_CHECKS = Counter(
+    "rollwise_served_checks",
+    "Served-policy checks after a weight sync, by engine and result: ok, mismatch (the engine's log-probs "
+    "of the learner's probe are another policy's), error (no answer).",
+    ["engine", "result"],
+    registry=REGISTRY,
+)
+SERVED_LOGPROB_DIFF = Gauge(
+    "rollwise_served_check_logprob_diff_nats",
+    "Mean absolute difference of engine and learner log-probs of the probe at the last served-policy check.",
+    ["engine"],
+    registry=REGISTRY,
+)
+SERVED_CHECK_FAILURES = Gauge(
+    "rollwise_served_check_consecutive_failures",
+    "Consecutive served-policy mismatches of the engine (async.served_check.max_failures stops the daemon).",
+    ["engine"],
+    registry=REGISTRY,
+)
+PUBLISHED_BYTES = Gauge(
+    "rollwise_weights_published_bytes",
+    "Size of the newest published version on disk (full weights, merged weights or a LoRA adapter).",
+    registry=REGISTRY,
+)
 CHECKPOINT_DURATION = Histogram(
     "rollwise_checkpoint_duration_seconds",
     "Time to write a checkpoint.",

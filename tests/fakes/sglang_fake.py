@@ -13,6 +13,19 @@ token at a time so that pause, abort and weight updates act between tokens as th
 `faults` (a queue, one entry per /generate call) or `fault_hook` corrupt a response on purpose;
 `fail_next(path, status...)` makes any route answer HTTP errors. Every request is recorded in
 `requests` with its raw body; `update_calls` keeps the weight-update bodies.
+
+Strict bodies: a field SGLang 0.5.x does not define for the route (GenerateReqInput, SamplingParams,
+UpdateWeightFromDiskReqInput, LoadLoRAAdapterReqInput, ...) is answered with 400 naming it, so rollwise's
+client is held to the fields SGLang knows (SGLang itself ignores unknown top-level /generate fields, which
+would hide a typo).
+
+Weights: the fake "serves" an identity (its model_path, or with `lora_path` the named adapter's path);
+`prompt_logprobs(identity, ids)` is the deterministic teacher-forced log-prob of each token given its
+prefix, returned as `input_token_logprobs` from `logprob_start_len` (entry 0 null, as in SGLang), so a
+test can predict what a fake serving given weights answers. LoRA: `enable_lora=True` accepts
+/load_lora_adapter and /unload_lora_adapter (LoRAUpdateOutput replies) and `lora_path` names a loaded
+adapter. `ignore_updates=True` acknowledges weight updates (the weight_version moves) and adapter loads
+but keeps serving the start weights: the stale engine of the served-policy check.
 """
 
 from __future__ import annotations
@@ -61,6 +74,60 @@ FLUSH_REFUSED = (
 )
 
 
+# GenerateReqInput fields of SGLang 0.5.x (io_struct.py) that a token-in/token-out client may send.
+GENERATE_FIELDS = frozenset(
+    {
+        "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "sampling_params",
+        "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+        "return_text_in_logprobs", "stream", "log_metrics", "return_hidden_states", "modalities",
+        "session_params", "lora_path", "lora_id", "custom_logit_processor", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "data_parallel_rank", "routed_dp_rank", "background",
+        "priority", "extra_key", "no_logs", "custom_labels", "return_bytes", "return_entropy",
+        "return_routed_experts", "return_sampling_mask",
+    }
+)  # fmt: skip
+# SamplingParams.__init__ keywords (sampling_params.py); SGLang builds SamplingParams(**params).
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+        "logit_bias", "sampling_seed",
+    }
+)  # fmt: skip
+CONTROL_FIELDS: dict[str, frozenset[str]] = {
+    "/update_weights_from_disk": frozenset(
+        {
+            "model_path",
+            "load_format",
+            "abort_all_requests",
+            "weight_version",
+            "flush_cache",
+            "is_async",
+            "torch_empty_cache",
+            "keep_pause",
+            "recapture_cuda_graph",
+            "token_step",
+        }
+    ),
+    "/load_lora_adapter": frozenset({"lora_name", "lora_path", "pinned", "lora_id"}),
+    "/unload_lora_adapter": frozenset({"lora_name", "lora_id"}),
+    "/pause_generation": frozenset({"mode"}),
+    "/continue_generation": frozenset({"torch_empty_cache"}),
+    "/abort_request": frozenset({"rid", "abort_all", "finished_reason"}),
+}
+
+
+def prompt_logprobs(identity: str, ids: list[int]) -> list[float]:
+    """The fake's log P(ids[i + 1] | ids[: i + 1]) under the weights named `identity` (a path)."""
+    values = []
+    for i in range(1, len(ids)):
+        digest = hashlib.blake2b(dumps([identity, ids[: i + 1]]).encode(), digest_size=4).digest()
+        values.append(-0.05 - int.from_bytes(digest, "big") % 5000 / 1000.0)
+    return values
+
+
 def free_port() -> int:
     """A 127.0.0.1 port nothing listens on (bound, then released): connecting to it is refused."""
     with socket.socket() as s:
@@ -74,7 +141,7 @@ def dumps(obj: object) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-@dataclass(frozen=True)
+@dataclass
 class GenerateCall:
     """What a script sees for one sample: the prompt, its sampling params and the sample's rid."""
 
@@ -82,6 +149,8 @@ class GenerateCall:
     sampling_params: dict[str, Any]
     rid: str
     sample_index: int
+    logprob_start_len: int = -1
+    identity: str | None = None  # the weights it is served with (None: the fake's served_weights)
 
 
 @dataclass
@@ -190,6 +259,8 @@ class FakeSGLang:
         weights_path_ok: Callable[[str], bool] | None = None,
         report_token_versions: bool = False,
         skip_tokenizer_init: bool = False,
+        enable_lora: bool = False,
+        ignore_updates: bool = False,
     ) -> None:
         self.ready = ready
         self.ready_after_s = ready_after_s
@@ -210,6 +281,12 @@ class FakeSGLang:
         self.weights_path_ok = weights_path_ok or (lambda path: not path.startswith("/missing"))
         self.report_token_versions = report_token_versions
         self.skip_tokenizer_init = skip_tokenizer_init
+        self.enable_lora = enable_lora
+        self.ignore_updates = ignore_updates
+        self.served_weights = model_path  # the identity prompt log-probs are computed for
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
+        self.adapter_identity: dict[str, str] = {}  # name -> identity its requests are served with
+        self.lora_calls: list[tuple[str, dict[str, Any]]] = []
         self.requests: list[RecordedRequest] = []
         self.update_calls: list[dict[str, Any]] = []
         self.weight_groups: set[str] = set()  # NCCL groups joined via /init_weights_update_group
@@ -236,6 +313,8 @@ class FakeSGLang:
         if self.has_model_info_route:
             app.router.add_get("/model_info", self._model_info)
         app.router.add_post("/update_weights_from_disk", self._update_weights_from_disk)
+        app.router.add_post("/load_lora_adapter", self._load_lora_adapter)
+        app.router.add_post("/unload_lora_adapter", self._unload_lora_adapter)
         app.router.add_post("/pause_generation", self._pause)
         app.router.add_post("/continue_generation", self._continue)
         app.router.add_post("/abort_request", self._abort_request)
@@ -315,6 +394,9 @@ class FakeSGLang:
     async def _record(self, request: web.Request, handler: Any) -> web.StreamResponse:
         body = await request.read()
         self.requests.append(RecordedRequest(request.method, request.path, dict(request.headers), body))
+        unknown = _unknown_fields(request.path, body)
+        if unknown:
+            return _bad_request(f"{request.path} does not take field(s) {unknown} (SGLang 0.5.x)")
         queued = self._route_failures.get(request.path)
         if queued:
             reply = queued.popleft()
@@ -343,6 +425,11 @@ class FakeSGLang:
         if isinstance(parsed, str):
             return _bad_request(parsed)
         calls, is_batch = parsed
+        identities = self._identities(body.get("lora_path"), len(calls))
+        if isinstance(identities, str):
+            return _bad_request(identities)
+        for call, identity in zip(calls, identities, strict=True):
+            call.identity = identity
         fault = self.faults.popleft() if self.faults else None
         if fault is None and self.fault_hook is not None and calls:
             fault = self.fault_hook(calls[0])
@@ -373,6 +460,7 @@ class FakeSGLang:
         input_ids = body["input_ids"]
         if not isinstance(input_ids, list) or not input_ids:
             return "input_ids cannot be empty."
+        start = body.get("logprob_start_len")
         is_batch = isinstance(input_ids[0], list)
         prompts: list[list[int]] = input_ids if is_batch else [input_ids]
         if any(not p for p in prompts):
@@ -402,8 +490,14 @@ class FakeSGLang:
             rids = [str(r) for r in rid]
         else:
             rids = [f"{rid}_{i}" for i in range(len(prompts))]
+        if start is not None and (not isinstance(start, int) or start < -1):
+            return f"logprob_start_len must be an int >= -1, got {start!r}"
+        if start is not None and any(start >= len(p) for p in prompts):
+            return "logprob_start_len should be less than the input length."
         calls = [
-            GenerateCall(list(prompts[i]), dict(sps[i]), rids[i * n + j], j)
+            GenerateCall(
+                list(prompts[i]), dict(sps[i]), rids[i * n + j], j, start if start is not None else -1
+            )
             for i in range(len(prompts))
             for j in range(n)
         ]
@@ -523,7 +617,12 @@ class FakeSGLang:
             "cached_tokens": cached,
         }
         if want_logprobs:
-            meta["input_token_logprobs"] = [[None, call.input_ids[-1], None]]
+            start = call.logprob_start_len if call.logprob_start_len >= 0 else len(call.input_ids) - 1
+            values = prompt_logprobs(call.identity or self.served_weights, call.input_ids)[start:]
+            listed = call.input_ids[start:]
+            meta["input_token_logprobs"] = [[None, listed[0], None]] + [
+                [lp, t, None] for lp, t in zip(values, listed[1:], strict=True)
+            ]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
         if self.report_token_versions:
             meta["output_token_weight_versions"] = list(versions)
@@ -618,6 +717,8 @@ class FakeSGLang:
         if self.update_delay_s > 0:
             await asyncio.sleep(self.update_delay_s)  # loading weights takes time
         self.model_path = model_path
+        if not self.ignore_updates:
+            self.served_weights = model_path
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
         if body.get("flush_cache", True):
@@ -657,6 +758,50 @@ class FakeSGLang:
             return _bad_request(problem)
         self.weight_groups.discard(body.get("group_name", "weight_update_group"))
         return _json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    def _identities(self, lora_path: object, count: int) -> list[str | None] | str:
+        """Per call, the identity its adapter serves (None = the base), or SGLang's 400 message."""
+        if lora_path is None:
+            return [None] * count
+        names = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        if len(names) != count:
+            return "lora_path should have one entry per request."
+        if any(n is not None for n in names) and not self.enable_lora:
+            return "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        missing = sorted({n for n in names if n is not None and n not in self.adapters})
+        if missing:
+            return f"The following requested LoRA adapters are not loaded: {', '.join(missing)}"
+        return [None if n is None else self.adapter_identity[n] for n in names]
+
+    def _lora_reply(self, success: bool, error: str = "") -> web.Response:
+        body = {"success": success, "error_message": error, "loaded_adapters": dict(self.adapters)}
+        return _json_response(body, 200 if success else 400)
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        self.lora_calls.append(("load", body))
+        if not self.enable_lora:
+            return self._lora_reply(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str):
+            return self._lora_reply(False, "lora_name and lora_path are required")
+        if name in self.adapters:
+            return self._lora_reply(False, f"LoRA adapter {name} is already loaded.")
+        if not self.weights_path_ok(path):
+            return self._lora_reply(False, f"Failed to load LoRA adapter {name}: {path} not found")
+        self.adapters[name] = path
+        self.adapter_identity[name] = self.served_weights if self.ignore_updates else path
+        return self._lora_reply(True)
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        self.lora_calls.append(("unload", body))
+        name = body.get("lora_name")
+        if name not in self.adapters:
+            return self._lora_reply(False, f"LoRA adapter {name} is not loaded.")
+        del self.adapters[name]
+        del self.adapter_identity[name]
+        return self._lora_reply(True)
 
     async def _pause(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
@@ -749,6 +894,28 @@ def _check_fields(body: dict[str, Any], fields: _Fields) -> str | None:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             return f"field {name}: expected {'/'.join(t.__name__ for t in types)}, got {value!r}"
     return None
+
+
+def _unknown_fields(path: str, body: bytes) -> list[str]:
+    """Fields of a JSON object body that SGLang 0.5.x does not define for `path` (sampling_params too)."""
+    if path in ("/generate",):
+        allowed = GENERATE_FIELDS
+    elif path in CONTROL_FIELDS:
+        allowed = CONTROL_FIELDS[path]
+    else:
+        return []
+    try:
+        obj = json.loads(body) if body.strip() else {}
+    except ValueError:
+        return []  # the handler reports malformed JSON
+    if not isinstance(obj, dict):
+        return []
+    unknown = sorted(k for k in obj if k not in allowed)
+    params = obj.get("sampling_params") if path == "/generate" else None
+    for item in params if isinstance(params, list) else [params]:
+        if isinstance(item, dict):
+            unknown += sorted(f"sampling_params.{k}" for k in item if k not in SAMPLING_FIELDS)
+    return unknown
 
 
 def _abort_reason(message: str) -> dict[str, Any]:

@@ -17,6 +17,15 @@ all-padding leading columns trimmed. Every decode step feeds each row's last sam
 lives in `GrowableLayer`s (an HF `DynamicCache` whose layers write each step in place into a buffer
 with spare room) because DynamicLayer's per-step concatenation copies the whole cache every token.
 
+LoRA (pipeline.engine.embedded.lora): while adapters are loaded the model is peft's PeftModel over the
+base, and every forward passes `adapter_names` (each row's adapter, "__base__" for none), so one batch
+mixes adapters; `attach_adapter`, `refill_adapter` and `detach_adapter` change it between two steps.
+
+Prompt log-probs: a request with `logprob_start_len` gets `input_logprobs` from its first prefill, the
+log-softmax of the raw logits (SGLang's `input_token_logprobs`: one entry per token from the start, the
+first null). A request with max_new_tokens = 0 that needs them is scored by a prefill of its own and
+never joins the running batch.
+
 Weight versions: every generated token is stamped with the weight version active when it was sampled
 (`EngineRequest.versions`, sent as `meta_info.output_token_weight_versions`); `meta_info.weight_version`
 is the version at finish. Weight swaps happen between two steps, never inside one. Rows that keep their
@@ -94,6 +103,9 @@ class EngineRequest:
     finish_reason: dict[str, Any] | None = None
     finish_time: float | None = None
     finish_version: str | None = None  # weight version active when the request finished
+    adapter: str | None = None  # LoRA adapter the request runs with (its name inside the model)
+    logprob_start_len: int | None = None  # first prompt position of input_logprobs; None = not wanted
+    input_logprobs: list[float | None] | None = None  # set by the first prefill
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -271,6 +283,19 @@ def prefill_buckets(lengths: list[int], call_cost_tokens: int) -> list[list[int]
     return groups[::-1]
 
 
+def input_logprobs(kept: torch.Tensor, sequence: list[int], start: int) -> list[float | None]:
+    """SGLang's `input_token_logprobs` values of `sequence` from position `start`: None, then log P(seq[i]
+    | seq[:i]) for i in (start, len). `kept` (k, V) holds the logits of the sequence's last k positions
+    (k >= len - start; a left-padded row's extra positions come first and are not read)."""
+    length, k = len(sequence), kept.shape[0]
+    if not 0 <= start < length or k < length - start:
+        raise ValueError(f"need 0 <= start < {length} and {k} >= {length - start} kept positions")
+    rows = kept[start - length + k : k - 1].float()
+    targets = torch.tensor(sequence[start + 1 :], dtype=torch.long, device=kept.device)
+    values = torch.log_softmax(rows, dim=-1).gather(1, targets[:, None])[:, 0]
+    return [None, *(float(v) for v in values.tolist())]
+
+
 def architecture_mismatch(old: Any, new: Any) -> str | None:
     """Name the first shape-defining config field that differs between two model configs."""
     for name in _ARCH_FIELDS:
@@ -306,6 +331,8 @@ class ContinuousBatcher:
         self._max_prefill_tokens = max_prefill_tokens
         self._device = next(model.parameters()).device
         self._cache_kwarg = cache_kwarg(model)
+        self._lora_active = False  # the model is a PeftModel (adapters loaded): forwards name them
+        self._active_adapter: str | None = None  # peft's active adapter, as last set here
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._waiting: deque[EngineRequest] = deque()
         self._batch: RunningBatch | None = None
@@ -375,6 +402,68 @@ class ContinuousBatcher:
             return self.num_requests() if self._paused else 0
 
         return self._call(command)
+
+    def attach_adapter(
+        self, name: str, config: Any, weights: dict[str, Any]
+    ) -> concurrent.futures.Future[None]:
+        """Inject LoRA adapter `name` between two steps (pipeline.engine.embedded.lora)."""
+        from pipeline.engine.embedded.lora import attach_adapter
+
+        def command() -> None:
+            self.model = attach_adapter(self.model, name, config, weights)
+            self._lora_active = True
+            self._active_adapter = None
+
+        return self._call(command)
+
+    def refill_adapter(self, slot: str, weights: dict[str, Any]) -> concurrent.futures.Future[None]:
+        """Copy new LoRA weights into the free adapter `slot` between two steps."""
+        from pipeline.engine.embedded.lora import refill_adapter
+
+        def command() -> None:
+            if any(r.adapter == slot for r in self._all_requests()):
+                raise ValueError(f"adapter slot {slot} is still named by a request")
+            refill_adapter(self.model, slot, weights)
+
+        return self._call(command)
+
+    def detach_adapter(self, name: str) -> concurrent.futures.Future[None]:
+        """Remove LoRA adapter `name` between two steps; no request may still name it."""
+        from pipeline.engine.embedded.lora import detach_adapter
+
+        def command() -> None:
+            if any(r.adapter == name for r in self._all_requests()):
+                raise ValueError(f"adapter {name} is still named by a request")
+            self.model = detach_adapter(self.model, name)
+            self._lora_active = hasattr(self.model, "peft_config")
+            self._active_adapter = None
+
+        return self._call(command)
+
+    def _all_requests(self) -> list[EngineRequest]:
+        running = self._batch.rows if self._batch is not None else []
+        return [*running, *self._waiting]
+
+    def _forward_kwargs(self, rows: list[EngineRequest]) -> dict[str, Any]:
+        """The cache keyword's name aside, what a forward over `rows` needs: their adapters, if any.
+
+        Rows that all name one adapter (the usual batch: every request names the served version) run
+        with it as peft's active adapter, a plain forward; rows that differ (around a sync, or with the
+        base) run as peft's mixed-adapter batch. `rollwise bench lora` measured both."""
+        if not self._lora_active:
+            if any(r.adapter is not None for r in rows):
+                raise ValueError("a request names a LoRA adapter but none is loaded")
+            return {}
+        from pipeline.engine.embedded.lora import adapter_names
+
+        names = {r.adapter for r in rows}
+        if len(names) == 1 and None not in names:
+            (name,) = names
+            if name != self._active_adapter:
+                self.model.set_adapter(name)
+                self._active_adapter = name
+            return {}
+        return {"adapter_names": adapter_names([r.adapter for r in rows])}
 
     def flush_cache(self) -> concurrent.futures.Future[bool]:
         """True if the engine was idle (there is no prefix cache, so nothing else to drop)."""
@@ -526,12 +615,19 @@ class ContinuousBatcher:
     def _admit_waiting(self) -> None:
         admitted: list[EngineRequest] = []
         lengths: list[int] = []
+        scored: list[EngineRequest] = []
         longest = 0
         while self._waiting and self.num_running() + len(admitted) < self._max_batch:
             request = self._waiting[0]
             if request.sampling.max_new_tokens == 0:
                 self._waiting.popleft()
+                start = request.logprob_start_len
+                if start is not None and start < len(request.prompt_ids) - 1:
+                    scored.append(request)  # score-only: a prefill of its own below
+                    continue
                 self._metrics.prompt_tokens.inc(len(request.prompt_ids))
+                if start is not None:
+                    request.input_logprobs = [None]
                 self._finish(request, {"type": "length", "length": 0})
                 continue
             length = len(request.prompt_ids) + len(request.output_ids)
@@ -540,6 +636,13 @@ class ContinuousBatcher:
             longest = max(longest, length)
             admitted.append(self._waiting.popleft())
             lengths.append(length)
+        if scored:
+            try:
+                self._score(scored)
+            except Exception as exc:
+                for request in scored:
+                    self._finish(request, abort_reason(f"prefill failed: {type(exc).__name__}: {exc}"))
+                raise
         if not admitted:
             return
         try:
@@ -552,8 +655,8 @@ class ContinuousBatcher:
                 self._finish(request, abort_reason(f"prefill failed: {type(exc).__name__}: {exc}"))
             raise
 
-    def _prefill(self, requests: list[EngineRequest]) -> None:
-        sequences = [r.prompt_ids + r.output_ids for r in requests]
+    def _left_padded(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, mask, positions) of `sequences` left-padded to the longest, on the model's device."""
         width = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), width, dtype=torch.long)
         mask = torch.zeros(len(sequences), width, dtype=torch.long)
@@ -561,17 +664,61 @@ class ContinuousBatcher:
             ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             mask[row, width - len(seq) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        ids, mask, positions = ids.to(self._device), mask.to(self._device), positions.to(self._device)
+        return ids.to(self._device), mask.to(self._device), positions.to(self._device)
+
+    @staticmethod
+    def _needs_input_logprobs(request: EngineRequest) -> bool:
+        return request.logprob_start_len is not None and request.input_logprobs is None
+
+    def _kept_positions(self, requests: list[EngineRequest], sequences: list[list[int]]) -> int:
+        """Positions whose logits the prefill must keep: the last one, and every prompt log-prob's."""
+        spans = [
+            len(seq) - (r.logprob_start_len or 0)
+            for r, seq in zip(requests, sequences, strict=True)
+            if self._needs_input_logprobs(r)
+        ]
+        return max([1, *spans])
+
+    def _record_input_logprobs(
+        self, requests: list[EngineRequest], sequences: list[list[int]], logits: torch.Tensor
+    ) -> None:
+        for row, (request, seq) in enumerate(zip(requests, sequences, strict=True)):
+            if self._needs_input_logprobs(request):
+                assert request.logprob_start_len is not None
+                request.input_logprobs = input_logprobs(logits[row], seq, request.logprob_start_len)
+
+    def _score(self, requests: list[EngineRequest]) -> None:
+        """Prompt log-probs of max_new_tokens = 0 requests: one prefill without a KV cache."""
+        sequences = [r.prompt_ids for r in requests]
+        ids, mask, positions = self._left_padded(sequences)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=self._kept_positions(requests, sequences),
+            **self._forward_kwargs(requests),
+        )
+        self._metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
+        self._record_input_logprobs(requests, sequences, out.logits)
+        for request in requests:
+            self._finish(request, {"type": "length", "length": 0})
+
+    def _prefill(self, requests: list[EngineRequest]) -> None:
+        sequences = [r.prompt_ids + r.output_ids for r in requests]
+        ids, mask, positions = self._left_padded(sequences)
         cache = DynamicCache()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=self._kept_positions(requests, sequences),
             **{self._cache_kwarg: cache},
+            **self._forward_kwargs(requests),
         )
         self._metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
+        self._record_input_logprobs(requests, sequences, out.logits)
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self._device)
         fresh = RunningBatch(
             rows=requests,
@@ -598,6 +745,7 @@ class ContinuousBatcher:
             position_ids=batch.next_pos.unsqueeze(1),
             use_cache=True,
             **{self._cache_kwarg: batch.cache},
+            **self._forward_kwargs(batch.rows),
         )
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1

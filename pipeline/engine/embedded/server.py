@@ -8,8 +8,16 @@ with SGLang's JSON shapes, key order and status codes:
 - POST/PUT /generate: `input_ids` (list -> one object, list of lists -> array) or `text` (tokenised
   with the model's tokenizer, no special tokens added by us beyond the tokenizer's defaults);
   `stream: true` sends cumulative SSE chunks then `data: [DONE]`. Bad requests -> 400
-  `{"error": {"message": ...}}`. `input_token_logprobs` are never returned (`logprob_start_len` is
-  accepted and ignored); `top_logprobs_num > 0` and `token_ids_logprob` are rejected with 400.
+  `{"error": {"message": ...}}`. With `return_logprob`, `input_token_logprobs` from `logprob_start_len`
+  (default -1 = the last prompt token only; entry 0 is null, as in SGLang; teacher-forced log-softmax of
+  the raw logits); `max_new_tokens = 0` scores the prompt without generating. `top_logprobs_num > 0` and
+  `token_ids_logprob` are rejected with 400. `lora_path` names a loaded LoRA adapter (one per batch
+  item, or one for all; null = the base).
+- LoRA (`--enable-lora`, `--max-lora-rank`, `--lora-target-modules`, `--lora-paths NAME=PATH`):
+  /load_lora_adapter, /unload_lora_adapter as SGLang 0.5.x defines them (pipeline.engine.embedded.lora).
+- Fault injection, for tests of the served-policy check only: `--fault-stale-weights` acknowledges every
+  /update_weights_from_disk (and reports its weight_version) and every /load_lora_adapter, but keeps
+  serving the weights it started with: an engine the new policy never reached.
 - meta_info carries the rollwise extension `output_token_weight_versions`: each generated token is
   stamped with the weight version active when it was sampled; `weight_version` is the version at
   finish (see batcher's docstring for what happens to in-flight requests across a weight swap).
@@ -56,6 +64,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeline.engine.embedded.batcher import PAUSE_MODES, ContinuousBatcher, EngineRequest
+from pipeline.engine.embedded.lora import EngineAdapters, lora_reply
 from pipeline.engine.embedded.metrics import EngineMetrics
 from pipeline.engine.embedded.sampling import RequestSampling, parse_sampling_params
 from pipeline.http_guard import (
@@ -120,6 +129,11 @@ class ServerConfig:
     limits: DoorLimits = field(default_factory=DoorLimits)
     max_new_tokens_cap: int | None = None  # None: the context length
     allowed_weights_dirs: tuple[str, ...] = ()  # empty: the directory holding `model`
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    lora_paths: tuple[tuple[str, str], ...] = ()
+    fault_stale_weights: bool = False
 
     def weights_roots(self) -> list[Path]:
         dirs = self.allowed_weights_dirs or (str(Path(self.model).resolve().parent),)
@@ -169,6 +183,7 @@ class _Tracked:
     return_logprob: bool = False
     text_in_logprobs: bool = False
     index: int | None = None
+    lora_name: str | None = None  # the adapter name the request gave (held until it finishes)
 
 
 @dataclass
@@ -187,6 +202,9 @@ class EngineState:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-loader")
     )
     rng: random.Random = field(default_factory=random.Random)
+    adapters: EngineAdapters = field(
+        default_factory=lambda: EngineAdapters(enabled=False, max_rank=None, target_modules=None)
+    )
 
     def require_scheduler(self) -> ContinuousBatcher:
         if self.scheduler is None:
@@ -211,6 +229,10 @@ class EngineState:
             max_prefill_tokens=cfg.max_prefill_tokens,
         )
         self.scheduler.start()
+        for name, path in cfg.lora_paths:  # --lora-paths: loaded before the engine reports ready
+            status, reply = await self.adapters.load(name, path, self.scheduler, self.loader, cfg.device)
+            if status != 200:
+                raise RuntimeError(f"--lora-paths {name}={path}: {reply['error_message']}")
         warmup = await self.generate_internal("WARMUP", max_new_tokens=2)
         if warmup.finish_reason is None or warmup.finish_reason["type"] == "abort":
             raise RuntimeError(f"warmup generation failed: {warmup.finish_reason}")
@@ -222,15 +244,24 @@ class EngineState:
             await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop)
         self.loader.shutdown(wait=False)
 
-    def track(self, rid: str, prompt_ids: list[int], sampling: RequestSampling, stream: bool) -> _Tracked:
-        """Create an EngineRequest whose worker-thread notifications land on this loop."""
+    def track(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: RequestSampling,
+        stream: bool,
+        lora_name: str | None = None,
+    ) -> _Tracked:
+        """Create an EngineRequest whose worker-thread notifications land on this loop; it holds the
+        LoRA adapter `lora_name` (already validated) until it finishes."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         updates: asyncio.Queue[int] | None = asyncio.Queue() if stream else None
 
         def on_loop(finished: bool, num_tokens: int) -> None:
             if finished:
-                self.inflight.pop(rid, None)
+                if self.inflight.pop(rid, None) is not None:
+                    self.adapters.release(lora_name)
                 if not done.done():
                     done.set_result(None)
             if updates is not None:
@@ -246,9 +277,14 @@ class EngineState:
             # Unseeded requests draw their seed from the server's RNG (--seed makes a run repeatable).
             sampling = dataclasses.replace(sampling, sampling_seed=self.rng.getrandbits(63))
         request = EngineRequest(
-            rid=rid, prompt_ids=prompt_ids, sampling=sampling, notify=notify, stream=stream
+            rid=rid,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            notify=notify,
+            stream=stream,
+            adapter=self.adapters.acquire(lora_name),
         )
-        tracked = _Tracked(request=request, done=done, updates=updates)
+        tracked = _Tracked(request=request, done=done, updates=updates, lora_name=lora_name)
         self.inflight[rid] = tracked
         return tracked
 
@@ -292,6 +328,17 @@ class EngineState:
             "completion_tokens": n,
             "cached_tokens": 0,
         }
+        if tracked.return_logprob and request.input_logprobs is not None:
+            start = len(request.prompt_ids) - len(request.input_logprobs)
+            prompt = request.prompt_ids[start:]
+            prompt_texts: list[str | None] = (
+                [self.tokenizer.decode([t]) for t in prompt]
+                if tracked.text_in_logprobs and self.tokenizer is not None
+                else [None] * len(prompt)
+            )
+            meta["input_token_logprobs"] = [
+                [lp, t, s] for lp, t, s in zip(request.input_logprobs, prompt, prompt_texts, strict=True)
+            ]
         if tracked.return_logprob:
             texts: list[str | None] = (
                 [self.tokenizer.decode([t]) for t in ids]
@@ -406,6 +453,26 @@ def _rids(body: dict[str, Any], count: int, is_batch: bool) -> list[str]:
     return rids
 
 
+def logprob_starts(body: dict[str, Any], prompts: list[list[int]], n: int) -> list[int | None]:
+    """Per expanded request: the first prompt position of its input_token_logprobs (None without
+    return_logprob). `logprob_start_len` is an int or one per prompt; -1 (the default) = the last prompt
+    token, as SGLang normalises it. ValueError -> 400."""
+    if not body.get("return_logprob", False):
+        return [None] * len(prompts)
+    raw = body.get("logprob_start_len")
+    count = len(prompts) // n
+    values = _per_item(-1 if raw is None else raw, count, "logprob_start_len")
+    starts: list[int | None] = []
+    for i, value in enumerate(values):
+        length = len(prompts[i * n])
+        if not _is_int(value) or value < -1:
+            raise ValueError(f"logprob_start_len must be an int >= -1, got {value!r}")
+        if value >= length:
+            raise ValueError(f"logprob_start_len ({value}) must be less than the input length ({length})")
+        starts += [length - 1 if value == -1 else value] * n
+    return starts
+
+
 def _build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[_Tracked], bool]:
     """Validate a /generate body into tracked requests (not yet submitted). Raises ValueError."""
     scheduler = state.require_scheduler()
@@ -456,9 +523,13 @@ def _build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[_Tra
     priority = body.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise ValueError(f"priority must be an integer, got {priority!r}")
+    adapters = state.adapters.resolve(body.get("lora_path"), len(prompts) // n)
+    adapters = [a for a in adapters for _ in range(n)]
+    starts = logprob_starts(body, prompts, n)
     tracked = []
     for i, (rid, ids, sampling) in enumerate(zip(rids, prompts, params, strict=True)):
-        item = state.track(rid, list(ids), sampling, stream=stream)
+        item = state.track(rid, list(ids), sampling, stream=stream, lora_name=adapters[i])
+        item.request.logprob_start_len = starts[i]
         item.return_logprob = bool(body.get("return_logprob", False))
         item.text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
         item.index = i if (is_batch and stream) else None
@@ -576,13 +647,23 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             f"model_path {path!r} is outside the directories this engine may load weights from "
             f"({', '.join(map(str, roots))}; --allowed-weights-dir)"
         )
+    if state.adapters.loaded:
+        return failure(
+            "cannot update the base weights while LoRA adapters are loaded "
+            f"({sorted(state.adapters.loaded)}); unload them first"
+        )
     async with state.update_lock:
         loop = asyncio.get_running_loop()
         cfg = state.config
-        try:
-            model = await loop.run_in_executor(state.loader, load_model, path, cfg.device, cfg.dtype)
-        except Exception as exc:
-            return failure(f"Failed to load weights from {path}: {type(exc).__name__}: {exc}")
+        if cfg.fault_stale_weights:
+            # Fault injection: acknowledge and relabel, keep the old weights (the served-policy check's test).
+            log.warning("fault injection: update to %s acknowledged but not loaded", path)
+            model = scheduler.model
+        else:
+            try:
+                model = await loop.run_in_executor(state.loader, load_model, path, cfg.device, cfg.dtype)
+            except Exception as exc:
+                return failure(f"Failed to load weights from {path}: {type(exc).__name__}: {exc}")
         try:
             paused = await asyncio.wrap_future(
                 scheduler.swap_weights(
@@ -597,6 +678,30 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return _json(
         {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": paused}
     )
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    state = _state(request)
+    scheduler = state.require_scheduler()
+    try:
+        body = await _json_body(request, required=True)
+    except ValueError as exc:
+        return _json(lora_reply(False, str(exc), state.adapters.paths), status=400)
+    status, reply = await state.adapters.load(
+        body.get("lora_name"), body.get("lora_path"), scheduler, state.loader, state.config.device
+    )
+    return _json(reply, status=status)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    state = _state(request)
+    scheduler = state.require_scheduler()
+    try:
+        body = await _json_body(request, required=True)
+    except ValueError as exc:
+        return _json(lora_reply(False, str(exc), state.adapters.paths), status=400)
+    status, reply = await state.adapters.unload(body.get("lora_name"), scheduler)
+    return _json(reply, status=status)
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
@@ -752,12 +857,20 @@ def build_app(config: ServerConfig) -> web.Application:
         metrics=EngineMetrics(config.served_model_name or config.model),
         model_path=config.model,
         rng=random.Random(config.seed),
+        adapters=EngineAdapters(
+            enabled=config.enable_lora,
+            max_rank=config.max_lora_rank,
+            target_modules=config.lora_target_modules,
+            stale=config.fault_stale_weights,
+        ),
     )
     routes = [
         web.post("/generate", generate),
         web.put("/generate", generate),
         web.post("/update_weights_from_disk", update_weights_from_disk),
         web.post("/update_weight_version", update_weight_version),
+        web.post("/load_lora_adapter", load_lora_adapter),
+        web.post("/unload_lora_adapter", unload_lora_adapter),
         web.post("/pause_generation", pause_generation),
         web.post("/continue_generation", continue_generation),
         web.post("/abort_request", abort_request),
@@ -861,11 +974,30 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="a directory /update_weights_from_disk may load from (repeatable; default: the one holding "
         "--model)",
     )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (SGLang's flag)")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted")
+    p.add_argument("--lora-target-modules", nargs="+", help="module names adapters may target")
+    p.add_argument(
+        "--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start"
+    )
+    p.add_argument(
+        "--fault-stale-weights",
+        action="store_true",
+        help="TESTS ONLY: acknowledge weight updates and adapter loads but keep serving the start weights",
+    )
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error("--max-batch must be >= 1")
     if a.max_body_bytes < 1024 or a.body_timeout_s <= 0 or a.idle_timeout_s <= 0:
         p.error("--max-body-bytes must be >= 1024, --body-timeout-s and --idle-timeout-s > 0")
+    lora_paths = []
+    for item in a.lora_paths:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--lora-paths takes NAME=PATH items, got {item!r}")
+        lora_paths.append((name, path))
+    if (lora_paths or a.max_lora_rank or a.lora_target_modules) and not a.enable_lora:
+        a.enable_lora = True  # SGLang turns LoRA on when adapters are given at launch
     return ServerConfig(
         model=a.model,
         host=a.host,
@@ -886,6 +1018,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
         limits=DoorLimits(a.max_body_bytes, a.body_timeout_s, a.idle_timeout_s),
         max_new_tokens_cap=a.max_new_tokens_cap,
         allowed_weights_dirs=tuple(a.allowed_weights_dir),
+        enable_lora=a.enable_lora,
+        max_lora_rank=a.max_lora_rank,
+        lora_target_modules=tuple(a.lora_target_modules) if a.lora_target_modules else None,
+        lora_paths=tuple(lora_paths),
+        fault_stale_weights=a.fault_stale_weights,
     )
 
 

@@ -195,6 +195,7 @@ class _UpdateStats:
     lr: float = 0.0  # learning rate of the last applied update
     applied: int = 0
     skipped_nonfinite: int = 0
+    skipped_empty: int = 0  # windows left with no token to train (mismatch rejection took them all)
     # |learner - engine| log-prob by the tokens' staleness: [sum, count] for lag 0 and lag >= 1, and k3.
     mismatch: dict[str, list[float]] = field(
         default_factory=lambda: {"lag0": [0.0, 0.0], "lag1plus": [0.0, 0.0], "k3": [0.0, 0.0]}
@@ -258,6 +259,7 @@ class _UpdateStats:
             lr=first.lr,
             applied=first.applied,
             skipped_nonfinite=first.skipped_nonfinite,
+            skipped_empty=first.skipped_empty,
             weight_max=max(p.weight_max for p in parts),
         )
         for p in parts:
@@ -598,6 +600,11 @@ class Trainer:
             totals = _WindowTotals(
                 *self.ranks.sum_counts([totals.sequences, totals.tokens, totals.turn_starts])
             )
+        if totals.sequences == 0:
+            # Mismatch rejection can take every token of a window out of the loss. Nothing to learn from,
+            # and an AdamW step on zero gradients would still move the weights (decay, momentum).
+            stats.skipped_empty += 1
+            return
         window_loss = 0.0
         finite = True
         for packed, counted in zip(window, live if live is not None else [True] * len(window), strict=True):
@@ -727,6 +734,7 @@ class Trainer:
             "optimizer_updates": float(stats.applied),
             "skipped_zero_adv_groups": float(data.skipped_zero_adv_groups),
             "skipped_steps_nonfinite": float(stats.skipped_nonfinite),
+            "skipped_updates_empty": float(stats.skipped_empty),
             "rejected_rows": float(len(data.rejected)),
             "untrainable_rows": float(data.untrainable_rows),
             "reward_mean": _mean([episode_return(ep) for ep in episodes]),

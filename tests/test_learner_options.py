@@ -216,6 +216,18 @@ def test_learner_proximal_reports_weights_truncation_and_rejection(policy: tuple
     )
 
 
+def test_a_step_whose_every_token_is_rejected_changes_no_weight(policy: tuple[Any, Any]) -> None:
+    model, tokenizer = policy
+    rows = _group(tokenizer, "g", engine_shift=-4.65)  # ratios 0.81, 1.22, 1.16, 1.23 (test above)
+    mismatch = {"proximal": "learner", "reject": "token", "reject_band": (0.95, 1.05)}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model, _cfg(mismatch=mismatch, weight_decay=0.1), temperature=1.0)
+    metrics = trainer.step(groups_of(rows))
+    assert metrics["rejected_fraction"] == 1.0
+    assert (metrics["optimizer_updates"], metrics["skipped_updates_empty"]) == (0, 2)  # both mini-batches
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_learner_proximal_on_policy_equals_the_engine_path(tiny_model_dir: Path) -> None:
     """With engine log-probs equal to the learner's, decoupled PPO without weights is the same update."""
     first, tokenizer = load_policy(tiny_model_dir)

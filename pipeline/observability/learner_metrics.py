@@ -31,6 +31,7 @@ _STEP_GAUGES = {
 _SKIPPED = {
     "skipped_zero_adv_groups": "zero_advantage_groups",
     "skipped_steps_nonfinite": "nonfinite_updates",
+    "skipped_updates_empty": "empty_updates",
 }
 
 

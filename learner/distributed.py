@@ -160,8 +160,9 @@ CommandKind = Literal["train", "publish", "checkpoint", "wait", "stop"]
 @dataclass(frozen=True)
 class Command:
     """What rank 0 tells the other ranks to do next, so that all enter the same collectives: train the
-    spool groups `seqs`, publish, checkpoint, wait (nothing: it keeps their idle broadcast from timing out)
-    or stop."""
+    spool groups `seqs`, publish (with the served-policy check's `probe` ids: its forward is a collective
+    too), checkpoint, wait (nothing: it keeps their idle broadcast from timing out) or stop."""
 
     kind: CommandKind
     seqs: tuple[int, ...] = ()
+    probe: tuple[int, ...] = ()

@@ -323,7 +323,8 @@ class LearnerWorker:
             if command.kind == "train":
                 self.trainer.step(self.read_groups(command.seqs))
             elif command.kind == "publish":
-                self.publish()
+                self.probe = list(command.probe)
+                self.publish(announce=bool(self.probe))
             elif command.kind == "checkpoint":
                 self.checkpoint()
             elif command.kind == "stop":
@@ -491,6 +492,7 @@ class LearnerWorker:
 
         version = self.version
         target = self.run_dir.weights_of(version)
+        probe = list(self.probe) if announce else []
         if self.ranks is None:
 
             def export() -> Path:
@@ -510,19 +512,20 @@ class LearnerWorker:
             # the supervisor restarts from its checkpoint. (LoRA runs in one process: config rule.)
             from learner.sharded_checkpoint import export_gathered
 
-            self.tell(Command("publish"))
+            self.tell(Command("publish", probe=tuple(probe)))
             path = export_gathered(self.trainer, self.tokenizer, target, version, self.ranks)
         self.last_published = version
+        # Under FSDP the probe's forward is a collective: every rank runs it with rank 0's ids.
+        logprobs = probe_logprobs(self.trainer.model, probe) if probe else []
         if not self.leader:
             return
         if announce:
-            logprobs = probe_logprobs(self.trainer.model, self.probe) if self.probe else []
             self.out.emit(
                 events.Published(
                     version=version,
                     path=str(path),
                     bytes=directory_bytes(path),
-                    probe_ids=list(self.probe) if logprobs else [],
+                    probe_ids=probe if logprobs else [],
                     probe_logprobs=logprobs,
                 )
             )

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar, Union, get_type_hints
 
 
 @dataclass(frozen=True)
 class Ready:
-    """The learner restored its checkpoint (or starts fresh) and serves `version` from `path`."""
+    """The learner restored its checkpoint (or starts fresh) and serves `version` from `path`.
+
+    A learner with its own run directory (learner.run_dir) adds `weights_url`, its weight server, where
+    the supervisor fetches `version` (`path` is then a path on the learner's machine), and, when it built
+    the initial model from the preset itself, `initial_model_digest` (pipeline.run_dir.model_digest),
+    which the supervisor compares with its own copy's."""
 
     name: ClassVar[str] = "ready"
     version: int
     step: int
     consumed_seq: int
     path: str
+    weights_url: str | None = None
+    initial_model_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,14 @@ class Step:
 
 @dataclass(frozen=True)
 class Published:
-    """Weights of `version` are complete at `path` (HF format) and may be loaded by the engines."""
+    """Weights of `version` are complete at `path` (HF format) and may be loaded by the engines. With
+    `weights_url` (a learner with its own run directory) `path` is on the learner's machine and the
+    version is fetched from that weight server (pipeline.transport.weights_http)."""
 
     name: ClassVar[str] = "published"
     version: int
     path: str
+    weights_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,8 @@ def decode(obj: object) -> LearnerEvent:
     values: dict[str, Any] = {}
     for f in fields(cls):
         if f.name not in obj:
+            if f.default is not MISSING:  # an optional field (added later; older learners omit it)
+                continue
             raise ValueError(f"learner event {name!r} lacks field {f.name!r}")
         values[f.name] = _coerce(obj[f.name], hints[f.name], f"{name}.{f.name}")
     return cls(**values)
@@ -172,6 +184,9 @@ def _coerce(value: object, hint: object, where: str) -> Any:
             return float(value)
     elif hint is str:
         if isinstance(value, str):
+            return value
+    elif hint == (str | None):
+        if value is None or isinstance(value, str):
             return value
     elif hint is bool:
         if isinstance(value, bool):

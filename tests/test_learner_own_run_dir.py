@@ -216,6 +216,28 @@ async def test_a_version_published_again_with_other_weights_replaces_the_fetched
         await runner.cleanup()
 
 
+async def test_copies_are_kept_by_install_order_so_a_rolled_back_version_survives(tmp_path: Path) -> None:
+    learner = RunDir.at(tmp_path / "learner")
+    app = web.Application()
+    WeightServer(learner.weights_of).add_routes(app)
+    runner, source = await _serve(app)
+    mirror = tmp_path / "mirror"
+    try:
+        for version in (2, 3, 4, 5, 6):
+            fake_model(learner.weights_of(version), bytes([version]) * 16)
+        for version in (3, 4, 5):
+            await fetch_version(source, version, mirror)
+        # The learner restarted at version 2 (older than every copy): the engines go back to it.
+        assert (await fetch_version(source, 2, mirror)) == mirror / "v2"
+        assert sorted(p.name for p in mirror.iterdir()) == [
+            "v2", "v2.manifest.json", "v4", "v4.manifest.json", "v5", "v5.manifest.json"
+        ]  # fmt: skip
+        await fetch_version(source, 6, mirror)
+        assert sorted(p.name for p in mirror.iterdir() if p.is_dir()) == ["v2", "v5", "v6"]
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_supersedes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,14 +271,14 @@ async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_s
         async with aiohttp.ClientSession() as http, http.get(f"{source}/weights/v1/manifest") as resp:
             assert resp.status == 200  # the server has made (and cached) v1's manifest
         (learner.weights_of(1) / "model.safetensors").write_bytes(b"\x11" * 4095 + b"\x00")  # bit rot
-        corrupt = asyncio.create_task(
-            sup.on_learner_event(events.Published(1, str(learner.weights_of(1)), weights_url=source))
-        )
+        # Events are handled one after the other, as LearnerChild.follow hands them over: the copy runs
+        # in the background, so the next event is heard while it is refused and retried.
+        await sup.on_learner_event(events.Published(1, str(learner.weights_of(1)), weights_url=source))
         await until(lambda: mirror_failures() >= failures_before + 2)  # refused, and again on the retry
-        assert not corrupt.done() and fake.update_calls == []
+        assert len(sup.mirror_tasks) == 1 and fake.update_calls == []
         good = fake_model(learner.weights_of(2), b"\x22" * 4096)
         await sup.on_learner_event(events.Published(2, str(good), weights_url=source))
-        await asyncio.wait_for(corrupt, 10)
+        await asyncio.wait_for(asyncio.gather(*sup.mirror_tasks), 10)
     finally:
         await sup.engines.pool.close()
         await fake.stop()
@@ -297,10 +319,15 @@ def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_n
     sup_dir, learner_dir = tmp_path / "supervisor", tmp_path / "learner"
     # Every checkpoint kept (and so every spool file), so each group written can be accounted for; the
     # engine downloads each version from the supervisor in turn (its own disk: fetched/engine0).
+    # The launcher starts the learner with an empty environment, as ssh would: its config and both
+    # tokens (Flight, its weight server) can only have come through its stdin.
     overrides = [
         *own_run_dir_overrides(learner_dir),
         "learner.keep_checkpoints=1000",
         'engine.weight_transport="http"',
+        'learner.launcher=["env", "-i", "PATH=/usr/bin:/bin"]',
+        f'transport.token="{TOKEN}-flight"',
+        f'learner.weights_token="{TOKEN}"',
     ]
     run = DaemonRun(sup_dir, overrides)  # the preset is built on both sides: model.path unset
     daemons.append(run)
@@ -313,12 +340,21 @@ def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_n
         120,
         "the restarted learner's ready",
     )
-    run.wait_for(lambda r: max(r.steps()) >= killed_at + 2, 120, "two steps after the restart")
+    first, restarted = _readies(sup_dir / "logs" / "supervisor.log")
+    synced_before = len(run.snapshot("sync"))
+    run.wait_for(
+        lambda r: (
+            max(r.steps()) >= killed_at + 2
+            and len(syncs := r.snapshot("sync")) > synced_before
+            and syncs[-1]["version"] > restarted[0]
+        ),
+        120,
+        "two steps and a new version synced after the restart",
+    )
     run.signal(signal.SIGTERM)
     assert run.wait(timeout_s=90) == 0, run.tail()
 
     # The restarted learner resumed its own checkpoint (the supervisor holds none).
-    first, restarted = _readies(sup_dir / "logs" / "supervisor.log")
     assert first == (0, 0) and restarted[1] == killed_at
     # Its stderr comes through the launcher's pipe into the supervisor's logs/learner.log.
     assert (sup_dir / "logs" / "learner.log").read_text().count("--config - --run-dir") == 2
@@ -332,10 +368,13 @@ def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_n
     # Versions advanced and the engines served each from the supervisor's mirror, equal to the learner's.
     syncs = run.snapshot("sync")
     assert syncs and all(s["ok"] for s in syncs) and all("mirror_s" in s for s in syncs)
-    newest = syncs[-1]["version"]  # (a version published while the daemon stopped is not synced)
-    # A step event is shown only after the version published before it was synced, and the restarted
-    # learner published new versions.
-    assert newest >= run.snapshot("step")[-1]["version"] > restarted[0]
+    # The newest version all three disks still hold (each keeps 3) is one the restarted learner made.
+    held = [
+        {int(p.name[1:]) for p in d.iterdir() if re.fullmatch(r"v\d+", p.name)}
+        for d in (learner_dir / "weights", sup_dir / "weights", sup_dir / "fetched" / "engine0")
+    ]
+    newest = max(set.intersection(*held))
+    assert newest > restarted[0]
     for name in ("config.json", "model.safetensors"):
         learners = _sha(learner_dir / "weights" / f"v{newest}" / name)
         assert _sha(sup_dir / "weights" / f"v{newest}" / name) == learners

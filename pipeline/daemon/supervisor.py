@@ -85,6 +85,7 @@ class Supervisor:
         # its weight server into this run directory (mirror) before the engines load it.
         self.announced_version = 0  # the newest version the learner announced (its current lineage)
         self.learner_starts = 0  # ready events so far: a new one ends the lineage a mirror was fetching
+        self.mirror_tasks: set[asyncio.Task[None]] = set()  # publishes that copy from the learner first
         self.initial_model_digest: str | None = None  # this run directory's, once computed
         self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.engines = EngineFleet(
@@ -153,7 +154,7 @@ class Supervisor:
                 drain = [self.scheduler.drain(grace)] if self.scheduler is not None else []
                 await asyncio.gather(self.learner.stop(grace), *drain)
             finally:
-                await cancel_all(background)
+                await cancel_all([*background, *self.mirror_tasks])
                 await self.learner.stop(grace)
                 await self.engines.stop(grace)
                 await close_env(self.setup.env)
@@ -261,9 +262,10 @@ class Supervisor:
             self.on_step(event)
         elif isinstance(event, events.Published):
             self.announced_version = max(self.announced_version, event.version)
-            await self.publish(
-                event.version, event.path, received_at=time.monotonic(), source=event.weights_url
-            )
+            if event.weights_url is None:
+                await self.publish(event.version, event.path, received_at=time.monotonic())
+            else:
+                self.publish_in_background(event)
         elif isinstance(event, events.Dropped):
             self.on_dropped(event.seq, event.reason)
         elif isinstance(event, events.Ready):
@@ -372,6 +374,33 @@ class Supervisor:
             ready.version, ready.path, received_at=time.monotonic(), rollback=True, source=ready.weights_url
         )
 
+    def publish_in_background(self, event: events.Published) -> None:
+        """A version to copy from a learner with its own run directory first: a copy may take minutes
+        (a large model over the network) or be retried, and meanwhile the learner's other events (steps,
+        dropped groups, newer versions) must still be heard. The publishes still run one at a time in
+        the order the events came (publish_lock is first come, first served); one that finds a newer
+        version announced, or a learner restarted since, is skipped."""
+        starts = self.learner_starts
+        task = asyncio.create_task(
+            self.publish(
+                event.version,
+                event.path,
+                received_at=time.monotonic(),
+                source=event.weights_url,
+                learner_starts=starts,
+            ),
+            name=f"publish-v{event.version}",
+        )
+        self.mirror_tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self.mirror_tasks.discard(t)
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                log.error("publishing version %d failed", event.version, exc_info=exc)
+                self.fail(f"publishing version {event.version} failed: {exc!r}")
+
+        task.add_done_callback(done)
+
     async def publish(
         self,
         version: int,
@@ -380,6 +409,7 @@ class Supervisor:
         received_at: float,
         rollback: bool = False,
         source: str | None = None,
+        learner_starts: int | None = None,
     ) -> None:
         """Load a newly published version into every engine, then let the scheduler admit against it.
         `rollback` = the learner restarted at an older version (follow_restarted_learner): load it even
@@ -393,6 +423,13 @@ class Supervisor:
             if version == self.version or (version < self.version and not rollback):
                 # Never move the engines backwards otherwise (a late event after a newer publish).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
+                return
+            if learner_starts is not None and (
+                learner_starts != self.learner_starts or version < self.announced_version
+            ):
+                # Waited behind a copy: a newer version follows in the queue, or this one belongs to a
+                # learner that has restarted since (its lineage is gone).
+                log.info("version %d superseded before it was copied: not synced", version)
                 return
             mirror_s = None
             if source is not None:
@@ -431,10 +468,10 @@ class Supervisor:
     async def mirror(self, version: int, source: str) -> Path | None:
         """Copy `version` from the learner's weight server into this run directory's weights/v<n>
         (pipeline.transport.weights_http.fetch_version: every file checked against the manifest's size
-        and sha256, staged, renamed; the newest 3 kept). Version 0 is the initial model, which is here
-        already (its digest was compared). A failed fetch is retried with a doubling delay until it
-        succeeds, or the learner announces a newer version or restarts (that version is then never
-        needed), or the daemon stops: None."""
+        and sha256, staged, renamed; the 3 most recently installed kept). Version 0 is the initial
+        model, which is here already (its digest was compared). A failed fetch is retried with a
+        doubling delay until it succeeds, or the learner announces a newer version or restarts (that
+        version is then never needed), or the daemon stops: None."""
         if version == 0:
             return self.run_dir.initial_model
         token = reveal(self.cfg.learner.weights_token)
@@ -444,7 +481,15 @@ class Supervisor:
             started = time.monotonic()
             try:
                 path = await fetch_version(source, version, self.run_dir.weights, token=token)
-            except (FetchError, aiohttp.ClientError, TimeoutError, OSError, KeyError, TypeError) as exc:
+            except (
+                FetchError,
+                aiohttp.ClientError,
+                TimeoutError,
+                OSError,
+                KeyError,
+                TypeError,
+                ValueError,
+            ) as exc:
                 metrics.WEIGHT_MIRROR_FAILURES.inc()
                 why = f"{type(exc).__name__}: {exc}"
                 log.error("copying version %d from the learner (%s) failed: %s", version, source, why)

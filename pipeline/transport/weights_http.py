@@ -1,14 +1,17 @@
-"""Published weights over HTTP, for engines that do not share the run directory's disk.
+"""Published weights over HTTP, for engines (and a supervisor) that do not share the disk they are on.
 
-Supervisor side (routes on the admin endpoint, pipeline/daemon/admin.py):
+Supervisor side (routes on the admin endpoint, pipeline/daemon/admin.py; the same routes on the weight
+server of a learner with its own run directory, `WeightServerThread`, from which the supervisor copies
+each version into its run directory with `fetch_version` before the engines load it):
 
     GET /weights/v<n>/manifest        {"version": n, "files": [{"path", "size", "sha256"}, ...]}
     GET /weights/v<n>/files/<path>    the file's bytes (sendfile)
 
 Engine side: a *fetcher* answers `POST /fetch_weights {"source": BASE, "version": n, "token": T|null}`
 by downloading version n from BASE into its own directory (staged as `v<n>.tmp`, every file checked
-against the manifest's size and sha256, then renamed to `v<n>`), keeping the newest `KEEP_VERSIONS`,
-and replies `{"success": true, "model_path": "<dir>/v<n>"}`. The supervisor then calls SGLang's
+against the manifest's size and sha256, then renamed to `v<n>`, the manifest kept beside it as
+`v<n>.manifest.json`), keeping the `KEEP_VERSIONS` most recently installed, and replies
+`{"success": true, "model_path": "<dir>/v<n>"}`. The supervisor then calls SGLang's
 `update_weights_from_disk` on that engine with that local path. The embedded engine serves the route
 itself (`--weights-dir`); beside an SGLang server runs `rollwise engine fetch-agent --dir D --port P`.
 The download happens while the engines keep generating; only the load runs inside the pause.
@@ -288,19 +291,37 @@ def _install(staged: Path, final: Path, dest_root: Path, manifest: dict[str, Any
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+    copies = _copies(dest_root)
     kept = _manifest_file(final)
     kept.unlink(missing_ok=True)  # no moment where an old manifest vouches for the new directory
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staged, final)
     staged_manifest = kept.with_suffix(".tmp")
-    staged_manifest.write_text(json.dumps(manifest), encoding="utf-8")
+    install_seq = 1 + max((seq for seq, _ in copies), default=0)
+    staged_manifest.write_text(json.dumps({**manifest, "install_seq": install_seq}), encoding="utf-8")
     os.replace(staged_manifest, kept)
-    versions = sorted(
-        (int(m.group(1)), p) for p in dest_root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
-    )
-    for _, old in versions[:-KEEP_VERSIONS]:
+    # Keep KEEP_VERSIONS copies: this one and the most recently installed others. By install order, not
+    # version number: a learner that restarted from an older checkpoint has the engines go back to that
+    # version, which must survive beside the higher numbers of the lineage it lost.
+    others = [path for _, path in copies if path != final]
+    for old in others[: max(0, len(others) - (KEEP_VERSIONS - 1))]:
         shutil.rmtree(old, ignore_errors=True)
         _manifest_file(old).unlink(missing_ok=True)
+
+
+def _copies(dest_root: Path) -> list[tuple[int, Path]]:
+    """(install sequence, directory) of every v<n> copy, oldest install first (0: no manifest kept)."""
+    found = []
+    for path in dest_root.iterdir():
+        match = _VERSION_DIR.match(path.name)
+        if not (match and path.is_dir()):
+            continue
+        try:
+            seq = int(json.loads(_manifest_file(path).read_text(encoding="utf-8"))["install_seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            seq = 0
+        found.append((seq, int(match.group(1)), path))
+    return [(seq, path) for seq, _, path in sorted(found)]
 
 
 def add_fetch_route(app: web.Application, dest_root: Path) -> None:

@@ -46,6 +46,7 @@ from pipeline.http_guard import (
 log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 3
+MANIFEST_CACHE = 8  # manifests a WeightServer keeps (hashing a large model's files takes a while)
 CHUNK = 1 << 20
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -93,7 +94,9 @@ class WeightServer:
         manifest = self._manifests.get(key)
         if manifest is None:
             manifest = await asyncio.to_thread(build_manifest, directory, version)
-            self._manifests = {k: v for k, v in self._manifests.items() if k[0] != version}
+            # One entry per version, the newest few: a long run publishes thousands.
+            kept = sorted(k for k in self._manifests if k[0] != version)[-(MANIFEST_CACHE - 1) :]
+            self._manifests = {k: self._manifests[k] for k in kept}
             self._manifests[key] = manifest
         return web.json_response(manifest)
 

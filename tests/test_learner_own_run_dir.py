@@ -389,6 +389,21 @@ def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_n
     consumed_seq = int(checkpoint_state(learner_dir)["consumed"]["last_seq"])
     assert {gid for seq, gid in written.items() if seq <= consumed_seq} == set(trained)
 
+    # A new daemon on both directories: the version to serve comes from the learner's ready event (the
+    # supervisor's directory holds no checkpoint), and training goes on from the learner's checkpoint.
+    # (More steps than the groups left in the spool can feed: the actors must sample new ones.)
+    final = checkpoint_state(learner_dir)
+    again = DaemonRun(sup_dir, overrides, max_steps=int(final["step"]) + 6)
+    daemons.append(again)
+    assert again.wait(timeout_s=180) == 0, again.tail()
+    assert again.steps() == list(range(int(final["step"]) + 1, int(final["step"]) + 7))
+    resumed = _readies(sup_dir / "logs" / "supervisor.log")[2]
+    assert resumed == (int(final["counters"]["policy_version"]), int(final["step"]))
+    # The engines started on the initial model and moved to the learner's version (or to one it
+    # published right after, if that came first), never back to an older one.
+    versions = [sync["version"] for sync in again.snapshot("sync")]
+    assert versions and versions[0] >= resumed[0] > 0 and versions == sorted(versions)
+
 
 @pytest.mark.integration
 def test_a_learner_whose_preset_differs_is_refused_naming_both_digests(

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union, get_type_hints
 
 
 @dataclass(frozen=True)
 class Ready:
-    """The learner restored its checkpoint (or starts fresh) and serves `version` from `path`."""
+    """The learner restored its checkpoint (or starts fresh) and serves `version` from `path`.
+
+    A learner with its own run directory (learner.run_dir) adds `weights_url`, its weight server, where
+    the supervisor fetches `version` (`path` is then a path on the learner's machine), and, when it built
+    the initial model from the preset itself, `initial_model_digest` (pipeline.run_dir.model_digest),
+    which the supervisor compares with its own copy's."""
 
     name: ClassVar[str] = "ready"
     version: int
     step: int
     consumed_seq: int
     path: str
+    weights_url: str | None = None
+    initial_model_digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,9 @@ class Published:
     with LoRA served as adapters a PEFT adapter directory. `bytes` = the size of that directory. The probe
     (learner.served_probe) is what the supervisor's served-policy check compares each engine against:
     `probe_logprobs[i]` = the learner's log P(probe_ids[i + 1] | probe_ids[: i + 1]) for these weights;
-    both empty when the check is off."""
+    both empty when the check is off. With `weights_url` (a learner with its own run directory) `path`
+    is on the learner's machine and the version is fetched from that weight server
+    (pipeline.transport.weights_http)."""
 
     name: ClassVar[str] = "published"
     version: int
@@ -76,6 +85,7 @@ class Published:
     bytes: int = 0
     probe_ids: list[int] = field(default_factory=list)
     probe_logprobs: list[float] = field(default_factory=list)
+    weights_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +175,8 @@ def decode(obj: object) -> LearnerEvent:
     values: dict[str, Any] = {}
     for f in fields(cls):
         if f.name not in obj:
+            if f.default is not MISSING or f.default_factory is not MISSING:  # optional (added later)
+                continue
             raise ValueError(f"learner event {name!r} lacks field {f.name!r}")
         values[f.name] = _coerce(obj[f.name], hints[f.name], f"{name}.{f.name}")
     return cls(**values)
@@ -179,6 +191,9 @@ def _coerce(value: object, hint: object, where: str) -> Any:
             return float(value)
     elif hint is str:
         if isinstance(value, str):
+            return value
+    elif hint == (str | None):
+        if value is None or isinstance(value, str):
             return value
     elif hint is bool:
         if isinstance(value, bool):

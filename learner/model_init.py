@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,6 +281,19 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     write_tokenizer(tokenizer, out)
     _write_json(out / "generation_config.json", _generation_config(eos_id, pad_id))
     return out
+
+
+def ensure_model(target: Path, preset: str, seed: int) -> Path:
+    """`target` as an HF model directory: kept when it is one, else the preset built in a staging
+    directory beside it and renamed into place (a crash leaves no half-written model)."""
+    if (target / "config.json").is_file():
+        return target
+    staged = target.parent / f".{target.name}.tmp"
+    shutil.rmtree(staged, ignore_errors=True)
+    init_model(staged, preset=preset, seed=seed)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staged, target)
+    return target
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -1,6 +1,7 @@
 """The learner process (docs/architecture.md, Contract 5).
 
     python -m learner.worker --config RUN_DIR/config.toml --run-dir RUN_DIR
+    python -m learner.worker --config - --run-dir LEARNER_DIR        (its own run directory)
 
 Loop: tail the spool after the checkpoint's consumed_seq -> decode each group once and triage it (train,
 or drop and say why: learner.groups) -> B trainable groups -> Trainer.step -> publish weights every
@@ -21,6 +22,13 @@ Half-written files are never read: every write is staged under a temporary name 
 Retention: weights/v<k> for the last 3 published versions (older ones are deleted after the next
 publish); spool files are deleted once the *oldest retained* checkpoint has consumed them, so falling
 back to any checkpoint on disk still finds every group it has not trained on.
+
+Its own run directory (learner.run_dir, a learner on another machine): started with `--config -`, it
+reads the resolved config (and the secrets it needs) as the first line on stdin, writes it to its own
+run directory, builds the preset there when model.path is unset, reads the spool over Flight
+(learner.spool_url) and serves its published versions over HTTP (learner.weights_host/port); its
+`ready` and `published` events say where (weights_url), and `ready` carries the preset's digest.
+Checkpoints stay on its disk.
 
 Several ranks (learner.nproc x learner.nnodes > 1, started by torchrun): rank 0 is the process described
 above and the only one that reads stdin, tails the spool or writes events. Before each collective piece of
@@ -54,7 +62,15 @@ from learner.distributed import Command, Ranks, follow_launcher, join, leave, qu
 from learner.durable import storage_fault_kind, storage_retry_delays
 from learner.groups import TrainGroup, token_staleness, triage_group
 from learner.schema import batch_to_segments
-from pipeline.config import Config, load_config
+from pipeline.config import (
+    Config,
+    ConfigError,
+    config_from_toml,
+    load_config,
+    reveal,
+    set_secret,
+    write_resolved,
+)
 from pipeline.run_dir import (
     DROPPED_GROUPS_KEY,
     PUBLISHED_VERSION_KEY,
@@ -62,6 +78,7 @@ from pipeline.run_dir import (
     acquire_learner_lock,
     append_consumed,
     is_published_dir,
+    model_digest,
     prune_weights,
     published_version,
 )
@@ -70,6 +87,7 @@ from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file
 
 if TYPE_CHECKING:
     from learner.lora import LoraPolicy
+    from pipeline.transport.weights_http import WeightServerThread
 
 log = logging.getLogger("rollwise.learner")
 T = TypeVar("T")
@@ -167,13 +185,25 @@ class LearnerWorker:
     """State of the learner process; `run()` is the loop described in the module docstring."""
 
     def __init__(
-        self, cfg: Config, run: RunDir, out: EventStream, stop: StopFlag, ranks: Ranks | None = None
+        self,
+        cfg: Config,
+        run: RunDir,
+        out: EventStream,
+        stop: StopFlag,
+        ranks: Ranks | None = None,
+        *,
+        weights_url: str | None = None,
+        initial_model_digest: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run
         self.out = out
         self.stop = stop
         self.ranks = ranks
+        # With its own run directory: where the supervisor fetches published versions, and the digest
+        # of the preset this learner built (both travel in its events).
+        self.weights_url = weights_url
+        self.initial_model_digest = initial_model_digest
         self.leader = ranks is None or ranks.leader
         self.told_at = time.monotonic()
         self.batch_groups = cfg.learner.batch_groups
@@ -275,7 +305,12 @@ class LearnerWorker:
             self.publish(announce=False)
         self.out.emit(
             events.Ready(
-                version=self.version, step=self.trainer.steps, consumed_seq=self.consumed_seq, path=str(path)
+                version=self.version,
+                step=self.trainer.steps,
+                consumed_seq=self.consumed_seq,
+                path=str(path),
+                weights_url=self.weights_url,
+                initial_model_digest=self.initial_model_digest,
             )
         )
 
@@ -527,6 +562,7 @@ class LearnerWorker:
                     bytes=directory_bytes(path),
                     probe_ids=probe if logprobs else [],
                     probe_logprobs=logprobs,
+                    weights_url=self.weights_url,
                 )
             )
         prune_weights(self.run_dir.weights, version)
@@ -601,9 +637,79 @@ class LearnerWorker:
             self.checkpoint()
 
 
+# The first stdin line of a learner started with `--config -` (a learner with its own run directory):
+# {"cmd": "config", "toml": <the resolved config, no secrets>, "secrets": {"transport.token": ...}}.
+CONFIG_COMMAND = "config"
+
+
+def receive_config(stream: TextIO) -> Config:
+    """The config the supervisor sends as the first line on stdin (`--config -`): the resolved TOML it
+    writes into its own run directory, and the secrets this learner needs, which never touch a disk or a
+    command line. ConfigError naming what is wrong."""
+    line = stream.readline()
+    if not line.strip():
+        raise ConfigError("--config -: stdin closed before the supervisor sent the config")
+    try:
+        message = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError(f"--config -: the first stdin line is not JSON: {exc}") from None
+    if not isinstance(message, dict) or message.get("cmd") != CONFIG_COMMAND:
+        raise ConfigError(f"--config -: expected a {CONFIG_COMMAND!r} command first, got {line[:80]!r}")
+    text, secrets = message.get("toml"), message.get("secrets") or {}
+    if not isinstance(text, str) or not isinstance(secrets, dict):
+        raise ConfigError("--config -: the config command needs 'toml' (a string) and 'secrets' (an object)")
+    cfg = config_from_toml(text, what="the config received on stdin")
+    for key, value in secrets.items():
+        if not isinstance(value, str):
+            raise ConfigError(f"--config -: secret {key} must be a string")
+        try:
+            set_secret(cfg, str(key), value)
+        except (ValueError, AttributeError) as exc:
+            raise ConfigError(f"--config -: {exc}") from None
+    return cfg
+
+
+@dataclass
+class OwnRunDir:
+    """What a learner with its own run directory (learner.run_dir) sets up before it loads the model:
+    its copy of the config, the preset (built here, deterministically; its digest goes to the supervisor)
+    and the weight server the supervisor fetches published versions from."""
+
+    server: WeightServerThread
+    weights_url: str
+    initial_model_digest: str | None
+
+    @staticmethod
+    def open(cfg: Config, run: RunDir) -> OwnRunDir:
+        from learner.model_init import ensure_model
+        from pipeline.transport.weights_http import WeightServerThread, advertised_url
+
+        write_resolved(cfg, run.root)  # what this learner runs with, secrets left out
+        digest = None
+        if cfg.model.path is None:
+            ensure_model(run.initial_model, preset=cfg.model.preset, seed=cfg.run.seed)
+            digest = model_digest(run.initial_model)
+        learner = cfg.learner
+        server = WeightServerThread(
+            run.weights_of,
+            learner.weights_host,
+            learner.weights_port,
+            reveal(learner.weights_token),
+            what="the learner's weight server",
+        )
+        port = server.start()
+        url = learner.weights_url or advertised_url(learner.weights_host, port)
+        log.info("own run directory %s; published weights served at %s", run.root, url)
+        return OwnRunDir(server, url, digest)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m learner.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="resolved config TOML (run_dir/config.toml)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help="resolved config TOML (run_dir/config.toml), or - to receive it as the first line on stdin",
+    )
     parser.add_argument("--run-dir", required=True, help="run directory (spool, weights, checkpoints)")
     args = parser.parse_args(list(argv) if argv is not None else None)
     launched = rank_environment()
@@ -628,19 +734,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGINT too: Ctrl-C reaches the whole process group, and the learner should checkpoint, not die.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    own: OwnRunDir | None = None
     try:
-        cfg = load_config(args.config)
+        cfg = receive_config(sys.stdin) if args.config == "-" else load_config(args.config)
         run = RunDir.at(args.run_dir, cfg.model.path)
         lock_fd = acquire_learner_lock(run) if rank == 0 else None
+        if cfg.learner.run_dir is not None and rank == 0:
+            own = OwnRunDir.open(cfg, run)
         ranks = join(cfg.learner.world_size, cfg.learner.device)
         if rank == 0:
             threading.Thread(
                 target=watch_stdin, args=(sys.stdin, stop, out), name="stdin", daemon=True
             ).start()
-        worker = LearnerWorker(cfg, run, out, stop, ranks)
+        worker = LearnerWorker(
+            cfg,
+            run,
+            out,
+            stop,
+            ranks,
+            weights_url=own.weights_url if own else None,
+            initial_model_digest=own.initial_model_digest if own else None,
+        )
         try:
             code = worker.run() if worker.leader else worker.follow()
         finally:
+            if own is not None:  # the port is free before the next learner may take the lock
+                own.server.stop()
             if lock_fd is not None:
                 os.close(lock_fd)
         leave(ranks)  # after a failure torchrun ends the other ranks instead
@@ -650,6 +769,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             out.emit(events.Error(f"{type(exc).__name__}: {exc}"))
         return 1
+    finally:
+        if own is not None:
+            own.server.stop()
 
 
 if __name__ == "__main__":

@@ -442,6 +442,53 @@ class LearnerConfig(_Section):
         ),
     )
 
+    # --- a learner that does not share the run directory (docs/operations.md, "Three machines") ---
+    run_dir: str | None = Field(
+        None,
+        description=(
+            "The learner's own directory on its machine (checkpoints, published weights, its copy of the "
+            "config, a preset model); None = the run directory, shared. Set: the supervisor hands the "
+            "learner its config over stdin, the learner serves its weights over HTTP (weights_host, "
+            "weights_port) and the supervisor copies each published version into the run directory, "
+            "checked against its manifest, before the engines load it. Needs spool_url."
+        ),
+    )
+    weights_host: str = Field(
+        "127.0.0.1", description="Bind address of the learner's weight server (with learner.run_dir)."
+    )
+    weights_port: int = Field(
+        8816,
+        ge=0,
+        le=65535,
+        description="Port of the learner's weight server (0 = pick a free one; the learner reports it).",
+    )
+    weights_url: str | None = Field(
+        None,
+        description=(
+            "The URL the supervisor fetches the learner's weights from; None = http://weights_host:port "
+            "(the machine's host name when weights_host is a wildcard such as 0.0.0.0)."
+        ),
+    )
+    weights_token: SecretStr | None = Field(
+        default_factory=lambda: _secret_from_env("ROLLWISE_LEARNER_TOKEN"),
+        description=(
+            "Bearer token of the learner's weight server (default: $ROLLWISE_LEARNER_TOKEN); required when "
+            "learner.weights_host is not loopback. The supervisor hands it to the learner over stdin. "
+            "Never written or logged."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _own_run_dir_rules(self) -> LearnerConfig:
+        if self.run_dir is not None and self.spool_url is None:
+            raise ValueError(
+                "learner.run_dir (the learner's own directory) needs learner.spool_url = "
+                "'grpc://supervisor:port': the spool is on the supervisor's disk, not the learner's"
+            )
+        if self.weights_url is not None and not self.weights_url.startswith(("http://", "https://")):
+            raise ValueError(f"learner.weights_url must be http(s)://host:port, got {self.weights_url!r}")
+        return self
+
     @property
     def world_size(self) -> int:
         """Learner ranks in all: nproc x nnodes."""
@@ -705,6 +752,12 @@ class Config(_Section):
         url = self.learner.spool_url
         if url is not None and not url.startswith(("grpc://", "grpc+tcp://")):
             raise ValueError(f"learner.spool_url must be grpc://host:port, got {url!r}")
+        own = self.learner.run_dir
+        if own is not None and os.path.normpath(own) == os.path.normpath(self.run.run_dir):
+            raise ValueError(
+                f"learner.run_dir = {own!r} is the run directory itself: leave it unset to share the run "
+                "directory, or name the learner's own directory"
+            )
 
 
 class ConfigError(ValueError):
@@ -740,6 +793,45 @@ def check_exposed_ports(cfg: Config) -> None:
             "bind 127.0.0.1)"
         )
 
+    learner = cfg.learner
+    serves_weights = learner.run_dir is not None and not _is_loopback(learner.weights_host)
+    if serves_weights and learner.weights_token is None:
+        raise ConfigError(
+            f"learner.weights_token is required: learner.weights_host = {learner.weights_host!r} is not a "
+            "loopback address and the learner's weight server hands out the policy's weights (set "
+            "ROLLWISE_LEARNER_TOKEN, or bind 127.0.0.1)"
+        )
+
+
+def config_from_toml(text: str, *, what: str) -> Config:
+    """A resolved config received as text (the learner's, over its stdin); ConfigError naming `what`."""
+    try:
+        tree = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} is not valid TOML: {e}") from e
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def get_secret(cfg: Config, dotted: str) -> str | None:
+    """The plain value of the secret at `section.key` (e.g. transport.token), None when unset."""
+    section, key = dotted.split(".")
+    value = getattr(getattr(cfg, section), key)
+    if value is not None and not isinstance(value, SecretStr):
+        raise ValueError(f"{dotted} is not a secret setting")
+    return reveal(value)
+
+
+def set_secret(cfg: Config, dotted: str, value: str) -> None:
+    """Put a secret received out of band (not from a file) at `section.key`."""
+    section, key = dotted.split(".")
+    target = getattr(cfg, section)
+    if key not in type(target).model_fields or not isinstance(getattr(target, key), SecretStr | None):
+        raise ValueError(f"{dotted} is not a secret setting")
+    setattr(target, key, SecretStr(value))
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
     keys = dotted.split(".")
@@ -769,6 +861,8 @@ def _format_error(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         key = key.replace("async_", "async")
         shown = "input" in e and e["loc"] and "api_key" not in key  # a key never appears in a message
+        # A section's own rule gets the whole section as its input, secrets (tokens) included: not echoed.
+        shown = shown and not isinstance(e["input"], dict)
         lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if shown else ""))
     return "invalid configuration:\n  " + "\n  ".join(lines)
 

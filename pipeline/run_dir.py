@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -113,6 +114,28 @@ def is_published_dir(path: Path) -> bool:
     """A complete published version: an HF model directory, or a PEFT adapter directory (LoRA served as
     adapters: adapter_config.json; both are renamed into place whole)."""
     return is_model_dir(path) or (path / "adapter_config.json").is_file()
+
+
+def model_digest(model_dir: Path) -> str:
+    """sha256 over an HF model directory's files (relative path and content, sorted), with
+    config.json's `transformers_version` left out: two machines that build the same preset from the
+    same seed get the same digest unless their weights or tokenizer differ, whatever transformers
+    wrote down about itself. A learner with its own run directory reports the digest of the preset it
+    built; the supervisor compares it with its own before it serves anything."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(model_dir).as_posix()
+        if rel == "config.json":
+            config = json.loads(path.read_text(encoding="utf-8"))
+            config.pop("transformers_version", None)
+            file_digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+        else:
+            file_digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                while block := handle.read(1 << 20):
+                    file_digest.update(block)
+        digest.update(f"{rel}\0".encode() + file_digest.digest())
+    return digest.hexdigest()
 
 
 def prune_weights(weights_dir: Path, newest: int, keep: int = KEEP_WEIGHT_VERSIONS) -> list[int]:

@@ -7,7 +7,9 @@ daemon can wait for the first one), and every other record as it arrives.
 With learner.nproc x learner.nnodes > 1 the child is torchrun (`python -m torch.distributed.run`, c10d
 rendezvous, no restarts of its own): a rank that dies ends it as a whole, and the backoff here restarts it
 from the last checkpoint like a one-process learner. Rank 0 is the one that talks on stdin and stdout.
-`learner.launcher` prefixes the command (srun, ssh) to run the learner on other nodes.
+`learner.launcher` prefixes the command (srun, ssh) to run the learner on other nodes. With
+`learner.run_dir` the learner keeps its own run directory there: it is started with `--config -` and gets
+the config (and its secrets) as the first line on its stdin.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from learner import events
-from pipeline.config import LearnerConfig
+from pipeline.config import Config, LearnerConfig, config_to_toml, get_secret
 from pipeline.daemon.children import Child, ChildSpec, keep_running
 from pipeline.run_dir import RunDir
 
@@ -46,8 +49,14 @@ def learner_child_spec(
 ) -> ChildSpec:
     """The learner's command line (torchrun's above one rank). `transport_token` (a Flight reader's key)
     travels in the environment: the run directory's config.toml never holds secrets, and argv shows in
-    /proc/<pid>/cmdline."""
-    argv = ["-m", "learner.worker", "--config", str(run.config_file), "--run-dir", str(run.root)]
+    /proc/<pid>/cmdline. A learner with its own run directory (learner.run_dir) gets `--config -`: its
+    config and secrets arrive on stdin (`config_message`), which a launcher carries to another machine
+    (an environment variable would not cross ssh)."""
+    if learner.run_dir is not None:
+        argv = ["-m", "learner.worker", "--config", "-", "--run-dir", learner.run_dir]
+        transport_token = None  # in the config message instead
+    else:
+        argv = ["-m", "learner.worker", "--config", str(run.config_file), "--run-dir", str(run.root)]
     command = [*torchrun_argv(run, learner), *argv] if learner.world_size > 1 else [sys.executable, *argv]
     threads = str(learner.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
@@ -63,6 +72,17 @@ def learner_child_spec(
     )
 
 
+# The secrets a learner with its own run directory needs: the Flight reader's and its weight server's.
+LEARNER_SECRETS = ("transport.token", "learner.weights_token")
+
+
+def config_message(cfg: Config) -> dict[str, Any]:
+    """The first stdin line of a learner started with `--config -`: the resolved config as the run
+    directory's config.toml holds it (no secrets), and the secrets the learner needs beside it."""
+    secrets = {key: value for key in LEARNER_SECRETS if (value := get_secret(cfg, key)) is not None}
+    return {"cmd": "config", "toml": config_to_toml(cfg), "secrets": secrets}
+
+
 @dataclass(eq=False)  # identity, not field-wise equality
 class LearnerChild:
     """Keeps the learner process running until `stopping` is set. `on_event` receives every decoded event
@@ -73,6 +93,7 @@ class LearnerChild:
     stopping: asyncio.Event
     on_event: Callable[[events.LearnerEvent], Awaitable[None]]
     fail: Callable[[str], None]
+    config: dict[str, Any] | None = None  # sent first to every start (config_message; --config -)
     child: Child | None = field(default=None, init=False)
     ready: events.Ready | None = field(default=None, init=False)  # the latest Ready event
     failed_starts: int = field(default=0, init=False)
@@ -95,6 +116,8 @@ class LearnerChild:
     async def follow(self, child: Child) -> None:
         """Decode the child's events until it closes stdout; a malformed line is logged and skipped."""
         was_ready = False
+        if self.config is not None:
+            await child.send(self.config)  # a child that died at once shows up as stdout's EOF below
         while (obj := await child.read_event()) is not None:
             try:
                 event = events.decode(obj)

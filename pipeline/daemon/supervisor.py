@@ -25,7 +25,10 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
+
+import aiohttp
 
 from envs.api import Environment
 from learner import events
@@ -38,7 +41,7 @@ from pipeline.daemon.engine_fleet import EngineFleet
 from pipeline.daemon.evaluation import Evaluator
 from pipeline.daemon.fleet_membership import FleetMembership, scaled_concurrency
 from pipeline.daemon.http_endpoints import HttpEndpoints
-from pipeline.daemon.learner_child import LearnerChild, learner_child_spec
+from pipeline.daemon.learner_child import LearnerChild, config_message, learner_child_spec
 from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
 from pipeline.daemon.served_check import Probe, ServedPolicyCheck, Verdict, tolerance_for
 from pipeline.daemon.wiring import (
@@ -52,15 +55,17 @@ from pipeline.daemon.wiring import (
 )
 from pipeline.engine.adapters import adapter_name
 from pipeline.observability import learner_metrics, metrics
-from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
+from pipeline.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock, model_digest
 from pipeline.transport.flight import SpoolFlightService
-from pipeline.transport.weights_http import WeightServer
+from pipeline.transport.weights_http import FetchError, WeightServer, fetch_version
 
 log = logging.getLogger("rollwise.supervisor")
 T = TypeVar("T")
 
 STATUS_INTERVAL_S = 5.0
 LOOP_LAG_PERIOD_S = 0.1
+MIRROR_RETRY_FIRST_S = 0.5  # copying a version from a learner with its own run directory: retry delays
+MIRROR_RETRY_MAX_S = 10.0
 
 
 class Supervisor:
@@ -77,7 +82,14 @@ class Supervisor:
             stopping=self.stopping,
             on_event=self.on_learner_event,
             fail=self.fail,
+            config=config_message(cfg) if cfg.learner.run_dir is not None else None,
         )
+        # A learner with its own run directory (learner.run_dir): each version it announces is copied from
+        # its weight server into this run directory (mirror) before the engines load it.
+        self.announced_version = 0  # the newest version the learner announced (its current lineage)
+        self.learner_starts = 0  # ready events so far: a new one ends the lineage a mirror was fetching
+        self.mirror_tasks: set[asyncio.Task[None]] = set()  # publishes that copy from the learner first
+        self.initial_model_digest: str | None = None  # this run directory's, once computed
         self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
@@ -143,7 +155,7 @@ class Supervisor:
             try:
                 # 1. The learner resumes its checkpoint; the engines serve the version it published.
                 ready = await self.until_stopping(self.start_children())
-                if ready is not None:
+                if ready is not None and not self.stopping.is_set():
                     # 2. Actors fill the spool; learner events drive weight syncs (on_learner_event).
                     scheduler = await self.start_scheduler(ready)
                     self.start_evaluator()
@@ -163,7 +175,7 @@ class Supervisor:
             finally:
                 if self.evaluator is not None:
                     await self.evaluator.stop()
-                await cancel_all(background)
+                await cancel_all([*background, *self.mirror_tasks])
                 await self.learner.stop(grace)
                 await self.engines.stop(grace)
                 await close_env(self.setup.env)
@@ -207,14 +219,45 @@ class Supervisor:
         reports the policy version v it holds, while the engines load the version that checkpoint
         published (the initial model without one). If the two differ, the engines load the learner's v
         before any work is admitted."""
-        self.version = checkpointed_version(self.run_dir)
+        # A learner with its own run directory keeps its checkpoints on its disk: its ready event is the
+        # only word on the version, so the engines start on the initial model and then load that one.
+        own_run_dir = self.cfg.learner.run_dir is not None
+        self.version = 0 if own_run_dir else checkpointed_version(self.run_dir)
         ready, _ = await asyncio.gather(self.learner.start(), self.engines.start())
+        if not await self.accept_learner_model(ready):
+            return ready
         # The learner may already have trained and published a newer version while the engines started;
         # publish() ignores anything not newer than what the engines serve.
         if ready.version > self.version:
-            await self.publish(ready.version, ready.path, received_at=time.monotonic())
+            await self.publish(
+                ready.version, ready.path, received_at=time.monotonic(), source=ready.weights_url
+            )
         metrics.POLICY_VERSION.set(ready.version)
         return ready
+
+    async def accept_learner_model(self, ready: events.Ready) -> bool:
+        """A learner with its own run directory built the preset itself, from the same model.preset and
+        run.seed: its weights must be this run directory's, or the engines would sample from another
+        policy than the one trained. A mismatch stops the daemon naming both digests."""
+        theirs = ready.initial_model_digest
+        if theirs is None:
+            return True
+        if self.initial_model_digest is None:
+            self.initial_model_digest = await asyncio.to_thread(model_digest, self.run_dir.initial_model)
+        ours = self.initial_model_digest
+        if theirs == ours:
+            log.info("the learner's initial model matches %s (digest %s)", self.run_dir.initial_model, ours)
+            return True
+        m = self.cfg.model
+        self.fail(
+            f"the learner's initial model differs from the supervisor's: preset {m.preset!r} with seed "
+            f"{self.cfg.run.seed} has digest {theirs} in the learner's run directory "
+            f"({self.cfg.learner.run_dir}) and {ours} in {self.run_dir.initial_model}. Both machines build "
+            "it from the same preset and seed, so their torch, transformers or tokenizers versions or their "
+            "environment plugins (the tokenizer's vocabulary) differ, or the learner's directory holds an "
+            "older model: align them, or set model.path to a model directory present on both machines"
+        )
+        return False
 
     async def start_scheduler(self, ready: events.Ready) -> GroupScheduler:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.run_dir.initial_model)
@@ -258,14 +301,22 @@ class Supervisor:
             self.on_step(event)
         elif isinstance(event, events.Published):
             metrics.PUBLISHED_BYTES.set(event.bytes)
-            probe = Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None
-            await self.publish(event.version, event.path, received_at=time.monotonic(), probe=probe)
+            self.announced_version = max(self.announced_version, event.version)
+            if event.weights_url is None:
+                probe = Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None
+                await self.publish(event.version, event.path, received_at=time.monotonic(), probe=probe)
+            else:
+                self.publish_in_background(event)
         elif isinstance(event, events.Dropped):
             self.on_dropped(event.seq, event.reason)
         elif isinstance(event, events.Ready):
             self.step = event.step
+            self.learner_starts += 1
+            self.announced_version = event.version  # a restarted learner's lineage starts here
             metrics.LEARNER_STEP.set(event.step)
-            if event.version != self.version and self.scheduler is not None:
+            # The first ready event is start_children's; later ones are a learner restarted alone.
+            restarted = self.scheduler is not None
+            if restarted and await self.accept_learner_model(event) and event.version != self.version:
                 await self.follow_restarted_learner(event)
         elif isinstance(event, events.Finished):
             self.request_stop(f"the learner finished: {event.reason}")
@@ -360,7 +411,37 @@ class Supervisor:
             f"the engines served version {self.version}, which no checkpoint holds: they go back to "
             f"{ready.version}"
         )
-        await self.publish(ready.version, ready.path, received_at=time.monotonic(), rollback=True)
+        await self.publish(
+            ready.version, ready.path, received_at=time.monotonic(), rollback=True, source=ready.weights_url
+        )
+
+    def publish_in_background(self, event: events.Published) -> None:
+        """A version to copy from a learner with its own run directory first: a copy may take minutes
+        (a large model over the network) or be retried, and meanwhile the learner's other events (steps,
+        dropped groups, newer versions) must still be heard. The publishes still run one at a time in
+        the order the events came (publish_lock is first come, first served); one that finds a newer
+        version announced, or a learner restarted since, is skipped."""
+        starts = self.learner_starts
+        task = asyncio.create_task(
+            self.publish(
+                event.version,
+                event.path,
+                received_at=time.monotonic(),
+                probe=Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None,
+                source=event.weights_url,
+                learner_starts=starts,
+            ),
+            name=f"publish-v{event.version}",
+        )
+        self.mirror_tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self.mirror_tasks.discard(t)
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                log.error("publishing version %d failed", event.version, exc_info=exc)
+                self.fail(f"publishing version {event.version} failed: {exc!r}")
+
+        task.add_done_callback(done)
 
     async def publish(
         self,
@@ -370,11 +451,15 @@ class Supervisor:
         received_at: float,
         probe: Probe | None = None,
         rollback: bool = False,
+        source: str | None = None,
+        learner_starts: int | None = None,
     ) -> None:
         """Load a newly published version into every engine, prove they serve it (the served-policy
         check, with the learner's `probe`), then let the scheduler admit against it. `rollback` = the
         learner restarted at an older version (follow_restarted_learner): load it even though the
-        engines serve a higher number.
+        engines serve a higher number. `source` = the weight server of a learner with its own run
+        directory: the version is first copied into this run directory (`mirror`), and from there
+        everything goes on as with a shared one.
 
         sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
         that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
@@ -384,6 +469,20 @@ class Supervisor:
                 # Never move the engines backwards otherwise (a late event after a newer publish).
                 log.info("version %d not newer than served version %d: not synced", version, self.version)
                 return
+            if learner_starts is not None and (
+                learner_starts != self.learner_starts or version < self.announced_version
+            ):
+                # Waited behind a copy: a newer version follows in the queue, or this one belongs to a
+                # learner that has restarted since (its lineage is gone).
+                log.info("version %d superseded before it was copied: not synced", version)
+                return
+            mirror_s = None
+            if source is not None:
+                started = time.monotonic()
+                mirrored = await self.mirror(version, source)
+                if mirrored is None:
+                    return
+                path, mirror_s = str(mirrored), time.monotonic() - started
             timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
             self.version = version
             if self.served_check is not None and probe is not None:
@@ -402,6 +501,7 @@ class Supervisor:
                 "pause_s": round(timings.pause_s, 4),
                 "load_s": round(timings.load_s, 4),
                 "continue_s": round(timings.continue_s, 4),
+                **({"mirror_s": round(mirror_s, 4)} if mirror_s is not None else {}),
                 "ok": timings.ok,
                 **({"errors": timings.errors} if timings.errors else {}),
                 **({"served_check": served_summary(verdicts)} if verdicts else {}),
@@ -414,6 +514,48 @@ class Supervisor:
                     f"engine {verdict.engine} does not serve policy version {version}: {verdict.detail}",
                     {"engine": verdict.engine, "version": version, "diff": verdict.diff},
                 )
+
+    async def mirror(self, version: int, source: str) -> Path | None:
+        """Copy `version` from the learner's weight server into this run directory's weights/v<n>
+        (pipeline.transport.weights_http.fetch_version: every file checked against the manifest's size
+        and sha256, staged, renamed; the 3 most recently installed kept). Version 0 is the initial
+        model, which is here already (its digest was compared). A failed fetch is retried with a
+        doubling delay until it succeeds, or the learner announces a newer version or restarts (that
+        version is then never needed), or the daemon stops: None."""
+        if version == 0:
+            return self.run_dir.initial_model
+        token = reveal(self.cfg.learner.weights_token)
+        starts = self.learner_starts
+        delay = MIRROR_RETRY_FIRST_S
+        while True:
+            started = time.monotonic()
+            try:
+                path = await fetch_version(source, version, self.run_dir.weights, token=token)
+            except (
+                FetchError,
+                aiohttp.ClientError,
+                TimeoutError,
+                OSError,
+                KeyError,
+                TypeError,
+                ValueError,
+            ) as exc:
+                metrics.WEIGHT_MIRROR_FAILURES.inc()
+                why = f"{type(exc).__name__}: {exc}"
+                log.error("copying version %d from the learner (%s) failed: %s", version, source, why)
+                superseded = self.announced_version > version or self.learner_starts != starts
+                if superseded or self.stopping.is_set():
+                    self.progress.message(f"version {version} not copied from the learner ({why}); skipped")
+                    return None
+                self.progress.message(
+                    f"copying version {version} from the learner failed ({why}); retrying in {delay:.1f} s"
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), delay)
+                delay = min(MIRROR_RETRY_MAX_S, delay * 2)
+                continue
+            metrics.WEIGHT_MIRROR_DURATION.observe(time.monotonic() - started)
+            return path
 
     # --- stopping, signals, status, readiness -----------------------------------------------------------
     def request_stop(self, why: str) -> None:

@@ -9,8 +9,6 @@ import importlib.util
 import itertools
 import json
 import logging
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,14 +91,9 @@ def ensure_initial_model(setup: RunSetup) -> Path:
     target = setup.run.initial_model
     if setup.cfg.model.path is not None or is_model_dir(target):
         return target
-    from learner.model_init import init_model
+    from learner.model_init import ensure_model
 
-    staged = setup.run.root / ".model.tmp"
-    shutil.rmtree(staged, ignore_errors=True)
-    init_model(staged, preset=setup.cfg.model.preset, seed=setup.cfg.run.seed)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staged, target)
-    return target
+    return ensure_model(target, preset=setup.cfg.model.preset, seed=setup.cfg.run.seed)
 
 
 def load_tokenizer(model_dir: Path) -> Any:

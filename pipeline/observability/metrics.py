@@ -625,3 +625,19 @@ def init_eval_label_values(env: str, modes: tuple[str, ...] | list[str]) -> None
     EVAL_DURATION.labels(env=env)
     for status in ("ok", "failed"):
         EVAL_RUNS.labels(env=env, status=status)
+
+
+# --- a learner with its own run directory (learner.run_dir): versions copied from its weight server -------
+WEIGHT_MIRROR_DURATION = Histogram(
+    "rollwise_weight_mirror_duration_seconds",
+    "Time to copy one published version from the learner's weight server into the run directory "
+    "(learner.run_dir set), every file checked against the manifest.",
+    buckets=_STEP_BUCKETS,
+    registry=REGISTRY,
+)
+WEIGHT_MIRROR_FAILURES = Counter(
+    "rollwise_weight_mirror_failures",
+    "Failed copies of a published version from the learner's weight server (unreachable, a file that "
+    "does not match the manifest); each is retried until a newer version supersedes it.",
+    registry=REGISTRY,
+)

@@ -1,14 +1,17 @@
-"""Published weights over HTTP, for engines that do not share the run directory's disk.
+"""Published weights over HTTP, for engines (and a supervisor) that do not share the disk they are on.
 
-Supervisor side (routes on the admin endpoint, pipeline/daemon/admin.py):
+Supervisor side (routes on the admin endpoint, pipeline/daemon/admin.py; the same routes on the weight
+server of a learner with its own run directory, `WeightServerThread`, from which the supervisor copies
+each version into its run directory with `fetch_version` before the engines load it):
 
     GET /weights/v<n>/manifest        {"version": n, "files": [{"path", "size", "sha256"}, ...]}
     GET /weights/v<n>/files/<path>    the file's bytes (sendfile)
 
 Engine side: a *fetcher* answers `POST /fetch_weights {"source": BASE, "version": n, "token": T|null}`
 by downloading version n from BASE into its own directory (staged as `v<n>.tmp`, every file checked
-against the manifest's size and sha256, then renamed to `v<n>`), keeping the newest `KEEP_VERSIONS`,
-and replies `{"success": true, "model_path": "<dir>/v<n>"}`. The supervisor then calls SGLang's
+against the manifest's size and sha256, then renamed to `v<n>`, the manifest kept beside it as
+`v<n>.manifest.json`), keeping the `KEEP_VERSIONS` most recently installed, and replies
+`{"success": true, "model_path": "<dir>/v<n>"}`. The supervisor then calls SGLang's
 `update_weights_from_disk` on that engine with that local path. The embedded engine serves the route
 itself (`--weights-dir`); beside an SGLang server runs `rollwise engine fetch-agent --dir D --port P`.
 The download happens while the engines keep generating; only the load runs inside the pause.
@@ -24,15 +27,26 @@ import logging
 import os
 import re
 import shutil
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from pipeline.http_guard import (
+    DoorLimits,
+    api_key_middleware,
+    bind_notice,
+    require_key_off_loopback,
+    runner_options,
+)
+
 log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 3
+MANIFEST_CACHE = 8  # manifests a WeightServer keeps (hashing a large model's files takes a while)
 CHUNK = 1 << 20
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
@@ -61,7 +75,10 @@ class WeightServer:
 
     def __init__(self, weights_of: Any) -> None:
         self.weights_of = weights_of
-        self._manifests: dict[int, dict[str, Any]] = {}  # a published version never changes
+        # A version's directory never changes once renamed into place, but a learner that restarted from
+        # an older checkpoint publishes the same version number again as a new directory: the cache is
+        # keyed by the directory's identity too.
+        self._manifests: dict[tuple[int, int, int], dict[str, Any]] = {}
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get(r"/weights/v{version:\d+}/manifest", self.manifest)
@@ -69,13 +86,18 @@ class WeightServer:
 
     async def manifest(self, request: web.Request) -> web.Response:
         version = int(request.match_info["version"])
-        manifest = self._manifests.get(version)
+        directory = Path(self.weights_of(version))
+        identity = await asyncio.to_thread(_published_identity, directory)
+        if identity is None:
+            return web.json_response({"error": f"version {version} is not published"}, status=404)
+        key = (version, *identity)
+        manifest = self._manifests.get(key)
         if manifest is None:
-            directory = Path(self.weights_of(version))
-            if not (directory / "config.json").is_file():
-                return web.json_response({"error": f"version {version} is not published"}, status=404)
             manifest = await asyncio.to_thread(build_manifest, directory, version)
-            self._manifests[version] = manifest
+            # One entry per version, the newest few: a long run publishes thousands.
+            kept = sorted(k for k in self._manifests if k[0] != version)[-(MANIFEST_CACHE - 1) :]
+            self._manifests = {k: self._manifests[k] for k in kept}
+            self._manifests[key] = manifest
         return web.json_response(manifest)
 
     async def file(self, request: web.Request) -> web.StreamResponse:
@@ -87,11 +109,110 @@ class WeightServer:
         return web.FileResponse(target)
 
 
+def _published_identity(directory: Path) -> tuple[int, int] | None:
+    """(inode, mtime) of a complete version directory, None when there is none."""
+    try:
+        if not (directory / "config.json").is_file():
+            return None
+        stat = directory.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 def _inside(root: Path, name: str) -> Path | None:
     """`root/name` when it is a file under `root` (no escape through `..` or links), else None."""
     root = root.resolve()
     target = (root / name).resolve()
     return target if target.is_relative_to(root) and target.is_file() else None
+
+
+class WeightServerThread:
+    """A WeightServer with its own thread and event loop, for a process that is not asyncio: the learner
+    with its own run directory serves its published versions to the supervisor this way. The door is
+    pipeline.http_guard's: a bearer token (required off loopback), small bodies, idle connections cut."""
+
+    LIMITS = DoorLimits(max_body_bytes=64 * 1024)
+
+    def __init__(self, weights_of: Any, host: str, port: int, token: str | None, *, what: str) -> None:
+        self.server = WeightServer(weights_of)
+        self.host, self.port, self.token, self.what = host, port, token, what
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind and serve; returns the bound port. ExposedWithoutKey off loopback without a token;
+        OSError when the port cannot be bound."""
+        require_key_off_loopback(self.what, self.host, self.token, "learner.weights_token")
+        loop = self._loop = asyncio.new_event_loop()
+        bound: list[int] = []
+        failed: list[BaseException] = []
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                bound.append(loop.run_until_complete(self._open()))
+            except BaseException as exc:  # handed to start(), which raises it in the caller's thread
+                failed.append(exc)
+                return
+            finally:
+                ready.set()
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="weight-server", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failed:
+            self._thread.join()
+            loop.run_until_complete(self._close_runner())
+            loop.close()
+            raise failed[0]
+        self.port = bound[0]
+        log.info("%s", bind_notice(self.what, self.host, self.port, self.token, frozenset()))
+        return self.port
+
+    async def _open(self) -> int:
+        app = web.Application(
+            middlewares=[api_key_middleware(self.token, frozenset())] if self.token else [],
+            client_max_size=self.LIMITS.max_body_bytes,
+        )
+        self.server.add_routes(app)
+        self._runner = web.AppRunner(app, access_log=None, **runner_options(self.LIMITS))
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        return int(self._runner.addresses[0][1])
+
+    async def _close_runner(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def stop(self) -> None:
+        """Close the server and its loop. Idempotent."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+
+        async def close() -> None:
+            await self._close_runner()
+            loop.stop()
+
+        asyncio.run_coroutine_threadsafe(close(), loop)
+        thread.join(timeout=10)
+        if not thread.is_alive():
+            loop.close()
+
+
+def advertised_url(host: str, port: int) -> str:
+    """http://host:port as another machine reaches it: a wildcard bind names this machine instead."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.getfqdn()
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 class FetchError(Exception):
@@ -103,10 +224,11 @@ async def fetch_version(
 ) -> Path:
     """Download version `version` from the weight server at `source` into `dest_root/v<version>`.
 
-    Idempotent: an existing complete copy is returned as is. Raises FetchError naming the file."""
+    Idempotent: a complete copy whose manifest (kept beside it as `v<n>.manifest.json`) is the one the
+    source serves now is returned as is; a copy of another manifest (the same version number published
+    again by a learner that restarted from an older checkpoint) is replaced. Raises FetchError naming the
+    file."""
     final = dest_root / f"v{version}"
-    if (final / "config.json").is_file():
-        return final
     staged = dest_root / f"v{version}.tmp"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = f"{source.rstrip('/')}/weights/v{version}"
@@ -116,11 +238,27 @@ async def fetch_version(
             if resp.status != 200:
                 raise FetchError(f"{base}/manifest answered {resp.status}: {(await resp.text())[:200]}")
             manifest = await resp.json()
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+            raise FetchError(f"{base}/manifest is not a manifest: {str(manifest)[:200]}")
+        if await asyncio.to_thread(_have_copy, final, manifest):
+            return final
         await asyncio.to_thread(_reset_dir, staged)
         for entry in manifest["files"]:
             await _download(http, f"{base}/files/{entry['path']}", staged, entry)
-    await asyncio.to_thread(_install, staged, final, dest_root)
+    await asyncio.to_thread(_install, staged, final, dest_root, manifest)
     return final
+
+
+def _manifest_file(final: Path) -> Path:
+    return final.parent / f"{final.name}.manifest.json"
+
+
+def _have_copy(final: Path, manifest: dict[str, Any]) -> bool:
+    try:
+        kept = json.loads(_manifest_file(final).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(kept.get("files") == manifest["files"] and (final / "config.json").is_file())
 
 
 def _reset_dir(path: Path) -> None:
@@ -151,18 +289,42 @@ async def _download(http: aiohttp.ClientSession, url: str, staged: Path, entry: 
         )
 
 
-def _install(staged: Path, final: Path, dest_root: Path) -> None:
+def _install(staged: Path, final: Path, dest_root: Path, manifest: dict[str, Any]) -> None:
     for path in staged.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+    copies = _copies(dest_root)
+    kept = _manifest_file(final)
+    kept.unlink(missing_ok=True)  # no moment where an old manifest vouches for the new directory
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staged, final)
-    versions = sorted(
-        (int(m.group(1)), p) for p in dest_root.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()
-    )
-    for _, old in versions[:-KEEP_VERSIONS]:
+    staged_manifest = kept.with_suffix(".tmp")
+    install_seq = 1 + max((seq for seq, _ in copies), default=0)
+    staged_manifest.write_text(json.dumps({**manifest, "install_seq": install_seq}), encoding="utf-8")
+    os.replace(staged_manifest, kept)
+    # Keep KEEP_VERSIONS copies: this one and the most recently installed others. By install order, not
+    # version number: a learner that restarted from an older checkpoint has the engines go back to that
+    # version, which must survive beside the higher numbers of the lineage it lost.
+    others = [path for _, path in copies if path != final]
+    for old in others[: max(0, len(others) - (KEEP_VERSIONS - 1))]:
         shutil.rmtree(old, ignore_errors=True)
+        _manifest_file(old).unlink(missing_ok=True)
+
+
+def _copies(dest_root: Path) -> list[tuple[int, Path]]:
+    """(install sequence, directory) of every v<n> copy, oldest install first (0: no manifest kept)."""
+    found = []
+    for path in dest_root.iterdir():
+        match = _VERSION_DIR.match(path.name)
+        if not (match and path.is_dir()):
+            continue
+        try:
+            seq = int(json.loads(_manifest_file(path).read_text(encoding="utf-8"))["install_seq"])
+        except (OSError, ValueError, KeyError, TypeError):
+            seq = 0
+        found.append((seq, int(match.group(1)), path))
+    return [(seq, path) for seq, _, path in sorted(found)]
 
 
 def add_fetch_route(app: web.Application, dest_root: Path) -> None:

@@ -216,7 +216,7 @@ def run_seed(
         argv += ["--config", config]
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]
-    for item in ["engine.port=0", "metrics.port=0", f"run.seed={seed}", *overrides]:
+    for item in ["engine.port=0", "metrics.port=0", "admin.port=0", f"run.seed={seed}", *overrides]:
         argv += ["--set", item]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with (out / f"seed{seed}.jsonl").open("wb") as stdout, (out / f"seed{seed}.stderr").open("wb") as stderr:

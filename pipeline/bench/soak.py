@@ -161,7 +161,7 @@ class Soak:
         argv += ["--log-format", "json"]
         if self.opts.config is not None:
             argv += ["--config", self.opts.config]
-        overrides = ["metrics.port=0", "engine.port=0", *self.opts.overrides]
+        overrides = ["metrics.port=0", "engine.port=0", "admin.port=0", *self.opts.overrides]
         if self.opts.chaos:
             overrides += [f'env.name="{CHAOS_ENV}"', f"env.options.fault_rate={self.opts.fault_rate}"]
         for item in overrides:

@@ -14,15 +14,13 @@ state of the adapter parameters only, and `model/` (the initial model) is what i
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from learner.model import VERSION_FILE, quiet_transformers, replace_dir_atomically, save_tokenizer
+from learner.model import quiet_transformers, save_tokenizer, write_dir_atomically
 from pipeline.config import LoraConfig
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter the learner trains
@@ -61,7 +59,7 @@ class LoraPolicy:
     # ------------------------------------------------------------------ publishing
     def publish_adapter(self, out_dir: str | Path, version: int) -> Path:
         """Policy `version` as a PEFT adapter directory an engine loads with /load_lora_adapter."""
-        return self._write_atomically(Path(out_dir), version, self._save_adapter)
+        return write_dir_atomically(Path(out_dir), self._save_adapter, version=version)
 
     def publish_merged(self, out_dir: str | Path, tokenizer: Any, version: int) -> Path:
         """Policy `version` as full HF weights (base + adapter delta) for update_weights_from_disk."""
@@ -71,7 +69,7 @@ class LoraPolicy:
             if tokenizer is not None:
                 save_tokenizer(tokenizer, staged)
 
-        return self._write_atomically(Path(out_dir), version, write)
+        return write_dir_atomically(Path(out_dir), write, version=version)
 
     @torch.no_grad()
     def merged_state_dict(self) -> dict[str, Tensor]:
@@ -131,21 +129,6 @@ class LoraPolicy:
         quiet_transformers()
         self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
         (directory / _MODEL_CARD).unlink(missing_ok=True)
-
-    @staticmethod
-    def _write_atomically(target: Path, version: int, write: Any) -> Path:
-        if version < 0:
-            raise ValueError(f"policy version must be >= 0, got {version}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            write(staged)
-            (staged / VERSION_FILE).write_text(json.dumps({"policy_version": version}) + "\n")
-            replace_dir_atomically(staged, target)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-        return target
 
 
 def apply_lora(model: Any, cfg: LoraConfig, *, seed: int = 0) -> LoraPolicy:

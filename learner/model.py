@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -129,13 +130,24 @@ def save_hf(
     own tensors (a sharded model's, gathered: learner.sharded_checkpoint).
     """
     quiet_transformers()
-    target = Path(out_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+
+    def write(staged: Path) -> None:
         model.save_pretrained(staged, state_dict=state_dict)
         if tokenizer is not None:
             save_tokenizer(tokenizer, staged)
+
+    return write_dir_atomically(Path(out_dir), write, version=version)
+
+
+def write_dir_atomically(target: Path, write: Callable[[Path], None], *, version: int | None = None) -> Path:
+    """`write(staged)` into a fresh directory beside `target`, add `rollwise_version.json` with `version`,
+    then `replace_dir_atomically`: readers of `target` never see a partial directory."""
+    if version is not None and version < 0:
+        raise ValueError(f"policy version must be >= 0, got {version}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(staged)
         if version is not None:
             (staged / VERSION_FILE).write_text(json.dumps({"policy_version": version}) + "\n")
         replace_dir_atomically(staged, target)

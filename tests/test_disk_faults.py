@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -161,14 +161,18 @@ def test_a_full_run_directory_pauses_the_daemon_and_it_resumes_by_itself(
     def messages() -> list[str]:
         return [str(e.get("text")) for e in run.snapshot("message")]
 
+    def wait_message(what: Callable[[str], bool], why: str) -> None:
+        # The gauge is set a moment before the message line reaches the reader thread of the test.
+        run.wait_for(lambda r: any(what(t) for t in messages()), 15, why)
+
     # 1. Full: the next finished group cannot be written; it waits, and admission pauses.
     _fill(ballast)
     run.wait_for(lambda r: blocked("spool") == 1.0, 60, "the spool to report a refused write")
     assert run.metric("rollwise_storage_errors_total", {"component": "spool", "kind": "ENOSPC"}) >= 1
-    assert any("spool write refused (ENOSPC" in t for t in messages())
+    wait_message(lambda t: "spool write refused (ENOSPC" in t, "the spool's refusal message")
     ballast.unlink()
     run.wait_for(lambda r: blocked("spool") == 0.0, 60, "the spool to take writes again")
-    assert any("spool writable again" in t for t in messages())
+    wait_message(lambda t: "spool writable again" in t, "the spool's recovery message")
     steps = len(run.steps())
     run.wait_steps(steps + 2)
 
@@ -180,14 +184,18 @@ def test_a_full_run_directory_pauses_the_daemon_and_it_resumes_by_itself(
         90,
         "the learner to report a refused write",
     )
-    assert any(t.startswith("learner ") and "refused (ENOSPC" in t for t in messages())
+    wait_message(
+        lambda t: t.startswith("learner ") and "refused (ENOSPC" in t, "the learner's refusal message"
+    )
     steps_while_full = len(run.steps())
     time.sleep(3.0)
     assert len(run.steps()) == steps_while_full  # a step whose writes were refused does not finish
     ballast.unlink()
     run.wait_for(lambda r: blocked("weights") + blocked("checkpoint") == 0.0, 60, "the learner to recover")
     run.wait_steps(steps_while_full + 2, timeout_s=90)
-    assert any("writable again" in t and t.startswith("learner ") for t in messages())
+    wait_message(
+        lambda t: t.startswith("learner ") and "writable again" in t, "the learner's recovery message"
+    )
     run.signal(signal.SIGTERM)
     assert run.wait(timeout_s=60) == 0, run.tail()
 

@@ -601,20 +601,17 @@ def test_as_an_unprivileged_user_both_modes_contain_the_abuse(contained: list[st
     uid = 1_699_999_000 + random.randint(0, 999)
     marker = f"{random.randint(10**8, 10**9)}.25"
     contained.append(marker)
-    with subprocess.Popen(
-        ["/usr/bin/python3", "-c", _AS_USER_SCRIPT % marker],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": "/nonexistent"},
-        user=uid,
-        group=uid,
-        extra_groups=[],
-    ) as user_process:
-        contained.append(f"owner={user_process.pid} ")  # its sandboxes must be gone too
-        stdout, stderr = user_process.communicate(timeout=240)
-    assert user_process.returncode == 0, stderr
+    # The second user may not be able to enter the checkout (a CI clone in a 0700 temporary directory):
+    # it imports a world-readable copy of the package instead.
+    readable = Path(tempfile.mkdtemp(prefix="rollwise-as-user-"))
+    shutil.copytree(REPO / "envs", readable / "envs", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [readable, *readable.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    try:
+        stdout, stderr, returncode = _run_as_user(uid, marker, readable, contained)
+    finally:
+        shutil.rmtree(readable, ignore_errors=True)
+    assert returncode == 0, stderr
     results = json.loads(stdout)
     for kind in ("rlimits", "bwrap"):
         assert 1 <= int(results[f"{kind}:fork_count"][2]) < 12
@@ -627,3 +624,20 @@ def test_as_an_unprivileged_user_both_modes_contain_the_abuse(contained: list[st
     parent = Path(tempfile.gettempdir()) / f"rollwise-sandbox-{uid}"
     assert not parent.exists() or os.listdir(parent) == []  # every run directory was removed
     shutil.rmtree(parent, ignore_errors=True)  # the (empty) parent of a uid used by this test alone
+
+
+def _run_as_user(uid: int, marker: str, pythonpath: Path, contained: list[str]) -> tuple[str, str, int]:
+    with subprocess.Popen(
+        ["/usr/bin/python3", "-c", _AS_USER_SCRIPT % marker],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(pythonpath), "HOME": "/nonexistent"},
+        user=uid,
+        group=uid,
+        extra_groups=[],
+    ) as user_process:
+        contained.append(f"owner={user_process.pid} ")  # its sandboxes must be gone too
+        stdout, stderr = user_process.communicate(timeout=240)
+    return stdout, stderr, user_process.returncode

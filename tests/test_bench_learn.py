@@ -87,6 +87,28 @@ def test_arguments_a_run_must_end_and_a_config_must_evaluate(capsys: pytest.Capt
     assert "the config evaluates nothing: set eval.every_versions > 0" in capsys.readouterr().err
 
 
+def test_from_reports_seeds_run_separately_as_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for out, seed in (("a", 0), ("b", 1)):
+        log = tmp_path / out / f"seed{seed}" / "logs" / "eval.jsonl"
+        log.parent.mkdir(parents=True)
+        log.write_text("".join(json.dumps(row) + "\n" for row in RUNS[seed]) + '{"event": "eval", "vers')
+    argv = ["--from", str(tmp_path / "a"), "--from", str(tmp_path / "b"), "--bucket-versions", "50"]
+    assert main([*argv, "--minutes", "3", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    expected = summarise(RUNS, mode="greedy", threshold=0.9, minutes=3, bucket_versions=50)
+    assert {k: v for k, v in summary.items() if k != "command"} == expected  # the cut last line is skipped
+
+    assert main([*argv, "--from", str(tmp_path / "a")]) == 2
+    assert "seed 0 appears twice" in capsys.readouterr().err
+    assert main(["--from", str(tmp_path)]) == 2
+    assert f"{tmp_path}: no seed<s>/logs/eval.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--from", str(tmp_path / "a"), "--seeds", "2"])
+    assert "--from reports finished runs" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_smoke_two_seeds_of_a_tiny_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,10 @@ its held-out evaluation (`logs/eval.jsonl`, pipeline.daemon.evaluation) becomes 
 
     rollwise bench learn --config F --seeds N (--minutes M | --max-steps S) [--threshold 0.9]
                          [--bucket-versions 100] [--mode greedy] [--out DIR] [--set K=V ...] [--json]
+    rollwise bench learn --from OUT [--from OUT ...] [--minutes M] [--threshold 0.9] ...
+
+`--from` runs nothing: it reports the seeds already run into each OUT (OUT/seed<s>/logs/eval.jsonl),
+so seeds run one at a time, on other machines or by separate commands make one table.
 
 Each seed s is `rollwise run --config F --set run.seed=s` in its own run directory (OUT/seed<s>), stopped
 with SIGTERM after M minutes of its own clock or by `run.max_steps`. The eval task set is the config's
@@ -242,7 +246,7 @@ def run_seed(
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollwise bench learn", description=__doc__.splitlines()[0])
     p.add_argument("--config", help="TOML config (default: built-in defaults); its [eval] is the yardstick")
-    p.add_argument("--seeds", type=int, required=True, help="runs, with run.seed = first-seed .. + N - 1")
+    p.add_argument("--seeds", type=int, help="runs, with run.seed = first-seed .. + N - 1")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--minutes", type=float, help="stop each run after this many minutes")
     p.add_argument("--max-steps", type=int, help="stop each run after this many learner steps")
@@ -252,10 +256,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="directory for the runs (default: runs/bench-learn-<time>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--from",
+        dest="from_dirs",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="OUT",
+        help="report the seeds already run into OUT (repeatable) instead of running any",
+    )
     args = p.parse_args(list(argv))
-    if args.seeds < 1:
+    if args.from_dirs:
+        if args.seeds is not None or args.max_steps is not None or args.config is not None or args.set:
+            p.error("--from reports finished runs: --seeds, --max-steps, --config and --set do not apply")
+    elif args.seeds is None or args.seeds < 1:
         p.error("--seeds must be >= 1")
-    if args.minutes is None and args.max_steps is None:
+    elif args.minutes is None and args.max_steps is None:
         p.error("give --minutes and/or --max-steps: a run must end")
     if (args.minutes is not None and args.minutes <= 0) or (
         args.max_steps is not None and args.max_steps < 1
@@ -266,10 +282,51 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def collect_runs(dirs: Sequence[Path]) -> dict[int, list[dict[str, Any]]]:
+    """seed -> eval rows of every OUT/seed<s>/logs/eval.jsonl under `dirs`; a directory without one, or a
+    seed found twice, is an error (two runs of one seed would be counted as two samples)."""
+    from pipeline.daemon.evaluation import read_eval_log
+
+    runs: dict[int, list[dict[str, Any]]] = {}
+    for out in dirs:
+        found = 0
+        for log in sorted(out.glob("seed*/logs/eval.jsonl")):
+            name = log.parents[1].name.removeprefix("seed")
+            if not name.isdigit():
+                continue
+            if int(name) in runs:
+                raise ValueError(f"seed {name} appears twice (again in {log})")
+            runs[int(name)] = read_eval_log(log)
+            found += 1
+        if not found:
+            raise ValueError(f"{out}: no seed<s>/logs/eval.jsonl (not an OUT of rollwise bench learn)")
+    return runs
+
+
+def _summary(
+    runs: dict[int, list[dict[str, Any]]], args: argparse.Namespace, argv: Sequence[str]
+) -> dict[str, Any]:
+    minutes = math.ceil(args.minutes) if args.minutes is not None else None
+    summary = summarise(
+        runs, mode=args.mode, threshold=args.threshold, minutes=minutes, bucket_versions=args.bucket_versions
+    )
+    summary["command"] = ["rollwise", "bench", "learn", *argv]
+    return summary
+
+
 def main(argv: Sequence[str]) -> int:
     from pipeline.config import ConfigError, load_config
 
     args = parse_args(argv)
+    if args.from_dirs:
+        try:
+            finished = collect_runs(args.from_dirs)
+        except ValueError as exc:
+            print(f"rollwise bench learn: {exc}", file=sys.stderr)
+            return 2
+        summary = _summary(finished, args, argv)
+        print(json.dumps(summary) if args.json else format_report(summary))
+        return 0
     try:  # the whole config is checked once before the first run starts
         cfg = load_config(args.config, [*args.set, "run.seed=0"])
     except ConfigError as exc:
@@ -292,11 +349,7 @@ def main(argv: Sequence[str]) -> int:
         except RuntimeError as exc:
             print(f"rollwise bench learn: {exc}", file=sys.stderr)
             return 1
-    minutes = math.ceil(args.minutes) if args.minutes is not None else None
-    summary = summarise(
-        runs, mode=args.mode, threshold=args.threshold, minutes=minutes, bucket_versions=args.bucket_versions
-    )
-    summary["command"] = ["rollwise", "bench", "learn", *argv]
+    summary = _summary(runs, args, argv)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary) if args.json else format_report(summary))
     return 0

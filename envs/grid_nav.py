@@ -41,7 +41,8 @@ class GridNavEnv(Environment):
         if size < 2:
             raise ValueError(f"size must be >= 2, got {size}")
         self.size = size
-        self.spec = EnvSpec(name="grid-nav", version="1", max_turns=max_turns)
+        # The four moves are every answer it accepts, so the learner's action prior can keep them in reach.
+        self.spec = EnvSpec(name="grid-nav", version="1", max_turns=max_turns, action_hints=tuple(MOVES))
         self._position: tuple[int, int] | None = None
         self._goal = (0, 0)
         self._grid_size = size  # the task's size (reset), which may differ from the options' size

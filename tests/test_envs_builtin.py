@@ -229,6 +229,7 @@ async def test_calculator_first_success_only_is_rewarded_and_wrong_answer_ends()
 
 async def test_grid_nav_shaping_rewards_and_goal() -> None:
     env = GridNavEnv()
+    assert env.spec.action_hints == ("up", "down", "left", "right")
     assert await env.reset(Task("t", 0, {"size": 4, "start": [0, 0], "goal": [1, 1]})) == [
         {"role": "user", "content": "pos 0 0 goal 1 1"}
     ]

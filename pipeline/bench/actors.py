@@ -218,23 +218,12 @@ class RunnerResult(SideResult):
 async def runner_side(
     url: str, tokenizer: Any, episodes: int, turns: int, group_size: int, connections: int
 ) -> RunnerResult:
-    from pipeline.actors.rollout import GroupOutcome, RolloutSettings, run_group
-    from pipeline.engine.client import EngineClient
-    from pipeline.engine.pool import EnginePool
-    from pipeline.engine.protocol import SamplingParams
+    from pipeline.actors.rollout import GroupOutcome, run_group
 
-    settings = RolloutSettings(
-        sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(int(tokenizer.eos_token_id),)),
-        max_context_tokens=100_000,
-    )
-    # A generous connect timeout: 1,000 episodes starting at once can starve the loop for seconds.
-    client = EngineClient(url, max_connections=connections, retries=0, connect_timeout_s=60.0)
-    pool = EnginePool([client])
+    settings = _echo_settings(tokenizer)
+    pool = _bench_pool(url, connections)
     task = Task(id="echo-0", seed=0, data={})
-    # Groups of G; the last one takes the remainder.
-    sizes = [group_size] * (episodes // group_size) + (
-        [episodes % group_size] if episodes % group_size else []
-    )
+    sizes = _group_sizes(episodes, group_size)
 
     async def group(index: int) -> GroupOutcome:
         outcome = await run_group(
@@ -262,22 +251,10 @@ async def runner_side(
     if bad:
         first = f"{bad[0].finish_reason}: {bad[0].error}"
         raise RuntimeError(f"{len(bad)} bench episodes did not finish with 'stop'; first: {first}")
-    overheads = sorted(
-        wall - engine for ep in eps for wall, engine in zip(ep.turn_seconds, ep.engine_seconds, strict=True)
-    )
-    engine_times = sorted(s for ep in eps for s in ep.engine_seconds)
     # Sizes of the requests one episode sent: its prompt, then the buffer before each later turn.
     row = eps[0].rows[0]
     sizes = [i for i in range(1, len(row.loss_mask)) if _turn_starts(row.loss_mask, i)]
-    return RunnerResult(
-        turns=sum(ep.num_turns for ep in eps),
-        seconds=seconds,
-        cpu_seconds=cpu_seconds,
-        overhead_p50_us=1e6 * _quantile(overheads, 0.5),
-        overhead_p99_us=1e6 * _quantile(overheads, 0.99),
-        engine_p50_us=1e6 * _quantile(engine_times, 0.5),
-        payload_sizes=sizes[:turns],
-    )
+    return _runner_result(eps, seconds, cpu_seconds, payload_sizes=sizes[:turns])
 
 
 async def agent_side(
@@ -287,16 +264,10 @@ async def agent_side(
     "sdk" (openai.AsyncOpenAI) or "http" (aiohttp posts to the episode's base URL)."""
     from envs.agent import POLICY_MODEL, AgentEnvironment
     from pipeline.actors.openai_endpoint import OpenAIEndpoint
-    from pipeline.actors.rollout import GroupOutcome, RolloutSettings, run_group
-    from pipeline.engine.client import EngineClient
-    from pipeline.engine.pool import EnginePool
-    from pipeline.engine.protocol import SamplingParams
+    from pipeline.actors.rollout import GroupOutcome, run_group
 
-    settings = RolloutSettings(
-        sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(int(tokenizer.eos_token_id),)),
-        max_context_tokens=100_000,
-    )
-    pool = EnginePool([EngineClient(url, max_connections=connections, retries=0, connect_timeout_s=60.0)])
+    settings = _echo_settings(tokenizer)
+    pool = _bench_pool(url, connections)
     endpoint = OpenAIEndpoint(engine=pool, tokenizer=tokenizer, settings=settings)
     await endpoint.start()
     http = aiohttp.ClientSession(
@@ -326,9 +297,7 @@ async def agent_side(
             yield Task(id="echo-0", seed=0, data={})
 
     task = Task(id="echo-0", seed=0, data={})
-    sizes = [group_size] * (episodes // group_size) + (
-        [episodes % group_size] if episodes % group_size else []
-    )
+    sizes = _group_sizes(episodes, group_size)
 
     async def group(index: int) -> GroupOutcome:
         outcome = await run_group(
@@ -358,6 +327,37 @@ async def agent_side(
     if bad:
         first = f"{bad[0].finish_reason} ({bad[0].num_segments} segments): {bad[0].error}"
         raise RuntimeError(f"{len(bad)} agent bench episodes were not one clean trajectory; first: {first}")
+    return _runner_result(eps, seconds, cpu_seconds, payload_sizes=[])
+
+
+def _echo_settings(tokenizer: Any) -> Any:
+    from pipeline.actors.rollout import RolloutSettings
+    from pipeline.engine.protocol import SamplingParams
+
+    return RolloutSettings(
+        sampling=SamplingParams(max_new_tokens=16, stop_token_ids=(int(tokenizer.eos_token_id),)),
+        max_context_tokens=100_000,
+    )
+
+
+def _bench_pool(url: str, connections: int) -> Any:
+    from pipeline.engine.client import EngineClient
+    from pipeline.engine.pool import EnginePool
+
+    # A generous connect timeout: 1,000 episodes starting at once can starve the loop for seconds.
+    return EnginePool([EngineClient(url, max_connections=connections, retries=0, connect_timeout_s=60.0)])
+
+
+def _group_sizes(episodes: int, group_size: int) -> list[int]:
+    """Groups of `group_size`; the last one takes the remainder."""
+    return [group_size] * (episodes // group_size) + (
+        [episodes % group_size] if episodes % group_size else []
+    )
+
+
+def _runner_result(
+    eps: Sequence[Any], seconds: float, cpu_seconds: float, *, payload_sizes: list[int]
+) -> RunnerResult:
     overheads = sorted(
         wall - engine for ep in eps for wall, engine in zip(ep.turn_seconds, ep.engine_seconds, strict=True)
     )
@@ -369,7 +369,7 @@ async def agent_side(
         overhead_p50_us=1e6 * _quantile(overheads, 0.5),
         overhead_p99_us=1e6 * _quantile(overheads, 0.99),
         engine_p50_us=1e6 * _quantile(engine_times, 0.5),
-        payload_sizes=[],
+        payload_sizes=payload_sizes,
     )
 
 

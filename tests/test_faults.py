@@ -151,8 +151,13 @@ def test_killed_engine_costs_its_episodes_and_is_restarted(
     )
     run.wait_steps(steps_at_kill + 2, timeout_s=90)
     assert run.metric("rollwise_episodes_total", {"reason": "engine_error"}) >= 1
-    new_engines = [p for p in _child_pids(run.proc.pid) if "pipeline.engine.embedded.server" in _cmdline(p)]
-    assert len(new_engines) == 1 and new_engines != engines
+
+    def new_engines() -> list[int]:
+        return [p for p in _child_pids(run.proc.pid) if "pipeline.engine.embedded.server" in _cmdline(p)]
+
+    # /proc can miss a child for a moment (its cmdline is read while the process list is walked).
+    run.wait_for(lambda r: len(new_engines()) == 1, 30, "one engine process")
+    assert new_engines() != engines
     run.signal(signal.SIGTERM)
     assert run.wait(timeout_s=60) == 0, run.tail()
 

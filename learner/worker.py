@@ -132,6 +132,36 @@ class StopFlag:
         return self.event.wait(timeout_s)
 
 
+def deliver_signals(signums: Sequence[signal.Signals], on_signal: Callable[[str], None]) -> None:
+    """Call `on_signal(name)` from a thread for each of `signums` (call from the main thread).
+
+    Python runs a signal handler in the main thread between two bytecodes, possibly while that thread
+    holds a lock the handler needs: `threading.Event.set` on the StopFlag that `Event.wait` holds a
+    moment before and after each poll, or logging's. Taking it there deadlocks the learner for good.
+    So the handler does nothing; the interpreter's C handler writes the signal number to the wakeup
+    fd, and a daemon thread reads it and calls `on_signal` with no lock held.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # set_wakeup_fd requires it: the C handler must never block
+    for signum in signums:
+        signal.signal(signum, _note_signal)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    wanted = {int(s) for s in signums}
+
+    def relay() -> None:
+        while True:
+            for number in os.read(read_fd, 64):
+                if number in wanted:
+                    on_signal(signal.Signals(number).name)
+
+    threading.Thread(target=relay, name="signals", daemon=True).start()
+
+
+def _note_signal(signum: int, frame: FrameType | None) -> None:
+    """Installed so the signal is caught (and written to the wakeup fd) rather than fatal; the work is
+    in deliver_signals' thread."""
+
+
 def watch_stdin(stream: TextIO, stop: StopFlag, out: EventStream) -> None:
     """Thread body: commands on stdin; EOF means the parent is gone."""
     for line in stream:
@@ -725,15 +755,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = EventStream(sys.stdout)
     stop = StopFlag()
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def on_signal(name: str) -> None:
         if rank == 0:
-            stop.set(signal.Signals(signum).name)
+            stop.set(name)
         else:  # rank 0 decides when to stop (and checkpoints with everyone first)
-            log.info("rank %d: %s noted; waiting for rank 0", rank, signal.Signals(signum).name)
+            log.info("rank %d: %s noted; waiting for rank 0", rank, name)
 
     # SIGINT too: Ctrl-C reaches the whole process group, and the learner should checkpoint, not die.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    deliver_signals((signal.SIGTERM, signal.SIGINT), on_signal)
     own: OwnRunDir | None = None
     try:
         cfg = receive_config(sys.stdin) if args.config == "-" else load_config(args.config)

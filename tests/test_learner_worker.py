@@ -55,6 +55,30 @@ def test_env_action_token_ids_come_from_the_env_spec_only_when_the_prior_is_on(t
         env_action_token_ids(no_hints, tokenizer)
 
 
+# A SIGTERM at the moment the main thread holds the StopFlag's lock (Event.wait holds it briefly around
+# each 50 ms poll): a handler that set the flag itself would wait on its own thread forever.
+SIGNAL_INSIDE_THE_LOCK = """
+import os, signal, sys
+from learner.worker import StopFlag, deliver_signals
+stop = StopFlag()
+deliver_signals((signal.SIGTERM, signal.SIGINT), stop.set)
+with stop.event._cond:  # private: the lock Event.wait holds
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100_000):  # bytecodes: the Python-level handler runs among them
+        pass
+    assert not stop.is_set()  # the relay thread waits for the lock, as it should
+print(stop.wait(10), stop.reason)
+"""
+
+
+def test_a_signal_while_the_stop_flag_is_locked_still_stops_the_learner() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_INSIDE_THE_LOCK], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "SIGTERM"]
+
+
 def test_second_learner_waits_for_the_lock(tmp_path: Path) -> None:
     run = RunDir.at(tmp_path)
     first = acquire_learner_lock(run)

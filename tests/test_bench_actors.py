@@ -60,11 +60,13 @@ def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(
     assert actors.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     # The same 6 x 2 conversation on each side; an agent side that split a trajectory would have raised.
-    assert [report[side]["turns"] for side in ("native", "sdk", "http")] == [12, 12, 12]
-    for side in ("sdk", "http"):
+    assert [report[side]["turns"] for side in ("native", "sdk", "http", "none")] == [12, 12, 12, 12]
+    for side in ("sdk", "http", "none"):
         assert report[f"ratio_{side}"] == pytest.approx(
             report[side]["turns_per_s"] / report["native"]["turns_per_s"]
         )
-    assert report["meets_goal"] == (report["ratio_http"] >= 0.5)
+    assert report["meets_goal"] == (report["ratio_sdk"] >= 0.5)
     text = actors.format_agent_report(report)
-    assert "agent, openai SDK client" in text and "agent/native turns/s" in text
+    assert (
+        "agent, openai SDK client" in text and "agent, no client" in text and "agent/native turns/s" in text
+    )

@@ -532,6 +532,48 @@ async def test_a_key_from_another_episode_or_an_ended_one_is_refused(
             assert response.status == 401
 
 
+async def test_the_agents_client_skips_the_socket_and_answers_as_the_socket_does(
+    endpoint: OpenAIEndpoint, fake: FakeSGLang, tok: Any
+) -> None:
+    """The episode's own client is answered in-process; any other client on its base URL goes through the
+    HTTP server. Both must see the same completions, errors and model list."""
+    import httpx2
+
+    plans = {f"ep-t{k}": say(tok, "8", -0.25) for k in range(4)}
+    script(fake, plans)
+    assert endpoint._runner is not None
+    served = endpoint._runner.server
+    assert served is not None
+    seen: dict[str, list[Any]] = {"in-process": [], "socket": []}
+    sockets_used: dict[str, int] = {}
+
+    async def agent(client: openai.AsyncOpenAI, task: Task) -> float:
+        async with httpx2.AsyncClient() as plain:
+            socket_client = openai.AsyncOpenAI(
+                base_url=client.base_url, api_key=client.api_key, max_retries=0, http_client=plain
+            )
+            messages: list[Any] = [{"role": "user", "content": "hi"}]  # each turn a new segment: fine here
+            for name, api in (("in-process", client), ("socket", socket_client)):
+                before = served.requests_count
+                reply = await api.chat.completions.create(
+                    model=POLICY_MODEL, messages=messages, logprobs=True
+                )
+                chunks = await api.chat.completions.create(model=POLICY_MODEL, messages=messages, stream=True)
+                text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await api.chat.completions.create(model=POLICY_MODEL, messages=messages, n=2)
+                models = [m.id async for m in api.models.list()]
+                sockets_used[name] = served.requests_count - before
+                seen[name] = [reply.model_dump(exclude={"id", "created"}), text, refused.value.body, models]
+        return 1.0
+
+    result = await play(endpoint, AgentEnvironment(agent, one_task))
+    assert result.finish_reason == "stop" and result.num_turns == 4
+    assert sockets_used == {"in-process": 0, "socket": 4}
+    assert seen["in-process"] == seen["socket"]
+    assert seen["socket"][1] == "8" and seen["socket"][3] == [POLICY_MODEL]
+
+
 async def test_agent_environment_without_a_runner_fails_as_env_error(fake: FakeSGLang, tok: Any) -> None:
     async def agent(client: openai.AsyncOpenAI, task: Task) -> float:
         return 1.0

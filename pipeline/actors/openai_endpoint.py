@@ -5,7 +5,8 @@ An aiohttp server on 127.0.0.1 (a free port) serving `/v1/models` and `/v1/chat/
 
 - an agent episode (`run_agent_episode`, the `AgentRunner` of pipeline.actors.rollout): each episode gets
   its own key and base URL, `http://127.0.0.1:<port>/e/<key>/v1`, and an `openai.AsyncOpenAI` made for
-  it; concurrent episodes never share a key, so their requests never mix. Requests are recorded token by
+  it, whose requests to that address are answered in-process (`_shared_http_client`); concurrent episodes
+  never share a key, so their requests never mix. Requests are recorded token by
   token (pipeline/actors/agent_session.py) and the episode becomes trajectory rows like a native one.
   Sampling is the run's: `temperature`, `top_p` (and `top_k`, `min_p`) always come from the `[sampling]`
   config, since the learner reproduces the engine's log-probs at that temperature and the trainer owns
@@ -379,8 +380,8 @@ class OpenAIEndpoint:
             return Reply.json(
                 chat_completion(completion, completion_id=completion_id, model=served), headers=headers
             )
-        # The whole completion exists before its first chunk (the episode is recorded turn by turn), so
-        # the event stream is one body; clients parse it chunk by chunk all the same.
+        # The engine call is token-in/token-out, not streamed: the whole completion exists before its
+        # first chunk, so the event stream is one body; clients parse it chunk by chunk all the same.
         chunks = chat_completion_chunks(
             completion, completion_id=completion_id, model=served, include_usage=chat.include_usage
         )

@@ -5,6 +5,7 @@
     policy.publish_adapter(dir, v)                 PEFT dir: adapter_config.json + adapter_model.safetensors
     policy.publish_merged(dir, tokenizer, v)       HF directory of W + (alpha / r) B A; the model is unchanged
     policy.save(dir) / policy.load(dir)            the adapter tensors of a checkpoint, bit for bit
+    policy.adapter_off()                           the KL reference: the same model, adapter disabled
 
 Everything LoRA-specific is peft's: layer injection, the PEFT file format, the delta weights of the merge.
 The base weights never change and are never written again: a checkpoint holds the adapter and AdamW's
@@ -14,6 +15,8 @@ state of the adapter parameters only, and `model/` (the initial model) is what i
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -55,6 +58,11 @@ class LoraPolicy:
 
     def adapter_parameters(self) -> dict[str, Tensor]:
         return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def adapter_off(self) -> AdapterOff:
+        """The initial policy (B starts at zero, so it is the base) as the KL reference, without a
+        second copy of the base weights."""
+        return AdapterOff(self)
 
     # ------------------------------------------------------------------ publishing
     def publish_adapter(self, out_dir: str | Path, version: int) -> Path:
@@ -129,6 +137,27 @@ class LoraPolicy:
         quiet_transformers()
         self.peft_model.save_pretrained(str(directory), selected_adapters=[ADAPTER_NAME])
         (directory / _MODEL_CARD).unlink(missing_ok=True)
+
+
+class AdapterOff:
+    """The frozen KL reference of a LoRA policy: the policy's own model run with its adapter disabled
+    (peft's `disable_adapter`) and in eval mode. The Trainer enters `active()` around the reference's
+    no-grad forward; the model is back as it was (adapter on, train mode) before any backward, which
+    gradient checkpointing's recomputation needs."""
+
+    def __init__(self, policy: LoraPolicy) -> None:
+        self.policy = policy
+
+    @contextmanager
+    def active(self) -> Iterator[Any]:
+        model = self.policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self.policy.peft_model.disable_adapter():
+                yield model
+        finally:
+            model.train(was_training)
 
 
 def apply_lora(model: Any, cfg: LoraConfig, *, seed: int = 0) -> LoraPolicy:

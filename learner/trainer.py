@@ -17,6 +17,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from learner.batching import PackedBatch, TrainSequence, idle_batch, pack_sequen
 from learner.distributed import Ranks, share
 from learner.groups import TrainGroup
 from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
+from learner.lora import AdapterOff
 from learner.mismatch import Correction, correct
 from learner.policy_forward import PolicyForward, forward_policy
 from learner.precision import resolve_precision
@@ -400,8 +402,10 @@ class Trainer:
             raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
         if cfg.kl_coef > 0.0 and reference is None:
             raise ValueError("kl_coef > 0 needs the frozen reference policy (reference), got none")
+        # A model of its own, or a LoRA policy's AdapterOff (the same model with the adapter disabled,
+        # which must not be frozen: its adapter is what trains).
         self.reference = reference
-        if reference is not None:
+        if isinstance(reference, torch.nn.Module):
             reference.eval()
             reference.requires_grad_(False)
         if cfg.action_prior_coef > 0.0 and not action_token_ids:
@@ -428,7 +432,8 @@ class Trainer:
         else:
             from learner.sharding import shard_policies
 
-            shard_policies([m for m in (model, reference) if m is not None], self.ranks, self.precision)
+            models = [model, *([reference] if isinstance(reference, torch.nn.Module) else [])]
+            shard_policies(models, self.ranks, self.precision)
         self.model.train()
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
@@ -561,8 +566,11 @@ class Trainer:
         self, batch: PackedBatch, logprobs: torch.Tensor, stats: _UpdateStats
     ) -> torch.Tensor:
         """Per-token KL estimate of the policy against the frozen reference (learner.regularizers)."""
-        with torch.no_grad():
-            ref = self._forward(self.reference, batch).logprobs
+        entered = (
+            self.reference.active() if isinstance(self.reference, AdapterOff) else nullcontext(self.reference)
+        )
+        with torch.no_grad(), entered as reference:
+            ref = self._forward(reference, batch).logprobs
         kl = kl_estimate(logprobs, ref, self.cfg.kl_estimator)
         keep = batch.loss_mask > 0
         stats.kl_sum += float(kl.detach()[keep].sum())

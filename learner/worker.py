@@ -275,8 +275,10 @@ class LearnerWorker:
             # The base stays the initial model; only the adapter trains, is checkpointed and published.
             self.lora = apply_lora(model, cfg.learner.lora, seed=cfg.run.seed)
             model = self.lora.model
-        reference = None
-        if cfg.learner.kl_coef > 0.0:
+        reference: Any = None
+        if cfg.learner.kl_coef > 0.0 and self.lora is not None:
+            reference = self.lora.adapter_off()  # the initial policy is the base: no second copy
+        elif cfg.learner.kl_coef > 0.0:
             # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
             dtype = "bfloat16" if precision.autocast_dtype is not None else precision.param_dtype_name
             reference, _ = load(self.run_dir.initial_model, dtype=dtype)

@@ -33,11 +33,15 @@ def test_tiny_lora_run_trains_and_its_served_logprobs_follow_the_adapter_version
     daemons: list[DaemonRun],  # noqa: F811
 ) -> None:
     run_dir = tmp_path / "run"
-    overrides = [*TINY, *FAST, *LORA, f"model.path={json.dumps(str(tiny_model))}"]
+    # With a KL term: its reference is the policy's own model with the adapter off (no second base).
+    overrides = [*TINY, *FAST, *LORA, "learner.kl_coef=0.05", f"model.path={json.dumps(str(tiny_model))}"]
     first = DaemonRun(run_dir, overrides, max_steps=3)
     daemons.append(first)
     assert first.wait(timeout_s=180) == 0, first.tail()
     assert first.steps() == [1, 2, 3] and all(s["groups"] > 0 for s in first.snapshot("step"))
+    step_log = (run_dir / "logs" / "steps.jsonl").read_text().splitlines()
+    kls = [float(json.loads(line)["metrics"]["kl_reference"]) for line in step_log]
+    assert kls[0] >= 0.0 and kls[-1] > 1e-6, kls  # the policy moves away from the base it started as
     served = _served(first)
     assert [v for v, _ in served] == [1, 2, 3]
     for version, verdict in served:

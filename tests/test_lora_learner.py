@@ -124,6 +124,42 @@ def test_restore_refuses_a_checkpoint_of_other_lora_settings(tiny_model_dir: Pat
         restore(full, ckpt)
 
 
+def test_kl_reference_is_the_policy_with_its_adapter_off_and_matches_a_loaded_base(
+    tiny_model_dir: Path,
+) -> None:
+    """With LoRA, the KL reference is the base the adapter applies to (B starts at zero): the same model
+    with the adapter disabled gives the steps a second loaded copy of the base gives, without the copy."""
+    cfg = LearnerConfig(lr=1e-2, mini_batches=1, warmup_steps=2, device="cpu", lora=LORA, kl_coef=0.1)
+
+    def run(shared: bool) -> tuple[list[dict[str, float]], LoraPolicy, Trainer]:
+        torch.manual_seed(0)  # the adapter's dropout draws from the global generator
+        model, tokenizer = load_policy(tiny_model_dir)
+        policy = apply_lora(model, LORA)
+        reference = policy.adapter_off() if shared else load_policy(tiny_model_dir)[0]
+        trainer = Trainer(policy.model, cfg, temperature=1.0, seed=7, reference=reference)
+        return [trainer.step(groups_of(batch)) for batch in _batches(tokenizer)[:3]], policy, trainer
+
+    loaded, loaded_policy, _ = run(shared=False)
+    shared, policy, trainer = run(shared=True)
+    assert shared[0]["kl_reference"] == pytest.approx(0.0, abs=1e-7)  # version 0 is the base
+    assert shared[2]["kl_reference"] > 1e-5
+    for a, b in zip(loaded, shared, strict=True):
+        assert b["kl_reference"] == pytest.approx(a["kl_reference"], rel=1e-4, abs=1e-9)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-7)
+    for (name, a), b in zip(
+        loaded_policy.adapter_parameters().items(), policy.adapter_parameters().values(), strict=True
+    ):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    # After each reference forward the adapter is on again, in train mode, and still the only thing training.
+    assert policy.model.training and trainer.reference is not None
+    assert all(p.requires_grad for p in policy.adapter_parameters().values())
+    ids = [1, 2, 3, 4, 5]
+    with policy.adapter_off().active() as base:
+        off = _logits(base, ids)
+    assert not torch.equal(off, _logits(policy.model, ids))  # the adapter is applied outside `active()`
+    torch.testing.assert_close(off, _logits(load_policy(tiny_model_dir)[0], ids), rtol=0, atol=1e-6)
+
+
 def test_published_adapter_is_peft_format_and_loads_to_the_same_policy(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

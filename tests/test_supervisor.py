@@ -342,6 +342,38 @@ def test_json_progress_writes_one_object_per_line() -> None:
     assert lines[0]["step"] == 1 and lines[0]["loss"] == 0.5 and lines[1]["text"] == "hello"
 
 
+def test_prints_while_json_owns_stdout_become_log_lines(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three of TextArena's single-player games print (LogicPuzzle, RushHour), from environment threads;
+    under `--log-format json` such prints would break the one-object-per-line stream."""
+    import logging
+    import threading
+
+    from pipeline.daemon.progress import RichProgress, stray_stdout_to_log
+
+    real = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", real)
+    progress = JsonProgress(sys.stdout)
+    log = logging.getLogger("rollwise.test-stdout")
+    with caplog.at_level(logging.INFO, logger=log.name), stray_stdout_to_log(progress, log):
+        print("Correct: 0, Total: 18")
+        worker = threading.Thread(target=lambda: print("Attempt 1: Generated invalid", "puzzle", end=""))
+        worker.start()
+        worker.join()
+        progress.message("still JSON")
+    assert sys.stdout is real  # restored
+    assert [json.loads(line)["text"] for line in real.getvalue().splitlines()] == ["still JSON"]
+    # The unterminated line is logged when the run ends (flush), not lost.
+    assert [r.getMessage() for r in caplog.records if r.name == log.name] == [
+        "stdout: Correct: 0, Total: 18",
+        "stdout: Attempt 1: Generated invalid puzzle",
+    ]
+    # A progress stream that is not the process's stdout, or a rich view, leaves sys.stdout alone.
+    with stray_stdout_to_log(JsonProgress(io.StringIO()), log), stray_stdout_to_log(RichProgress(), log):
+        assert sys.stdout is real
+
+
 async def test_a_background_task_that_dies_stops_the_daemon_with_its_error(tmp_path: Path) -> None:
     from pipeline.daemon.supervisor import Supervisor
 

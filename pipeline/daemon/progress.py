@@ -4,13 +4,19 @@ Both read the same numbers: learner step events as they arrive, and a periodic s
 daemon's running totals (deltas since the previous status, so rates and success rates describe the last
 interval, not the whole run). JSON lines go to stdout, one object per line:
 `{"event": "step", ...}` per learner step and `{"event": "status", ...}` every `interval_s`.
+While the JSON stream owns stdout, anything else written to `sys.stdout` (an environment's or a
+library's print) becomes a log line (`stray_stdout_to_log`), so the stream stays one object per line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TextIO
 
@@ -239,3 +245,68 @@ def make_progress(log_format: str, out: TextIO | None = None) -> Progress:
     stream = out or sys.stdout
     use_rich = log_format == "rich" or (log_format == "auto" and stream.isatty())
     return RichProgress() if use_rich else JsonProgress(stream)
+
+
+class StrayStdout:
+    """A `sys.stdout` that logs each complete line it is given (at INFO on `log`) instead of printing it.
+    Prints may come from environment threads at once, hence the lock around the partial line. A write
+    made while logging one (a log handler that itself writes to sys.stdout) goes to `fallback`, rather
+    than round and round."""
+
+    encoding = "utf-8"
+
+    def __init__(self, log: logging.Logger, fallback: TextIO) -> None:
+        self._log = log
+        self._fallback = fallback
+        self._partial = ""
+        self._lock = threading.Lock()
+        self._logging = threading.local()
+
+    def write(self, text: str) -> int:
+        if getattr(self._logging, "active", False):
+            return self._fallback.write(text)
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+        self._emit(lines)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            line, self._partial = self._partial, ""
+        self._emit([line])
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def _emit(self, lines: list[str]) -> None:
+        self._logging.active = True
+        try:
+            for line in lines:
+                if line.strip():
+                    self._log.info("stdout: %s", line.rstrip())
+        finally:
+            self._logging.active = False
+
+
+@contextlib.contextmanager
+def stray_stdout_to_log(progress: Progress, log: logging.Logger) -> Iterator[None]:
+    """While a JsonProgress writes to the process's stdout, other writes to `sys.stdout` are logged
+    instead (restored on exit). A rich live view redirects such prints above itself already."""
+    if not isinstance(progress, JsonProgress) or progress.out is not sys.stdout:
+        yield
+        return
+    original = sys.stdout
+    stray = StrayStdout(log, original)
+    sys.stdout = stray
+    try:
+        yield
+    finally:
+        stray.flush()
+        sys.stdout = original

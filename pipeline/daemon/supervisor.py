@@ -42,7 +42,14 @@ from pipeline.daemon.evaluation import Evaluator
 from pipeline.daemon.fleet_membership import FleetMembership, scaled_concurrency
 from pipeline.daemon.http_endpoints import HttpEndpoints
 from pipeline.daemon.learner_child import LearnerChild, config_message, learner_child_spec
-from pipeline.daemon.progress import Progress, RichProgress, Totals, make_progress, status_between
+from pipeline.daemon.progress import (
+    Progress,
+    RichProgress,
+    Totals,
+    make_progress,
+    status_between,
+    stray_stdout_to_log,
+)
 from pipeline.daemon.served_check import Probe, ServedPolicyCheck, Verdict, tolerance_for
 from pipeline.daemon.wiring import (
     RunSetup,
@@ -138,7 +145,7 @@ class Supervisor:
     async def run(self) -> int:
         """The schedule. Returns the process exit code (0 after a requested stop, 1 after a fatal error)."""
         cfg, grace = self.cfg, self.cfg.run.shutdown_grace_s
-        with hold_supervisor_lock(self.run_dir):
+        with hold_supervisor_lock(self.run_dir), stray_stdout_to_log(self.progress, log):
             log_to_run_dir(self.run_dir, quiet_stderr=isinstance(self.progress, RichProgress))
             write_resolved(cfg, self.run_dir.root)
             await asyncio.to_thread(ensure_initial_model, self.setup)

@@ -639,7 +639,7 @@ def reliability() -> DashboardSpec:
     )
     d.rows.append(
         (
-            "Agents (OpenAI endpoint)",
+            "Agents (OpenAI endpoint) and judges",
             [
                 PanelSpec(
                     "OpenAI endpoint requests",
@@ -665,6 +665,36 @@ def reliability() -> DashboardSpec:
                     "episode's token buffer (history rewritten), each a new segment.",
                     "ops",
                     (q(f"sum by (env) (rate(rollwise_agent_segments_total{{{SEL_ENV}}}[{RI}]))", "{{env}}"),),
+                ),
+                PanelSpec(
+                    "Judge requests",
+                    "rate(rollwise_judge_requests_total) by judge and outcome (ok, timeout, connection, "
+                    "http, parse): every attempt, retries included.",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (judge, status) (rate(rollwise_judge_requests_total{{{SEL}}}[{RI}]))",
+                            "{{judge}} {{status}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Judge latency",
+                    "rollwise_judge_request_duration_seconds by judge: one attempt, whatever its outcome.",
+                    "s",
+                    quantiles("rollwise_judge_request_duration_seconds", SEL, by="judge", qs=(0.5, 0.99)),
+                ),
+                PanelSpec(
+                    "Episodes a judge could not score",
+                    "rate(rollwise_judge_failures_total) by judge and the last attempt's reason: each such "
+                    "episode is excluded from training, never scored 0.",
+                    "ops",
+                    (
+                        q(
+                            f"sum by (judge, reason) (rate(rollwise_judge_failures_total{{{SEL}}}[{RI}]))",
+                            "{{judge}} {{reason}}",
+                        ),
+                    ),
                 ),
             ],
         )

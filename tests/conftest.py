@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.fakes.sglang_fake import FakeSGLang
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +28,25 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer(build_tokenizer(vocab_hints()), out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer_dir: Path) -> Any:
+    """The tiny preset's tokenizer (one per module: a test may change its settings)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeSGLang]:
+    """The SGLang fake with its defaults, serving; a module defines its own `fake` to script it."""
+    from tests.fakes.sglang_fake import FakeSGLang
+
+    server = FakeSGLang()
+    await server.start()
+    yield server
+    await server.stop()
 
 
 @pytest.fixture(scope="module")

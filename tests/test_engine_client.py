@@ -37,14 +37,6 @@ def scripted(ids: list[int], logprobs: list[float], finish: str = "stop") -> Any
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[FakeSGLang]:
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def client(fake: FakeSGLang) -> AsyncIterator[EngineClient]:
     async with EngineClient(fake.base_url, **FAST_BACKOFF) as c:
         yield c

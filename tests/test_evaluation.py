@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from pipeline.actors.evaluation import EvalPlan, run_evaluation, summarise
@@ -47,11 +46,6 @@ class CoinEnv(Environment):
     async def step(self, action: Action) -> StepResult:
         solved = action.text.strip() == WIN
         return StepResult([], reward=0.5, done=True, outcome=1.0 if solved else 0.0)
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_tokenizer_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
 
 
 def winner(rid: str) -> bool:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from learner.schema import EpisodeSegment, segments_to_batch
 from learner.trace import TracedRow, trace_batch, write_trace
@@ -68,11 +67,6 @@ class Episodes:
             prompt_len=prompt, loss_mask=mask, logprobs=lps, turn_index=turn_index, versions=versions,
             turn_rewards=[0.25] * len(turns), outcome=outcome, num_turns=len(turns), finish_reason=finish,
         )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_tokenizer_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

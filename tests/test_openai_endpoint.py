@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult
 from envs.api import Task
@@ -34,19 +32,6 @@ CALC = {
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_tokenizer_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeSGLang]:
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.stop()
 
 
 def make_settings(**overrides: Any) -> RolloutSettings:

@@ -41,19 +41,6 @@ def tokenizer_dir(tiny_tokenizer_dir: Path) -> Path:
     return tiny_tokenizer_dir
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir: Path) -> Any:
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeSGLang]:
-    server = FakeSGLang()
-    await server.start()
-    yield server
-    await server.stop()
-
-
 @pytest.fixture
 async def pool(fake: FakeSGLang) -> AsyncIterator[EnginePool]:
     engines = EnginePool([EngineClient(fake.base_url, retries=0)])

@@ -358,13 +358,18 @@ def test_prints_while_json_owns_stdout_become_log_lines(
     log = logging.getLogger("rollwise.test-stdout")
     with caplog.at_level(logging.INFO, logger=log.name), stray_stdout_to_log(progress, log):
         print("Correct: 0, Total: 18")
-        worker = threading.Thread(target=lambda: print("Attempt 1: Generated invalid", "puzzle", end=""))
+
+        def game() -> None:
+            print("Attempt 1:", end="", flush=True)
+            print(" Generated invalid", "puzzle", end="")
+
+        worker = threading.Thread(target=game)
         worker.start()
         worker.join()
         progress.message("still JSON")
     assert sys.stdout is real  # restored
     assert [json.loads(line)["text"] for line in real.getvalue().splitlines()] == ["still JSON"]
-    # The unterminated line is logged when the run ends (flush), not lost.
+    # The unterminated line is logged once, whole, when the run ends; not at each flush, not lost.
     assert [r.getMessage() for r in caplog.records if r.name == log.name] == [
         "stdout: Correct: 0, Total: 18",
         "stdout: Attempt 1: Generated invalid puzzle",

@@ -275,6 +275,10 @@ class StrayStdout:
             self.write(line)
 
     def flush(self) -> None:
+        """Nothing: a line is logged when it is complete (flushing a partial one would split it)."""
+
+    def drain(self) -> None:
+        """Log the unterminated rest, if any (at the end of the run)."""
         with self._lock:
             line, self._partial = self._partial, ""
         self._emit([line])
@@ -308,5 +312,5 @@ def stray_stdout_to_log(progress: Progress, log: logging.Logger) -> Iterator[Non
     try:
         yield
     finally:
-        stray.flush()
+        stray.drain()
         sys.stdout = original

@@ -66,6 +66,7 @@ def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(
             report[side]["turns_per_s"] / report["native"]["turns_per_s"]
         )
     assert report["meets_goal"] == (report["ratio_none"] >= 0.5)
+    assert report["sdk_alone_cpu_us_per_request"] > 0
     text = actors.format_agent_report(report)
     assert (
         "agent, openai SDK client" in text and "agent, no client" in text and "agent/native turns/s" in text

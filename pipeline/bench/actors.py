@@ -338,6 +338,47 @@ async def agent_side(
     return _runner_result(eps, seconds, cpu_seconds, payload_sizes=[])
 
 
+async def sdk_alone_cpu_us(turns: int, conversations: int) -> float:
+    """CPU microseconds per `chat.completions.create` of the openai SDK alone: the echo conversation of
+    `turns` turns (the same growing messages the agent sends), answered at once by an httpx transport
+    that returns a fixed completion. No endpoint, no engine: what the client library costs by itself."""
+    import httpx2
+    import openai
+
+    from envs.agent import POLICY_MODEL
+
+    body = json.dumps(
+        {
+            "id": "chatcmpl-0",
+            "object": "chat.completion",
+            "created": 0,
+            "model": POLICY_MODEL,
+            "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": MODEL_TEXT}}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    ).encode()
+
+    class Instant(httpx2.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            await request.aread()
+            return httpx2.Response(200, headers={"content-type": "application/json"}, content=body)
+
+    async with httpx2.AsyncClient(transport=Instant()) as http:
+        api = openai.AsyncOpenAI(base_url="http://instant/v1", api_key="k", max_retries=0, http_client=http)
+        calls = 0
+        cpu = time.process_time()
+        for _ in range(conversations):
+            messages = [{"role": "user", "content": ECHO_PROMPT}]
+            for _ in range(turns):
+                reply = await api.chat.completions.create(model=POLICY_MODEL, messages=messages)  # type: ignore[arg-type]
+                text = str(reply.choices[0].message.content)
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": text}]
+                calls += 1
+        return (time.process_time() - cpu) / calls * 1e6
+
+
 def _echo_settings(tokenizer: Any) -> Any:
     from pipeline.actors.rollout import RolloutSettings
     from pipeline.engine.protocol import SamplingParams
@@ -492,6 +533,10 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
     for side in AGENT_CLIENTS:
         report[f"ratio_{side}"] = best[side].turns_per_s / best["native"].turns_per_s
         report[f"cpu_ratio_{side}"] = best["native"].cpu_us_per_turn / best[side].cpu_us_per_turn
+    await sdk_alone_cpu_us(args.turns, 2)  # warm-up
+    report["sdk_alone_cpu_us_per_request"] = min(
+        [await sdk_alone_cpu_us(args.turns, max(1, args.episodes // 8)) for _ in range(args.repeats)]
+    )
     # The goal is the endpoint's own per-turn overhead (side "none"); the two client sides add what an
     # agent's HTTP client costs on the same core, reported beside it, never folded into the verdict.
     report["meets_goal"] = report["ratio_none"] >= GOAL_RATIO
@@ -527,6 +572,8 @@ def format_agent_report(report: dict[str, Any]) -> str:
         f" aiohttp over the socket {report['ratio_http']:.2f}",
         f"CPU-bound ratios (native CPU/turn / agent CPU/turn): endpoint alone {report['cpu_ratio_none']:.2f},"
         f" openai SDK {report['cpu_ratio_sdk']:.2f}, aiohttp {report['cpu_ratio_http']:.2f}",
+        f"the openai SDK alone (same conversations, a transport that answers at once, no endpoint):"
+        f" {report['sdk_alone_cpu_us_per_request']:.0f} CPU us per request",
         "sdk: the client each episode is given (answered in-process); http: posts to the episode's base URL;"
         " none: the request's JSON handed to the endpoint, no client or transport",
         "overhead = the endpoint's time for a request minus its /generate round trip (render, record, reply)",

@@ -435,10 +435,8 @@ def _shared_http_client(endpoint: OpenAIEndpoint) -> Any:
             authorization = request.headers.get("authorization", "")
             if match is None or request.method != ("GET" if match["what"] == "models" else "POST"):
                 status, problem = (404, "no route") if match is None else (405, "method not allowed:")
-                message = f"{problem} {request.method} {request.url.path}"
-                reply = Reply.json(
-                    {"error": {"message": message, "type": "invalid_request_error"}}, status=status
-                )
+                refused = OpenAIRequestError(status, f"{problem} {request.method} {request.url.path}")
+                reply = Reply.json(refused.body(), status=status)
             elif match["what"] == "models":
                 reply = endpoint.answer_models(match["key"], authorization)
             else:

@@ -346,19 +346,11 @@ async def sdk_alone_cpu_us(turns: int, conversations: int) -> float:
     import openai
 
     from envs.agent import POLICY_MODEL
+    from pipeline.actors.openai_wire import Completion, chat_completion
 
-    body = json.dumps(
-        {
-            "id": "chatcmpl-0",
-            "object": "chat.completion",
-            "created": 0,
-            "model": POLICY_MODEL,
-            "choices": [
-                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": MODEL_TEXT}}
-            ],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
-    ).encode()
+    # The same response object the endpoint sends (pipeline.actors.openai_wire), so the SDK parses alike.
+    completion = Completion(MODEL_TEXT, (), (), "stop", prompt_tokens=1, completion_tokens=1)
+    body = json.dumps(chat_completion(completion, completion_id="chatcmpl-0", model=POLICY_MODEL)).encode()
 
     class Instant(httpx2.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:

@@ -24,7 +24,7 @@ lint: $(STAMP)
 	.venv/bin/ruff format --check pipeline envs learner tests grafana
 	.venv/bin/mypy
 	.venv/bin/python grafana/generate.py --check
-	.venv/bin/python -m pipeline.observability.catalogue --check
+	.venv/bin/python -m pipeline.tools.catalogue --check
 
 unit: $(STAMP)
 	.venv/bin/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -3,7 +3,8 @@
     async def agent(client: openai.AsyncOpenAI, task: Task) -> float | AgentResult
 
 The runner hands every episode a fresh ``openai.AsyncOpenAI`` whose base URL and key belong to that
-episode alone (rollwise's in-process endpoint, ``pipeline/actors/openai_endpoint.py``). The agent calls
+episode alone (rollwise's in-process endpoint, ``pipeline/supervisor/actors/openai_endpoint.py``). The
+agent calls
 ``client.chat.completions.create(model=POLICY_MODEL, messages=..., tools=...)`` as often as it likes, runs
 its tools, and returns the episode's score: a number (the outcome) or an ``AgentResult`` (outcome and,
 optionally, one shaping reward per chat completion it requested). Every request is one *turn*; the
@@ -144,5 +145,5 @@ class AgentEnvironment(Environment):
 
 _NOT_STEPPED = (
     "an agent environment runs its agent function against rollwise's OpenAI endpoint; reset/step are not "
-    "part of it (run it with `rollwise run`, or pipeline.actors.openai_endpoint in code)"
+    "part of it (run it with `rollwise run`, or pipeline.supervisor.actors.openai_endpoint in code)"
 )

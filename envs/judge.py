@@ -5,7 +5,8 @@
     return StepResult(messages, done=True, outcome=verdict.score)
 
 - Endpoint: `base_url` of any OpenAI-compatible server (a second SGLang's `/v1`, vLLM, a hosted API), or
-  None for the run's own engines: rollwise's in-process endpoint (pipeline/actors/openai_endpoint.py)
+  None for the run's own engines: rollwise's in-process endpoint
+  (pipeline/supervisor/actors/openai_endpoint.py)
   serves the policy to judges under a service key and registers itself with `set_run_endpoint` when a
   run starts. The API key is `api_key`, else the environment variable `api_key_env` names.
 - Prompt: `rubric` is a `str.format` template over {question}, {response}, {reference}, {min_score} and
@@ -21,7 +22,7 @@
   `rollwise_env_errors_total{kind="judge"}` and `rollwise_judge_failures_total{reason}`.
 - Metrics: every attempt and every failure is reported to the listeners (`add_listener`); the daemon
   installs one that exports `rollwise_judge_requests_total{judge,status}` and
-  `rollwise_judge_request_duration_seconds{judge}` (pipeline/observability/judge_metrics.py).
+  `rollwise_judge_request_duration_seconds{judge}` (pipeline/supervisor/observability/judge_metrics.py).
 
 Uses aiohttp only (a rollwise dependency); every call has a timeout and its own short-lived session.
 """

@@ -11,7 +11,7 @@ Two levels, both decided from the tasks alone (no environment has to cooperate):
   JSON of `task.data`, not its id or seed) falls below `fraction`. The training stream skips held-out
   tasks and the eval stream keeps only them, so no task content is ever both trained on and evaluated.
   On a small task space the held-out share is lumpy (guess-number at 0.25 holds out 1 of its 16
-  secrets, at 0.5 four: tests/test_task_split.py); a fraction that holds out nothing is an error, not
+  secrets, at 0.5 four: tests/envs/test_task_split.py); a fraction that holds out nothing is an error, not
   an empty eval.
 """
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from learner.schema import EpisodeSegment
+from pipeline.contracts.schema import EpisodeSegment
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Atomic learner checkpoints: enough state that a restarted learner takes exactly the same next step.
 
-Layout (docs/architecture.md, Contract 5; names and the `latest` pointer are pipeline.run_dir's):
+Layout (docs/architecture.md, Contract 5; names and the `latest` pointer are pipeline.contracts.run_dir's):
 
     <checkpoints_dir>/step<n>/model/            HF directory (config.json, model.safetensors[, tokenizer])
     <checkpoints_dir>/step<n>/adapter/          with [learner.lora] instead of model/: the PEFT adapter
@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_model
 
-from learner.durable import fsync_dir
 from learner.model import quiet_transformers, replace_dir_atomically, save_tokenizer
 from learner.trainer import Trainer
-from pipeline.run_dir import (
+from pipeline.contracts.durable import fsync_dir
+from pipeline.contracts.run_dir import (
     CHECKPOINT_STATE,
     LATEST_CHECKPOINT,
     checkpoint_dirs,

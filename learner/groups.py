@@ -1,6 +1,7 @@
 """Train or drop, and why: the one decision the learner makes about each spool group before a step.
 
-A group is decoded and validated once (learner.schema.batch_to_segments); `triage_group` then either
+A group is decoded and validated once (pipeline.contracts.schema.batch_to_segments); `triage_group` then
+either
 returns the `TrainGroup` the trainer consumes or the reason the group is dropped, and the learner
 process announces that reason in its `dropped` event. Pure: no model, no I/O.
 
@@ -9,7 +10,7 @@ Drop reasons:
   otherwise crash every restart of the learner on the same group);
 - too_few_members: fewer than two trainable episodes (leave-one-out baselines need peers);
 - stale: its oldest generated token is older than `learner_version - max_staleness` (the learner's
-  half of the admission rule, pipeline.actors.admission.is_stale).
+  half of the admission rule, pipeline.supervisor.actors.admission.is_stale).
 The learner process adds `quarantined` (unreadable file) and `no_update` (a step that changed no weight).
 """
 
@@ -19,8 +20,8 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from learner.schema import EpisodeSegment, RejectedRow
-from pipeline.actors.admission import is_stale
+from pipeline.contracts.schema import EpisodeSegment, RejectedRow
+from pipeline.supervisor.actors.admission import is_stale
 
 MIN_GROUP_MEMBERS = 2
 

@@ -24,7 +24,8 @@ from torch import Tensor
 
 # Positions per chunk. Peak extra memory is about 2 x chunk_size x V x 4 bytes (the upcast/scaled fp32
 # chunk and its log-softmax; only the latter for fp32 logits at T = 1): 297 MiB for V = 151936. Measured
-# on CPU (pipeline/bench/logprobs.py, V = 151936, T = 2048): 256 takes 0.06-0.13x the naive peak at
+# on CPU (pipeline/tools/bench/logprob_memory.py, V = 151936, T = 2048): 256 takes 0.06-0.13x the naive
+# peak at
 # 0.24-0.36x its time; 1024 needs 0.50x with bf16 logits or T != 1, missing the <= 0.35x goal.
 DEFAULT_CHUNK_SIZE = 256
 

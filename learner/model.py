@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from learner.durable import fsync_dir
+from pipeline.contracts.durable import fsync_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -48,7 +48,7 @@ from learner.checkpoint import (
 from learner.distributed import Ranks
 from learner.model import quiet_transformers, replace_dir_atomically, save_hf
 from learner.trainer import Trainer
-from pipeline.run_dir import CHECKPOINT_STATE, LATEST_CHECKPOINT, checkpoint_dirs, checkpoint_name
+from pipeline.contracts.run_dir import CHECKPOINT_STATE, LATEST_CHECKPOINT, checkpoint_dirs, checkpoint_name
 
 SHARDS_DIR = "dcp"
 TRAINER_STATE = "trainer_state.pt"

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from learner.schema import EpisodeSegment, segments_to_batch
+from pipeline.contracts.schema import EpisodeSegment, segments_to_batch
 
 if TYPE_CHECKING:  # torch only where the learner calls in: the inspector reads trace files without it
     import torch

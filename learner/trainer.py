@@ -34,9 +34,9 @@ from learner.mismatch import Correction, correct
 from learner.policy_forward import PolicyForward, forward_policy
 from learner.precision import resolve_precision
 from learner.regularizers import kl_estimate, overlong_penalty
-from learner.schema import EpisodeSegment, RejectedRow
 from learner.trace import StepTracer, token_clip_active
-from pipeline.config import LearnerConfig
+from pipeline.contracts.config import LearnerConfig
+from pipeline.contracts.schema import EpisodeSegment, RejectedRow
 
 # Per-turn advantages below this are float noise of a group whose members all scored the same.
 ZERO_ADVANTAGE = 1e-8

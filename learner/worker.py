@@ -6,14 +6,14 @@
 Loop: tail the spool after the checkpoint's consumed_seq -> decode each group once and triage it (train,
 or drop and say why: learner.groups) -> B trainable groups -> Trainer.step -> publish weights every
 `sync_every_steps` versions -> checkpoint every `checkpoint_every` steps. It tells the supervisor what
-happened as typed events (learner.events), one JSON line each on stdout; logs go to stderr.
+happened as typed events (pipeline.contracts.events), one JSON line each on stdout; logs go to stderr.
 
 Control (stdin): `{"cmd": "stop"}`, SIGTERM or SIGINT -> finish the current step, checkpoint, exit 0;
 EOF on stdin (the parent died) -> the same. At run.max_steps it sends `finished`, checkpoints and exits 0.
 A second learner on the same run directory waits on `learner.lock` until the first one has exited.
 
 A full or read-only run directory: a checkpoint or weight export the storage refuses
-(learner.durable.storage_fault_kind) is retried with a doubling delay (0.5 s to 10 s), each refusal
+(pipeline.contracts.durable.storage_fault_kind) is retried with a doubling delay (0.5 s to 10 s), each refusal
 reported as a `storage` event; training waits meanwhile (nothing is consumed, so the actors pause on
 their staleness bound), and a `storage` event with blocked=false says when it went through. A stop
 request while blocked gives up the write (the steps since the last checkpoint are redone on restart).
@@ -57,12 +57,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
-from learner import events
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
-from learner.durable import storage_fault_kind, storage_retry_delays
 from learner.groups import TrainGroup, token_staleness, triage_group
-from learner.schema import batch_to_segments
-from pipeline.config import (
+from pipeline.contracts import events
+from pipeline.contracts.config import (
     Config,
     ConfigError,
     config_from_toml,
@@ -71,7 +69,8 @@ from pipeline.config import (
     set_secret,
     write_resolved,
 )
-from pipeline.run_dir import (
+from pipeline.contracts.durable import storage_fault_kind, storage_retry_delays
+from pipeline.contracts.run_dir import (
     DROPPED_GROUPS_KEY,
     PUBLISHED_VERSION_KEY,
     RunDir,
@@ -82,6 +81,7 @@ from pipeline.run_dir import (
     prune_weights,
     published_version,
 )
+from pipeline.contracts.schema import batch_to_segments
 from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file, spool_name
 

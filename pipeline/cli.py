@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("model", "init"): ("learner.model_init", "main", "write a Qwen3-architecture model + tokenizer preset"),
     ("engine", "serve"): (
-        "pipeline.engine.embedded.server",
+        "pipeline.engine.server",
         "main",
         "serve the embedded SGLang-compatible engine",
     ),
@@ -25,40 +25,64 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "download published weights over HTTP for an engine that does not share the run dir",
     ),
-    ("engines",): ("pipeline.daemon.admin", "main", "list, add or drain engines of a running daemon"),
+    ("engines",): ("pipeline.supervisor.admin", "main", "list, add or drain engines of a running daemon"),
     ("envs",): ("envs.discovery", "main_list", "list installed environments"),
     ("env", "check"): ("envs.checker", "main", "run the environment checker on NAME"),
-    ("bench", "logprobs"): ("pipeline.bench.logprobs", "main", "chunked vs naive sampled-token log-probs"),
-    ("bench", "engine"): ("pipeline.bench.engine", "main", "embedded engine tokens/s vs sequential"),
-    ("bench", "actors"): ("pipeline.bench.actors", "main", "episode runner turns/s vs a bare aiohttp loop"),
-    ("bench", "async"): ("pipeline.bench.async_", "main", "learner steps/hour, eta=2 vs eta=0"),
-    ("bench", "sync"): ("pipeline.bench.weight_sync", "main", "weight publish -> version served latency"),
-    ("bench", "learner"): ("pipeline.bench.learner", "main", "learner step memory and time per precision"),
+    ("bench", "logprobs"): (
+        "pipeline.tools.bench.logprob_memory",
+        "main",
+        "chunked vs naive sampled-token log-probs",
+    ),
+    ("bench", "engine"): (
+        "pipeline.tools.bench.engine_throughput",
+        "main",
+        "embedded engine tokens/s vs sequential",
+    ),
+    ("bench", "actors"): (
+        "pipeline.tools.bench.runner_overhead",
+        "main",
+        "episode runner turns/s vs a bare aiohttp loop",
+    ),
+    ("bench", "async"): ("pipeline.tools.bench.async_speedup", "main", "learner steps/hour, eta=2 vs eta=0"),
+    ("bench", "sync"): (
+        "pipeline.tools.bench.sync_latency",
+        "main",
+        "weight publish -> version served latency",
+    ),
+    ("bench", "learner"): (
+        "pipeline.tools.bench.learner_step",
+        "main",
+        "learner step memory and time per precision",
+    ),
     ("bench", "transport"): (
-        "pipeline.bench.transport",
+        "pipeline.tools.bench.flight_rate",
         "main",
         "groups/s and MB/s through Arrow Flight vs the local spool reader",
     ),
-    ("bench", "soak"): ("pipeline.bench.soak", "main", "hours of the default task: resources, chaos, books"),
+    ("bench", "soak"): (
+        "pipeline.tools.bench.soak",
+        "main",
+        "hours of the default task: resources, chaos, books",
+    ),
     ("bench", "sandbox"): (
-        "pipeline.bench.sandbox",
+        "pipeline.tools.bench.sandbox_latency",
         "main",
         "sandboxed python executions/s vs subprocess.run",
     ),
     ("bench", "lora"): (
-        "pipeline.bench.lora",
+        "pipeline.tools.bench.lora_cost",
         "main",
         "LoRA vs full weights: memory, bytes, publish -> served",
     ),
     ("report",): (
-        "pipeline.observability.report",
+        "pipeline.tools.report",
         "main",
         "render key metrics of a run to PNG (no Grafana needed)",
     ),
-    ("eval",): ("pipeline.offline_eval", "main", "score a published version on held-out tasks"),
-    ("inspect",): ("pipeline.inspect.server", "main", "browse a run's trajectories token by token"),
+    ("eval",): ("pipeline.tools.offline_eval", "main", "score a published version on held-out tasks"),
+    ("inspect",): ("pipeline.tools.inspect.web", "main", "browse a run's trajectories token by token"),
     ("bench", "learn"): (
-        "pipeline.bench.learn",
+        "pipeline.tools.bench.learning_curve",
         "main",
         "held-out success per minute over seeds, mean and 95% interval",
     ),
@@ -114,7 +138,7 @@ def _find_delegate(argv: Sequence[str]) -> tuple[Callable[[list[str]], int], lis
 
 
 def _config_show(ns: argparse.Namespace) -> int:
-    from pipeline.config import ConfigError, config_to_toml, load_config
+    from pipeline.contracts.config import ConfigError, config_to_toml, load_config
 
     try:
         cfg = load_config(ns.config, ns.set)
@@ -150,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     ns = parser.parse_args(args)
     if ns.command == "run":
-        from pipeline.daemon.supervisor import main_run
+        from pipeline.supervisor.daemon import main_run
 
         return int(main_run(ns))
     if ns.command == "config" and ns.config_command == "show":

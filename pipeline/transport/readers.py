@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.config import Config, reveal
+from pipeline.contracts.config import Config, reveal
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from learner.durable import fsync_dir
-from learner.schema import check_schema
-from pipeline.observability import metrics
+from pipeline.contracts.durable import fsync_dir
+from pipeline.contracts.schema import check_schema
+from pipeline.supervisor.observability import metrics
 
 log = logging.getLogger(__name__)
 

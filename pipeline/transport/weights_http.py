@@ -1,6 +1,6 @@
 """Published weights over HTTP, for engines (and a supervisor) that do not share the disk they are on.
 
-Supervisor side (routes on the admin endpoint, pipeline/daemon/admin.py; the same routes on the weight
+Supervisor side (routes on the admin endpoint, pipeline/supervisor/admin.py; the same routes on the weight
 server of a learner with its own run directory, `WeightServerThread`, from which the supervisor copies
 each version into its run directory with `fetch_version` before the engines load it):
 
@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pipeline.http_guard import (
+from pipeline.contracts.http_guard import (
     DoorLimits,
     api_key_middleware,
     bind_notice,
@@ -71,7 +71,8 @@ def build_manifest(weights_dir: Path, version: int) -> dict[str, Any]:
 
 
 class WeightServer:
-    """The two GET routes over a `weights_of(version) -> Path` function (pipeline.run_dir.RunDir's)."""
+    """The two GET routes over a `weights_of(version) -> Path` function
+    (pipeline.contracts.run_dir.RunDir's)."""
 
     def __init__(self, weights_of: Any) -> None:
         self.weights_of = weights_of
@@ -129,8 +130,9 @@ def _inside(root: Path, name: str) -> Path | None:
 
 class WeightServerThread:
     """A WeightServer with its own thread and event loop, for a process that is not asyncio: the learner
-    with its own run directory serves its published versions to the supervisor this way. The door is
-    pipeline.http_guard's: a bearer token (required off loopback), small bodies, idle connections cut."""
+    with its own run directory serves its published versions to the supervisor this way. The door
+    is pipeline.contracts.http_guard's: a bearer token (required off loopback), small bodies, idle
+    connections cut."""
 
     LIMITS = DoorLimits(max_body_bytes=64 * 1024)
 

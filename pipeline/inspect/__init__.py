@@ -1,1 +1,0 @@
-"""`rollwise inspect`: a local web page over a run's trajectories (pipeline.inspect.server)."""

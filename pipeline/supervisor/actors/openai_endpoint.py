@@ -1,0 +1,462 @@
+"""rollwise's in-process OpenAI-compatible endpoint: agent-function episodes and judges on the run's engines.
+
+An aiohttp server on 127.0.0.1 (a free port) serving `/v1/models` and `/v1/chat/completions`
+(pipeline/supervisor/actors/openai_wire.py says what a request may contain). Two kinds of caller:
+
+- an agent episode (`run_agent_episode`, the `AgentRunner` of pipeline.supervisor.actors.rollout): each
+  episode gets its own key and base URL, `http://127.0.0.1:<port>/e/<key>/v1`, and an
+  `openai.AsyncOpenAI` made for it, whose requests to that address are answered in-process
+  (`_shared_http_client`); concurrent episodes never share a key, so their requests never mix. Requests
+  are recorded token by token (pipeline/supervisor/actors/agent_session.py) and the episode becomes
+  trajectory rows like a native one.
+  Sampling is the run's: `temperature`, `top_p` (and `top_k`, `min_p`) always come from the `[sampling]`
+  config, since the learner reproduces the engine's log-probs at that temperature and the trainer owns
+  the behaviour policy; `max_tokens` is capped by `sampling.max_new_tokens` and the context budget;
+  `seed` is ignored (G episodes of a group with one seed would sample alike). The names of the
+  parameters the run overrode come back in the `x-rollwise-clamped` response header.
+- a service caller (`service_key`, base URL `base_url`): a judge or evaluator using the policy; nothing
+  is recorded, its `temperature`, `top_p`, `seed` and `max_tokens` (up to the context budget) are honoured.
+
+Every request goes through the same EnginePool as native episodes (SGLang or embedded), token-in /
+token-out. An episode's requests are answered one at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult, as_agent_result
+from envs.api import Task, ToolCall
+from envs.toolcalls import get_parser, text_without_calls
+from pipeline.supervisor.actors.agent_session import AgentSession
+from pipeline.supervisor.actors.chat import ChatTokenizer
+from pipeline.supervisor.actors.openai_wire import (
+    ChatRequest,
+    Completion,
+    OpenAIRequestError,
+    chat_completion,
+    chat_completion_chunks,
+    models_list,
+    parse_chat_request,
+)
+from pipeline.supervisor.actors.rollout import (
+    EpisodeOutcome,
+    GenerateEngine,
+    RolloutSettings,
+    _close_env,
+    _record_episode,
+    stop_token_ids,
+)
+from pipeline.supervisor.engines.protocol import EngineError, SamplingParams
+from pipeline.supervisor.observability import metrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class OpenAIEndpoint:
+    """The endpoint (module docstring). `await start()` before use, `await close()` at the end."""
+
+    def __init__(
+        self,
+        *,
+        engine: GenerateEngine,
+        tokenizer: ChatTokenizer,
+        settings: RolloutSettings,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.host = host
+        self.port = port
+        self.service_key = secrets.token_urlsafe(18)
+        self.stops = stop_token_ids(settings, tokenizer)
+        self._parser = get_parser(settings.tool_parser)
+        self._sessions: dict[str, AgentSession] = {}
+        self._runner: web.AppRunner | None = None
+        self._http: Any = None
+        self._service_requests = 0
+        self._prefix = secrets.token_hex(4)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> str:
+        """Serve on host:port (0 = a free port); returns `base_url`."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/e/{key}/v1/models", self._models)
+        app.router.add_post("/e/{key}/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return self.base_url
+
+    @property
+    def base_url(self) -> str:
+        """The service base URL (use with `service_key`)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def episode_base_url(self, key: str) -> str:
+        return f"http://{self.host}:{self.port}/e/{key}/v1"
+
+    async def close(self) -> None:
+        """Stop serving; episodes still open are refused from now on. Idempotent."""
+        for session in list(self._sessions.values()):
+            session.close()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.close_shared()
+
+    # ------------------------------------------------------------------ agent episodes
+    def _client_for(self, session: AgentSession) -> Any:
+        import openai
+
+        if self._http is None:
+            self._http = _shared_http_client(self)
+            # httpx logs every request at INFO: thousands of lines a minute in supervisor.log.
+            for name in ("httpx", "httpx2"):
+                if logging.getLogger(name).level == logging.NOTSET:
+                    logging.getLogger(name).setLevel(logging.WARNING)
+        return openai.AsyncOpenAI(
+            base_url=self.episode_base_url(session.key),
+            api_key=session.key,
+            max_retries=0,  # a resent generation would be a second turn
+            timeout=session.env.spec.episode_timeout_s,
+            http_client=self._http,
+        )
+
+    async def run_agent_episode(
+        self, env: AgentEnvironment, task: Task, *, episode_id: str, group_id: str, env_name: str
+    ) -> EpisodeOutcome:
+        """Run `env.agent(client, task)` as one episode; never raises for agent, engine or endpoint failures
+        (they become the finish reason, counted); cancellation propagates after cleanup."""
+        started = time.perf_counter()
+        metrics.EPISODES_IN_FLIGHT.inc()
+        session = AgentSession(
+            engine=self.engine,
+            tokenizer=self.tokenizer,
+            settings=self.settings,
+            env=env,
+            episode_id=episode_id,
+            env_name=env_name,
+        )
+        self._sessions[session.key] = session
+        result: AgentResult | None = None
+        problem: tuple[str, str, str] | None = None  # (finish reason, ENV_ERRORS kind, message)
+        try:
+            client = self._client_for(session)
+            deadline = asyncio.timeout(env.spec.episode_timeout_s)
+            try:
+                async with deadline:
+                    value = await env.agent(client, task)
+            except TimeoutError as exc:
+                if not deadline.expired():
+                    problem = ("env_error", "agent", f"the agent raised {exc!r}")
+                else:
+                    problem = (
+                        "timeout",
+                        "timeout",
+                        f"the agent exceeded episode_timeout_s={env.spec.episode_timeout_s}",
+                    )
+            except Exception as exc:
+                problem = ("env_error", "agent", f"the agent raised {exc!r}")
+            else:
+                try:
+                    result = as_agent_result(value)
+                except ValueError as exc:
+                    problem = ("env_error", "invalid", str(exc))
+        finally:
+            session.close()
+            self._sessions.pop(session.key, None)
+            close_error = await _close_env(env, env_name)
+            metrics.EPISODES_IN_FLIGHT.dec()
+        finish, error = self._finish(session, problem, result)
+        rewards = [0.0] * session.num_turns
+        if result is not None and len(result.turn_rewards) <= len(rewards):
+            rewards[: len(result.turn_rewards)] = result.turn_rewards
+        outcome_value = result.outcome if result is not None else (0.0 if finish == "truncated" else None)
+        outcome = EpisodeOutcome(
+            episode_id=episode_id,
+            group_id=group_id,
+            task_id=task.id,
+            env=env_name,
+            finish_reason=finish,
+            rows=session.rows(task, group_id, finish, rewards, outcome_value),
+            turn_rewards=rewards,
+            outcome=outcome_value,
+            generated_tokens=session.run.generated_tokens,
+            duration_s=time.perf_counter() - started,
+            turn_seconds=session.turn_seconds,
+            engine_seconds=session.run.engine_seconds,
+            error=error or close_error,
+        )
+        _record_episode(outcome)
+        return outcome
+
+    def _finish(
+        self, session: AgentSession, problem: tuple[str, str, str] | None, result: AgentResult | None
+    ) -> tuple[str, str | None]:
+        """Why the episode ended: an engine failure first (its root cause), then a timeout, then a refusal
+        the endpoint made (the agent's exception is usually its consequence), then the agent's own fault."""
+        env_name = session.env_name
+        if session.finish == "engine_error":
+            return "engine_error", session.error
+        if problem is not None and problem[0] == "timeout":
+            metrics.ENV_ERRORS.labels(env=env_name, kind="timeout").inc()
+            return "timeout", problem[2]
+        if session.finish is not None:
+            return session.finish, session.error if problem is None else f"{session.error}; then {problem[2]}"
+        if problem is not None:
+            metrics.ENV_ERRORS.labels(env=env_name, kind=problem[1]).inc()
+            return problem[0], problem[2]
+        assert result is not None
+        invalid = None
+        if session.num_turns == 0:
+            invalid = "the agent returned without requesting a chat completion"
+        elif len(result.turn_rewards) > session.num_turns:
+            count = len(result.turn_rewards)
+            invalid = f"AgentResult.turn_rewards has {count} entries for {session.num_turns} turns"
+        if invalid is not None:
+            metrics.ENV_ERRORS.labels(env=env_name, kind="invalid").inc()
+            return "env_error", invalid
+        return ("length" if session.last_engine_finish == "length" else "stop"), None
+
+    def _overridden(self, chat: ChatRequest) -> list[str]:
+        """The sampling parameters an episode request set that the run's config replaces."""
+        run = self.settings.sampling
+        asked = {"temperature": (chat.temperature, run.temperature), "top_p": (chat.top_p, run.top_p)}
+        names = [name for name, (value, used) in asked.items() if value is not None and value != used]
+        return [*names, "seed"] if chat.seed is not None else names
+
+    # ------------------------------------------------------------------ service requests
+    async def _service_complete(self, request: ChatRequest) -> Completion:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:
+            raise OpenAIRequestError(
+                400, f"the model's chat template cannot render these messages: {exc!r}", param="messages"
+            ) from exc
+        ids = list(self.tokenizer.encode(str(text), add_special_tokens=False))
+        budget = self.settings.max_context_tokens - len(ids)
+        if budget <= 0:
+            raise OpenAIRequestError(
+                400,
+                f"the prompt ({len(ids)} tokens) does not fit the context budget ({budget + len(ids)})",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        base = self.settings.sampling
+        sampling = SamplingParams(
+            temperature=base.temperature if request.temperature is None else request.temperature,
+            top_p=base.top_p if request.top_p is None else request.top_p,
+            top_k=base.top_k,
+            min_p=base.min_p,
+            max_new_tokens=min(request.max_tokens or base.max_new_tokens, budget),
+            stop_token_ids=self.stops,
+            seed=request.seed,
+        )
+        self._service_requests += 1
+        rid = f"svc-{self._prefix}-{self._service_requests}"
+        started = time.perf_counter()
+        try:
+            result = await self.engine.generate(ids, sampling, rid, affinity_key=rid)
+        except EngineError as exc:
+            metrics.ENGINE_ERRORS.labels(engine="pool", kind="error").inc()
+            raise OpenAIRequestError(
+                502, f"the engine failed: {exc}", code="engine_error", kind="server_error"
+            ) from exc
+        finally:
+            metrics.ENGINE_REQUEST_LATENCY.labels(engine="pool").observe(time.perf_counter() - started)
+        output = result.output_ids
+        content_ids = output[:-1] if output and output[-1] in self.stops else output
+        raw = self.tokenizer.decode(content_ids, skip_special_tokens=False)
+        calls: tuple[ToolCall, ...] = ()
+        content: str | None = raw
+        if request.parse_tools:
+            action = self._parser(raw)
+            if action.tool_calls and not action.tool_call_errors:
+                calls, content = action.tool_calls, text_without_calls(raw, self.settings.tool_parser) or None
+        logprobs = None
+        if request.logprobs:
+            logprobs = [
+                (self.tokenizer.decode([token], skip_special_tokens=False), lp)
+                for token, lp in zip(content_ids, result.logprobs, strict=False)
+            ]
+        finish = "length" if result.finish_reason == "length" else "tool_calls" if calls else "stop"
+        return Completion(
+            content=content,
+            tool_calls=calls,
+            call_ids=[f"call_{secrets.token_hex(8)}" for _ in calls],
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            completion_tokens=len(output),
+            logprobs=logprobs,
+            fingerprint=f"rollwise-v{result.weight_version}",
+        )
+
+    # ------------------------------------------------------------------ requests, whatever carried them
+    def _caller(self, path_key: str | None, authorization: str) -> AgentSession | None:
+        """The episode the request belongs to, None for the service key; 401 otherwise."""
+        bearer = authorization[7:].strip() if authorization.lower().startswith("bearer ") else None
+        if path_key is not None and bearer not in (None, path_key):
+            raise OpenAIRequestError(
+                401, "the API key does not match this episode's base URL", code="invalid_api_key"
+            )
+        key = path_key or bearer
+        if key is not None and key == self.service_key and path_key is None:
+            return None
+        session = self._sessions.get(key or "")
+        if session is None:
+            if path_key is not None:
+                raise OpenAIRequestError(
+                    404, "no running episode has this base URL (it ended)", code="episode_ended"
+                )
+            raise OpenAIRequestError(401, "unknown API key", code="invalid_api_key")
+        return session
+
+    def answer_models(self, path_key: str | None, authorization: str) -> Reply:
+        """GET [/e/<key>]/v1/models."""
+        try:
+            session = self._caller(path_key, authorization)
+        except OpenAIRequestError as err:
+            return Reply.json(err.body(), status=err.status)
+        return Reply.json(models_list([POLICY_MODEL if session is None else session.model]))
+
+    async def answer_chat(self, path_key: str | None, authorization: str, raw: bytes) -> Reply:
+        """POST [/e/<key>]/v1/chat/completions with body `raw`."""
+        started = time.perf_counter()
+        route = "episode"
+        clamped: list[str] = []
+        try:
+            session = self._caller(path_key, authorization)
+            route = "episode" if session is not None else "service"
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                raise OpenAIRequestError(400, f"the body is not JSON: {exc}", param="body") from exc
+            chat = parse_chat_request(body)
+            served = POLICY_MODEL if session is None else session.model
+            if chat.model != served:
+                raise OpenAIRequestError(
+                    404,
+                    f"the model {chat.model!r} does not exist; this endpoint serves {served!r}",
+                    param="model",
+                    code="model_not_found",
+                )
+            if session is not None:
+                clamped = self._overridden(chat)
+                completion = await session.complete(chat)
+                completion_id = f"chatcmpl-{session.episode_id}-t{session.num_turns - 1}"
+            else:
+                completion = await self._service_complete(chat)
+                completion_id = f"chatcmpl-svc-{self._prefix}-{self._service_requests}"
+        except OpenAIRequestError as err:
+            status = "engine_error" if err.status >= 500 else "rejected"
+            metrics.OPENAI_REQUESTS.labels(route=route, status=status).inc()
+            return Reply.json(err.body(), status=err.status)
+        finally:
+            metrics.OPENAI_REQUEST_LATENCY.labels(route=route).observe(time.perf_counter() - started)
+        metrics.OPENAI_REQUESTS.labels(route=route, status="ok").inc()
+        headers = {"x-rollwise-clamped": ",".join(clamped)} if clamped else {}
+        if not chat.stream:
+            return Reply.json(
+                chat_completion(completion, completion_id=completion_id, model=served), headers=headers
+            )
+        # The engine call is token-in/token-out, not streamed: the whole completion exists before its
+        # first chunk, so the event stream is one body; clients parse it chunk by chunk all the same.
+        chunks = chat_completion_chunks(
+            completion, completion_id=completion_id, model=served, include_usage=chat.include_usage
+        )
+        events = "".join(f"data: {_dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return Reply(200, events.encode(), "text/event-stream", headers)
+
+    # ------------------------------------------------------------------ over HTTP (aiohttp)
+    async def _models(self, request: web.Request) -> web.Response:
+        reply = self.answer_models(request.match_info.get("key"), request.headers.get("Authorization", ""))
+        return reply.to_aiohttp()
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        authorization = request.headers.get("Authorization", "")
+        reply = await self.answer_chat(request.match_info.get("key"), authorization, await request.read())
+        return reply.to_aiohttp()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An endpoint response before any transport carries it."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def json(cls, obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
+        return cls(status, _dumps(obj).encode(), "application/json", headers or {})
+
+    def to_aiohttp(self) -> web.Response:
+        return web.Response(
+            status=self.status, body=self.body, content_type=self.content_type, headers=self.headers
+        )
+
+
+_ROUTE = re.compile(r"(?:/e/(?P<key>[^/]+))?/v1/(?P<what>chat/completions|models)")
+
+
+def _shared_http_client(endpoint: OpenAIEndpoint) -> Any:
+    """The httpx client behind every episode's AsyncOpenAI: requests to the endpoint's own address are
+    answered in-process by `endpoint` (no socket, no HTTP parsing: ~1.7 ms of CPU less per request,
+    docs/benchmarks.md); any other URL goes out over the network as usual. The base URL stays the real
+    `http://127.0.0.1:<port>/e/<key>/v1`, so an agent may equally use it with another HTTP client."""
+    import httpx2
+    import openai
+
+    class InProcess(httpx2.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            match = _ROUTE.fullmatch(request.url.path)
+            authorization = request.headers.get("authorization", "")
+            if match is None or request.method != ("GET" if match["what"] == "models" else "POST"):
+                status, problem = (404, "no route") if match is None else (405, "method not allowed:")
+                refused = OpenAIRequestError(status, f"{problem} {request.method} {request.url.path}")
+                reply = Reply.json(refused.body(), status=status)
+            elif match["what"] == "models":
+                reply = endpoint.answer_models(match["key"], authorization)
+            else:
+                reply = await endpoint.answer_chat(match["key"], authorization, await request.aread())
+            headers = {"content-type": reply.content_type, **reply.headers}
+            return httpx2.Response(reply.status, headers=headers, content=reply.body, request=request)
+
+    class SharedHTTPClient(openai.DefaultAsyncHttpxClient):
+        """One client for every episode's AsyncOpenAI; an agent closing its client must not close the
+        others', so only the endpoint closes it."""
+
+        async def aclose(self) -> None:
+            return None
+
+        async def close_shared(self) -> None:
+            await super().aclose()
+
+    return SharedHTTPClient(mounts={f"http://{endpoint.host}:{endpoint.port}": InProcess()})
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,358 @@
+"""The engines of a run: the managed children (none for `engine.kind = "external"`), one EngineClient
+per engine, the EnginePool over them and, with `engine.router = "sglang-router"`, the router in front.
+
+A managed engine is kept running with backoff; each (re)start loads the version the daemon serves at
+that moment (`served_version()`), and an engine that comes up after a newer version was published
+loads it before it is marked up. An engine that fails its start `MAX_FAILED_STARTS` times in a row
+calls `fail(why)`.
+
+With the router: it is a child too (restarted with the engines that are up at that moment as its
+worker list); an engine whose process exits leaves the router's worker list at once, and joins it
+again once it is up on the served version. Engines added or drained while the daemon runs
+(pipeline.supervisor.fleet_membership) go through `admit` and `retire`.
+
+Weights: with `engine.weight_transport = "http"` an engine's fetcher downloads each version into the
+engine's own disk before it loads it (`weights_for`; pipeline.transport.weights_http).
+
+With LoRA served as adapters (`learner.lora.serving = "adapter"`) every engine runs the initial model
+with SGLang's LoRA flags and a version is its adapter (pipeline.supervisor.engines.adapters): a (re)started
+engine
+loads the served version's adapter at launch (`--lora-paths`), `sync` loads new ones, and `generator`
+(what the actors call) makes each request name the served adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.run_dir import RunDir
+from pipeline.supervisor.actors.rollout import GenerateEngine
+from pipeline.supervisor.children import Child, ChildSpec, keep_running
+from pipeline.supervisor.engine_launch import EngineSlot, engine_child_spec, free_port, plan_engines
+from pipeline.supervisor.engines.adapters import AdapterRegistry, AdapterRouting, adapter_name, unloader
+from pipeline.supervisor.engines.client import EngineClient
+from pipeline.supervisor.engines.pool import EnginePool
+from pipeline.supervisor.engines.protocol import EngineError
+from pipeline.supervisor.engines.router import RouterAdmin, RouterError, router_argv
+from pipeline.supervisor.engines.weightsync import SyncMode, SyncTimings, sync_weights
+from pipeline.supervisor.observability import metrics
+from pipeline.transport.weights_http import request_fetch
+
+log = logging.getLogger("rollwise.engine_fleet")
+
+MAX_FAILED_STARTS = 3
+ROUTER_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(eq=False)  # identity, not field-wise equality
+class EngineFleet:
+    """`served_version()` is the version the daemon serves now; `fail(why)` stops the daemon."""
+
+    cfg: Config
+    run_dir: RunDir
+    stopping: asyncio.Event
+    served_version: Callable[[], int]
+    fail: Callable[[str], None]
+    children: dict[str, Child] = field(default_factory=dict, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.slots: list[EngineSlot] = plan_engines(self.cfg)
+        self.up: dict[str, bool] = {s.name: False for s in self.slots}
+        self._up_events = {s.name: asyncio.Event() for s in self.slots}
+        e = self.cfg.engine
+        self.clients = [self.make_client(s.url) for s in self.slots]
+        # engine URL -> its fetcher (weights over HTTP): an embedded engine serves the route itself.
+        self.fetchers: dict[str, str] = {}
+        if e.weight_transport == "http":
+            fetch_urls = e.fetch_urls or [s.url for s in self.slots]
+            self.fetchers = {s.url: f.rstrip("/") for s, f in zip(self.slots, fetch_urls, strict=True)}
+        self.capacity: dict[str, int] = {}  # engine URL -> max_running_requests it reported
+        self.engine_tasks: dict[str, asyncio.Task[None]] = {}  # managed slot name -> its keep() task
+        self.router_url: str | None = None
+        self.router_metrics_url: str | None = None
+        self.router_admin: RouterAdmin | None = None
+        self.router_child: Child | None = None
+        self._router_up = False
+        self._router_ready = asyncio.Event()
+        router_client = None
+        if e.router == "sglang-router":
+            port = e.router_port or free_port(e.router_host)
+            self._router_prometheus_port = free_port(e.router_host)
+            self.router_url = f"http://{e.router_host}:{port}"
+            self.router_metrics_url = f"http://{e.router_host}:{self._router_prometheus_port}/metrics"
+            self._router_port = port
+            router_client = self.make_client(self.router_url)
+            self.router_admin = RouterAdmin(self.router_url)
+        self.pool = EnginePool(self.clients, router=router_client)
+        lora = self.cfg.learner.lora
+        self.adapters: AdapterRegistry | None = None
+        self.generator: GenerateEngine = self.pool
+        if lora.enabled and lora.serving == "adapter":
+            self.adapters = AdapterRegistry(0, unloader(self.pool))
+            self.generator = AdapterRouting(self.pool, self.adapters)
+        self.weight_source: str | None = None  # the admin endpoint's URL, set by the supervisor
+        self.weight_token: str | None = None
+        self.on_capacity: Callable[[], None] = lambda: None
+
+    def make_client(self, url: str) -> EngineClient:
+        e = self.cfg.engine
+        return EngineClient(url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s)
+
+    async def sync(self, path: str, version: int, mode: SyncMode) -> SyncTimings:
+        """Load published `version` (at `path`) on every engine: its weights (each engine's own copy when
+        they travel over HTTP, fetched before the pause), or the version's adapter."""
+        local = await self.stage(version, path) if self.fetchers and self.adapters is None else None
+        return await sync_weights(
+            self.pool, model_path=path, version=version, mode=mode, model_paths=local, adapter=self.adapters
+        )
+
+    async def start(self) -> None:
+        """Start the managed engines and wait until every engine, external ones included, answers
+        /health; then the router, until it lists every engine as a healthy worker."""
+        if self.adapters is not None:
+            self.adapters.version = self.served_version()
+        for slot, client in zip(self.slots, self.clients, strict=True):
+            if slot.managed:
+                task = asyncio.create_task(self.keep(slot, client), name=slot.name)
+                self.engine_tasks[slot.name] = task
+                self._tasks.append(task)
+            else:
+                await client.wait_ready(self.cfg.engine.startup_timeout_s)
+                version = self.served_version()
+                await self.catch_up(client, await self.serves_version(client), version)
+                self._mark_up(slot, version)
+        await asyncio.gather(*(e.wait() for e in self._up_events.values()))
+        await asyncio.gather(*(self.read_capacity(c) for c in self.clients))
+        if self.router_admin is not None:
+            self._tasks.append(asyncio.create_task(self.keep_router(), name="router"))
+            await self._router_ready.wait()
+
+    def not_up(self) -> list[str]:
+        down = [name for name, up in self.up.items() if not up]
+        if self.router_admin is not None and not self._router_up:
+            down.append("router")
+        return down
+
+    def _mark_up(self, slot: EngineSlot, version: int) -> None:
+        self.up[slot.name] = True
+        self._up_events[slot.name].set()
+        metrics.POLICY_VERSION_SERVED.labels(engine=slot.url).set(version)
+
+    def _spec(self, slot: EngineSlot) -> ChildSpec:
+        version = self.served_version()
+        if self.adapters is not None:
+            adapter = self.run_dir.weights_of(version) if version > 0 else None
+            return engine_child_spec(
+                self.cfg,
+                slot,
+                model_dir=self.run_dir.initial_model,
+                version=version,
+                log_dir=self.run_dir.logs,
+                adapter=adapter,
+            )
+        weights = self.run_dir.serving_weights(version)
+        fetched = self.run_dir.root / "fetched" / slot.name if slot.url in self.fetchers else None
+        return engine_child_spec(
+            self.cfg, slot, model_dir=weights, version=version, log_dir=self.run_dir.logs, weights_dir=fetched
+        )
+
+    async def weights_for(self, url: str, version: int, published_path: str | None = None) -> str:
+        """The path engine `url` loads `version` from: the run directory's copy, or (weights over HTTP)
+        the copy its fetcher downloads now from the admin endpoint."""
+        fetcher = self.fetchers.get(url)
+        if fetcher is None or version == 0:
+            return published_path or str(self.run_dir.serving_weights(version))
+        if self.weight_source is None:
+            raise RuntimeError("weights over HTTP need the admin endpoint, which is not started")
+        source, token = self.weight_source, self.weight_token
+        return await request_fetch(fetcher, source=source, version=version, token=token)
+
+    async def stage(self, version: int, published_path: str) -> dict[str, str]:
+        """Each engine's path for `version`, fetched in parallel where needed (before any pause)."""
+        urls = [c.base_url for c in self.pool.members]
+        paths = await asyncio.gather(*(self.weights_for(u, version, published_path) for u in urls))
+        return dict(zip(urls, paths, strict=True))
+
+    @staticmethod
+    async def serves_version(client: EngineClient) -> str | None:
+        try:
+            info = await client.model_info()
+        except EngineError:
+            return None
+        version = info.get("weight_version")
+        return str(version) if version is not None else None
+
+    async def catch_up(self, client: EngineClient, serving: str | None, version: int) -> None:
+        """Load `version` into an engine that serves another one (a late start, a joining engine)."""
+        if serving == str(version) or (serving == "default" and version == 0):
+            return
+        if self.adapters is not None:
+            name = adapter_name(version)
+            if name is None:
+                return
+            try:
+                await client.load_lora_adapter(name, str(self.run_dir.weights_of(version)))
+            except EngineError as exc:
+                # An external server that kept running since the last daemon may hold it already (the load
+                # is refused then); the served-policy check verifies what it serves either way.
+                log.warning("loading adapter of version %d on %s: %s", version, client.base_url, exc)
+            return
+        path = await self.weights_for(client.base_url, version)
+        await client.update_weights_from_disk(path, weight_version=str(version))
+
+    async def read_capacity(self, client: EngineClient) -> None:
+        """max_running_requests the engine reports (its share of the fleet's concurrency); 1 if none."""
+        try:
+            info = await client.server_info()
+            self.capacity[client.base_url] = max(1, int(info.get("max_running_requests") or 1))
+        except (EngineError, TypeError, ValueError) as exc:
+            log.warning("%s reported no max_running_requests (%r); counting it as 1", client.base_url, exc)
+            self.capacity[client.base_url] = 1
+
+    async def keep(self, slot: EngineSlot, client: EngineClient) -> None:
+        """Keep one engine running; a restarted engine loads the version served at its start."""
+        failed_starts = 0
+
+        async def serve(child: Child) -> None:
+            nonlocal failed_starts
+            launched = self.served_version()
+            if not await ready_or_exited(client, child, self.cfg.engine.startup_timeout_s):
+                failed_starts += 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    self.fail(f"{slot.name} failed to start {failed_starts} times; see {child.spec.log_path}")
+                return
+            failed_starts = 0
+            version = self.served_version()
+            await self.catch_up(client, str(launched), version)  # published while this engine started
+            self._mark_up(slot, version)
+            await self.router_join(slot.url)
+            await child.wait()
+            self.up[slot.name] = False
+            await self.router_leave(slot.url)
+
+        def started(child: Child) -> None:
+            self.children[slot.name] = child
+
+        await keep_running(
+            lambda: self._spec(slot), serve, self.stopping, component="engine", on_start=started
+        )
+
+    # --- the router ---------------------------------------------------------------------------------------
+    def _router_spec(self) -> ChildSpec:
+        e = self.cfg.engine
+        up = [u for u in self.pool_urls() if self._is_up(u)]
+        return ChildSpec(
+            name="router",
+            argv=router_argv(
+                host=e.router_host,
+                port=self._router_port,
+                worker_urls=up,
+                policy=e.router_policy,
+                request_timeout_s=e.request_timeout_s,
+                prometheus_port=self._router_prometheus_port,
+                api_key=reveal(e.api_key),
+                extra_args=e.router_args,
+            ),
+            log_path=self.run_dir.log_file("router"),
+        )
+
+    def _is_up(self, url: str) -> bool:
+        for slot in self.slots:
+            if slot.url == url:
+                return self.up.get(slot.name, False)
+        return True  # engines added at run time are members only while up
+
+    async def keep_router(self) -> None:
+        """Keep the router running; it is up once it lists every engine it was started with."""
+        admin = self.router_admin
+        assert admin is not None
+        failed_starts = 0
+
+        async def serve(child: Child) -> None:
+            nonlocal failed_starts
+            workers = {u for u in self.pool_urls() if self._is_up(u)}
+            waiting = asyncio.ensure_future(admin.wait_workers(workers, ROUTER_READY_TIMEOUT_S))
+            exited = asyncio.ensure_future(child.wait())
+            await asyncio.wait({waiting, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not (waiting.done() and waiting.exception() is None):
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                failed_starts += 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    self.fail(f"the router failed to start {failed_starts} times; see {child.spec.log_path}")
+                child.kill()
+                await exited
+                return
+            failed_starts = 0
+            self._router_up = True
+            self._router_ready.set()
+            await exited
+            self._router_up = False
+
+        def started(child: Child) -> None:
+            self.router_child = child
+
+        await keep_running(self._router_spec, serve, self.stopping, component="router", on_start=started)
+
+    def pool_urls(self) -> list[str]:
+        return [c.base_url for c in self.pool.members]
+
+    async def router_join(self, url: str) -> None:
+        """Put `url` in the router's worker list and wait until the router routes to it."""
+        if self.router_admin is None or not self._router_up:
+            return
+        try:
+            await self.router_admin.add_worker(url)
+            await self.router_admin.wait_worker(url, ROUTER_READY_TIMEOUT_S)
+        except (RouterError, OSError) as exc:
+            log.error("router did not take worker %s: %s", url, exc)
+
+    async def router_leave(self, url: str) -> None:
+        if self.router_admin is None or not self._router_up:
+            return
+        try:
+            await self.router_admin.remove_worker(url)
+        except (RouterError, OSError) as exc:
+            log.error("router did not drop worker %s: %s", url, exc)
+
+    async def retire(self, slot: EngineSlot) -> None:
+        """Stop keeping a managed engine alive (a drain): its process is killed, not restarted."""
+        task = self.engine_tasks.pop(slot.name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.children.pop(slot.name, None)
+        self.up.pop(slot.name, None)
+        self._up_events.pop(slot.name, None)
+
+    # --- stop ---------------------------------------------------------------------------------------------
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM every engine (and the router), SIGKILL after `grace_s`. Idempotent."""
+        children = [*self.children.values(), *([self.router_child] if self.router_child else [])]
+        await asyncio.gather(*(c.stop(grace_s) for c in children), return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.close()
+        if self.router_admin is not None:
+            await self.router_admin.close()
+
+
+async def ready_or_exited(client: EngineClient, child: Child, timeout_s: float) -> bool:
+    """True once the engine answers /health; False if its process exits or `timeout_s` passes first."""
+    ready = asyncio.ensure_future(client.wait_ready(timeout_s))
+    exited = asyncio.ensure_future(child.wait())
+    await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+    exited.cancel()
+    if ready.done() and ready.exception() is None:
+        return True
+    ready.cancel()
+    await asyncio.gather(ready, return_exceptions=True)
+    if child.returncode is None:
+        child.kill()
+    return False

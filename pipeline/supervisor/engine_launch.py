@@ -1,0 +1,165 @@
+"""Which engine processes a config asks for, and the command line of each.
+
+- `embedded`: `python -m pipeline.engine.server --model DIR --weight-version V ...` per engine;
+- `sglang`: `python -m sglang.launch_server ...` (pipeline.supervisor.sglang_launch builds the argv);
+- `external`: nothing to start, only URLs to talk to.
+
+Ports are fixed when the slots are planned (port 0 picks free ones once), so a restarted engine comes
+back on the URL its EngineClient already uses. The argv is rebuilt on every start: a restarted engine
+loads the latest published weights and announces their version.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV
+from pipeline.contracts.run_dir import RunDir
+from pipeline.supervisor.children import ChildSpec
+from pipeline.supervisor.engines.adapters import lora_launch_flags
+from pipeline.supervisor.sglang_launch import SGLangLaunchSpec, build_sglang_command
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One engine the daemon talks to. `managed` = the daemon starts and restarts it."""
+
+    name: str
+    host: str
+    port: int
+    managed: bool
+    external_url: str | None = None
+
+    @property
+    def url(self) -> str:
+        return self.external_url or f"http://{self.host}:{self.port}"
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def plan_engines(cfg: Config) -> list[EngineSlot]:
+    """The engine slots of `cfg`: the external URLs, or num_engines local ports from engine.port on."""
+    e = cfg.engine
+    if e.kind == "external":
+        return [
+            EngineSlot(name=f"engine{i}", host="", port=0, managed=False, external_url=url.rstrip("/"))
+            for i, url in enumerate(e.urls)
+        ]
+    ports = [free_port(e.host) if e.port == 0 else e.port + i for i in range(e.num_engines)]
+    return [EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True) for i, p in enumerate(ports)]
+
+
+def priority_scheduling_args(cfg: Config) -> list[str]:
+    """SGLang flags that make `eval.priority` count: priority scheduling on, and requests without a
+    priority (every training request) at 0 instead of SGLang's default, the lowest priority of all.
+    None when eval sends no priority or the user's extra_args already configure it."""
+    if cfg.eval.every_versions == 0 or cfg.eval.priority == "off":
+        return []
+    if "--enable-priority-scheduling" in cfg.engine.extra_args:
+        return []
+    return ["--enable-priority-scheduling", "--default-priority-value", "0"]
+
+
+def engine_argv(
+    cfg: Config,
+    slot: EngineSlot,
+    *,
+    model_dir: Path,
+    version: int,
+    weights_dir: Path | None = None,
+    adapter: Path | None = None,
+) -> list[str]:
+    """Command line that starts `slot` serving `model_dir` labelled as policy version `version`.
+    `weights_dir`: an embedded engine also downloads published versions over HTTP into it.
+
+    With `learner.lora.serving = "adapter"`, `model_dir` is the base model, the engine is launched with
+    SGLang's LoRA flags, and `adapter` (the PEFT directory of `version`, if > 0) is loaded at start under
+    its versioned name."""
+    e = cfg.engine
+    lora_flags = lora_launch_flags(cfg.learner.lora, version=version, adapter=adapter)
+    if e.kind == "embedded":
+        fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
+        run = RunDir.at(cfg.run.run_dir, cfg.model.path)
+        return [
+            sys.executable,
+            "-m",
+            "pipeline.engine.server",
+            "--model",
+            str(model_dir),
+            "--host",
+            slot.host,
+            "--port",
+            str(slot.port),
+            "--weight-version",
+            str(version),
+            "--max-batch",
+            str(e.max_batch),
+            "--batch-wait-ms",
+            str(e.batch_wait_ms),
+            "--threads",
+            str(e.threads),
+            "--seed",
+            str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
+            *(["--dtype", e.dtype] if e.dtype is not None else []),
+            # /update_weights_from_disk loads published versions and the initial model, nothing else.
+            "--allowed-weights-dir",
+            str(run.weights),
+            "--allowed-weights-dir",
+            str(run.initial_model),
+            "--enable-metrics",
+            *fetch,
+            *lora_flags,
+            *e.extra_args,
+        ]
+    if e.kind == "sglang":
+        spec = SGLangLaunchSpec(
+            model_path=str(model_dir),
+            host=slot.host,
+            port=slot.port,
+            mem_fraction_static=e.mem_fraction_static,
+            tp=e.tp,
+            dp=e.dp,
+            api_key=reveal(e.api_key),
+            weight_version=str(version),
+            extra_args=(
+                *(["--dtype", e.dtype] if e.dtype is not None else []),
+                *priority_scheduling_args(cfg),
+                *lora_flags,
+                *e.extra_args,
+            ),
+        )
+        return build_sglang_command(spec)
+    raise ValueError(f"engine.kind = {e.kind!r} starts no process")
+
+
+def engine_child_spec(
+    cfg: Config,
+    slot: EngineSlot,
+    *,
+    model_dir: Path,
+    version: int,
+    log_dir: Path,
+    weights_dir: Path | None = None,
+    adapter: Path | None = None,
+) -> ChildSpec:
+    threads = str(cfg.engine.threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
+    key = reveal(cfg.engine.api_key)
+    if key and cfg.engine.kind == "embedded":
+        env[ENGINE_API_KEY_ENV] = key  # the environment, not argv: /proc/<pid>/cmdline and the log show argv
+    return ChildSpec(
+        name=slot.name,
+        argv=engine_argv(
+            cfg, slot, model_dir=model_dir, version=version, weights_dir=weights_dir, adapter=adapter
+        ),
+        log_path=log_dir / f"{slot.name}.log",
+        env=env,
+    )

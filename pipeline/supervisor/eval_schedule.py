@@ -1,0 +1,271 @@
+"""Evaluation during training: the `[eval]` section -> a fixed held-out task set scored as versions go by.
+
+`resolve_eval` checks the section before anything starts (env, options, a usable held-out split) and
+fixes the task list once, so every evaluation of a run, and every run of a config with the same
+`eval.seed`, scores the same tasks. `Evaluator.on_version(v)` is called by the supervisor after each
+weight sync: an evaluation starts when v is `every_versions` past the last evaluated one (and once at
+start when `at_start`) and none is running, so evaluations never pile up; a version published while
+one runs is simply not evaluated. Each finished evaluation becomes
+
+- one JSON line in `logs/eval.jsonl` (`eval_row`: version, learner step, elapsed seconds, a block per
+  mode with success, pass@k, reward, turns, finish reasons and the token versions seen),
+- the `rollwise_eval_*` metrics, labelled by eval env and mode,
+- an `eval` line in the progress view.
+
+A failed evaluation (a bug, not an env or engine failure: those are episodes) is logged and counted
+(`rollwise_eval_runs_total{status="failed"}`); it never stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envs.api import EnvFactory, Environment
+from envs.task_split import TaskSplitError, eval_tasks
+from pipeline.contracts.config import Config, ConfigError
+from pipeline.supervisor.actors.chat import ChatTokenizer
+from pipeline.supervisor.actors.heldout import EvalPlan, Mode, ModeResult, PriorityEngine, run_evaluation
+from pipeline.supervisor.actors.rollout import RolloutSettings
+from pipeline.supervisor.observability import metrics
+from pipeline.supervisor.progress import Progress
+
+log = logging.getLogger("rollwise.evaluation")
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    """A checked `[eval]` section: the env to evaluate, its options and the fixed plan."""
+
+    env_name: str
+    factory: EnvFactory
+    options: dict[str, Any]
+    plan: EvalPlan
+    seed: int
+    holdout_fraction: float
+    max_concurrent: int
+    priority: int | None
+
+
+def evaluates_training_env(cfg: Config) -> bool:
+    """True when eval plays the training env with the training options (then a holdout binds training)."""
+    same_env = cfg.eval.env in (None, cfg.env.name)
+    return same_env and cfg.eval.options in (None, cfg.env.options)
+
+
+def training_holdout(cfg: Config) -> float:
+    """The share of the training env's task space training must skip: eval's held-out share when eval
+    plays the training env, else 0."""
+    return cfg.eval.holdout_fraction if evaluates_training_env(cfg) else 0.0
+
+
+def resolve_eval(
+    cfg: Config,
+    *,
+    training_factory: EnvFactory | None = None,
+    env_name: str | None = None,
+    tasks: int | None = None,
+    greedy: bool | None = None,
+    samples: int | None = None,
+) -> EvalSetup:
+    """The `[eval]` section (and `rollwise eval`'s overrides) as an EvalSetup. Raises ConfigError naming
+    the key: an unknown env, options it rejects, a holdout that leaves too few tasks."""
+    from envs.discovery import EnvDiscoveryError, resolve_env
+
+    name = env_name or cfg.eval.env or cfg.env.name
+    training = name == cfg.env.name
+    options = cfg.eval.options if cfg.eval.options is not None else (cfg.env.options if training else {})
+    key = "eval.env" if cfg.eval.env is not None or env_name is not None else "env.name"
+    if training and training_factory is not None:
+        factory = training_factory
+    else:
+        try:
+            factory = resolve_env(name)
+        except EnvDiscoveryError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+    try:
+        probe: Environment = factory(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"eval.options: {name} rejects {options!r}: {exc}") from None
+    count = tasks if tasks is not None else cfg.eval.tasks
+    try:
+        chosen = eval_tasks(probe, cfg.eval.seed, count, cfg.eval.holdout_fraction)
+    except TaskSplitError as exc:
+        raise ConfigError(f"eval.holdout_fraction: {exc}") from None
+    use_greedy = cfg.eval.greedy if greedy is None else greedy
+    k = cfg.eval.samples if samples is None else samples
+    try:
+        plan = EvalPlan(tuple(chosen), greedy=use_greedy, samples=k)
+    except ValueError as exc:
+        raise ConfigError(f"eval: {exc}") from None
+    return EvalSetup(
+        env_name=name,
+        factory=factory,
+        options=dict(options),
+        plan=plan,
+        seed=cfg.eval.seed,
+        holdout_fraction=cfg.eval.holdout_fraction,
+        max_concurrent=cfg.eval.max_concurrent_episodes,
+        priority=None if cfg.eval.priority == "off" else cfg.eval.priority,
+    )
+
+
+def eval_row(
+    setup: EvalSetup,
+    results: dict[Mode, ModeResult],
+    *,
+    version: int,
+    step: int | None,
+    elapsed_s: float | None,
+    duration_s: float,
+) -> dict[str, Any]:
+    """The `logs/eval.jsonl` line of one evaluation (also `rollwise eval --json`'s object)."""
+    row: dict[str, Any] = {
+        "event": "eval",
+        "time": round(time.time(), 3),
+        "elapsed_s": None if elapsed_s is None else round(elapsed_s, 3),
+        "version": version,
+        "step": step,
+        "env": setup.env_name,
+        "tasks": len(setup.plan.tasks),
+        "seed": setup.seed,
+        "holdout_fraction": setup.holdout_fraction,
+        "duration_s": round(duration_s, 3),
+    }
+    for mode, result in results.items():
+        row[mode] = result.to_json()
+    return row
+
+
+def record_metrics(row: dict[str, Any], results: dict[Mode, ModeResult]) -> None:
+    env = str(row["env"])
+    metrics.EVAL_VERSION.labels(env=env).set(int(row["version"]))
+    metrics.EVAL_DURATION.labels(env=env).observe(float(row["duration_s"]))
+    metrics.EVAL_RUNS.labels(env=env, status="ok").inc()
+    for mode, result in results.items():
+        metrics.EVAL_SUCCESS.labels(env=env, mode=mode).set(result.success)
+        metrics.EVAL_PASS_AT_K.labels(env=env, mode=mode).set(result.pass_at_k)
+        metrics.EVAL_REWARD.labels(env=env, mode=mode).set(result.reward_mean)
+        metrics.EVAL_TURNS.labels(env=env, mode=mode).set(result.turns_mean)
+        metrics.EVAL_SUCCESSES.labels(env=env, mode=mode).inc(result.successes)
+        for reason, count in result.finish_reasons.items():
+            metrics.EVAL_EPISODES.labels(env=env, mode=mode, reason=reason).inc(count)
+
+
+class Evaluator:
+    """Starts evaluations as versions are served (module docstring); one at a time, in the background."""
+
+    def __init__(
+        self,
+        setup: EvalSetup,
+        *,
+        engine: PriorityEngine,
+        tokenizer: ChatTokenizer,
+        settings: RolloutSettings,
+        every_versions: int,
+        log_path: Path,
+        progress: Progress,
+        started_at: float,
+    ) -> None:
+        self.setup = setup
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.every_versions = every_versions
+        self.log_path = log_path
+        self.progress = progress
+        self.started_at = started_at
+        self.last_version: int | None = None  # the version the latest evaluation started on
+        self.running: asyncio.Task[None] | None = None
+        self.completed = 0
+        metrics.init_eval_label_values(setup.env_name, setup.plan.modes)
+
+    def skip_start(self, version: int) -> None:
+        """No evaluation at start (`at_start = false`): the first one comes every_versions later."""
+        self.last_version = version
+
+    def due(self, version: int) -> bool:
+        if self.running is not None and not self.running.done():
+            return False
+        return self.last_version is None or version - self.last_version >= self.every_versions
+
+    def on_version(self, version: int, step: int) -> None:
+        """The engines now serve `version` (at start: the version they start on)."""
+        if not self.due(version):
+            return
+        self.last_version = version
+        self.running = asyncio.create_task(self._evaluate(version, step), name=f"eval v{version}")
+
+    async def _evaluate(self, version: int, step: int) -> None:
+        started = time.monotonic()
+        try:
+            results = await run_evaluation(
+                self.engine,
+                self.tokenizer,
+                self.setup.factory,
+                self.setup.plan,
+                self.settings,
+                env_name=self.setup.env_name,
+                env_options=self.setup.options,
+                max_concurrent=self.setup.max_concurrent,
+                priority=self.setup.priority,
+                rid_prefix=f"eval-v{version}",
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("evaluation of version %d failed", version)
+            metrics.EVAL_RUNS.labels(env=self.setup.env_name, status="failed").inc()
+            self.progress.message(f"evaluation of version {version} failed: {exc!r}")
+            return
+        row = eval_row(
+            self.setup,
+            results,
+            version=version,
+            step=step,
+            elapsed_s=started - self.started_at,
+            duration_s=time.monotonic() - started,
+        )
+        await asyncio.to_thread(append_line, self.log_path, row)
+        record_metrics(row, results)
+        self.completed += 1
+        self.progress.on_eval(row)
+
+    async def finish(self, grace_s: float) -> None:
+        """At shutdown: let a running evaluation end within `grace_s` seconds (the engines are still up
+        while the learner checkpoints), so the last version served is scored; then cancel what is left."""
+        if self.running is not None and not self.running.done():
+            await asyncio.wait({self.running}, timeout=grace_s)
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Cancel a running evaluation (its episodes are never trained on, so nothing is lost)."""
+        if self.running is not None and not self.running.done():
+            self.running.cancel()
+            await asyncio.gather(self.running, return_exceptions=True)
+
+
+def append_line(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def read_eval_log(path: Path) -> list[dict[str, Any]]:
+    """The evaluation rows of a run, oldest first (lines cut by a crash are skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("event") == "eval":
+            rows.append(row)
+    return rows

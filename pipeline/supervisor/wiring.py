@@ -1,0 +1,207 @@
+"""Config -> the daemon's components. Everything a bad config can break is checked in `resolve_config`,
+before anything starts; the rest builds what the schedule in supervisor.py asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from envs.agent import AgentEnvironment
+from envs.api import EnvFactory, Environment
+from envs.task_split import training_tasks
+from pipeline.contracts import events
+from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, load_config
+from pipeline.contracts.run_dir import RunDir, is_model_dir
+from pipeline.supervisor.actors.admission import AdmissionController
+from pipeline.supervisor.actors.chat import ChatTokenizer
+from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
+from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.eval_schedule import EvalSetup, Evaluator, resolve_eval, training_holdout
+from pipeline.supervisor.progress import Progress
+from pipeline.transport.spool import SpoolWriter, spool_depth
+
+if TYPE_CHECKING:
+    from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+
+log = logging.getLogger("rollwise.supervisor")
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A validated run: the config, its directory, and the environment built once from `env.options`
+    (its spec was checked against the config; its task stream feeds the scheduler)."""
+
+    cfg: Config
+    run: RunDir
+    env_factory: EnvFactory
+    env: Environment
+    evaluation: EvalSetup | None = None  # the checked [eval] section when eval.every_versions > 0
+
+
+def resolve_config(ns: argparse.Namespace) -> RunSetup:
+    """Config file + --set + the run flags (as overrides, so errors name the key); checks the env name,
+    its options and the model path before anything starts. Raises ConfigError."""
+    overrides = list(ns.set or [])
+    if ns.run_dir is not None:
+        overrides.append(f"run.run_dir={json.dumps(ns.run_dir)}")
+    if ns.max_steps is not None:
+        overrides.append(f"run.max_steps={ns.max_steps}")
+    if ns.log_format is not None:
+        overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
+    cfg = load_config(ns.config, overrides)
+    check_exposed_ports(cfg)
+    from envs.discovery import EnvDiscoveryError, resolve_env
+
+    try:
+        factory = resolve_env(cfg.env.name)
+    except EnvDiscoveryError as exc:
+        raise ConfigError(f"env.name: {exc}") from None
+    try:
+        env = factory(**cfg.env.options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
+    if isinstance(env, AgentEnvironment) and importlib.util.find_spec("openai") is None:
+        raise ConfigError(
+            f"env.name: {cfg.env.name} is an agent environment, whose agent gets an openai.AsyncOpenAI "
+            "client; install the openai package (pip install 'rollwise[agents]')"
+        )
+    if cfg.learner.action_prior_coef > 0.0 and not env.spec.action_hints:
+        raise ConfigError(
+            f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
+            f"action_hints, and {cfg.env.name} declares none (set it to 0)"
+        )
+    run = RunDir.at(cfg.run.run_dir, cfg.model.path)
+    if cfg.model.path is not None and not is_model_dir(run.initial_model):
+        raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
+    evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
+    return RunSetup(cfg, run, factory, env, evaluation)
+
+
+def ensure_initial_model(setup: RunSetup) -> Path:
+    """The initial model directory; creates the preset in run_dir/model (atomically) when needed."""
+    target = setup.run.initial_model
+    if setup.cfg.model.path is not None or is_model_dir(target):
+        return target
+    from learner.model_init import ensure_model
+
+    return ensure_model(target, preset=setup.cfg.model.preset, seed=setup.cfg.run.seed)
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) -> int:
+    """Groups the staleness control counts as accepted on resume.
+
+    Each learner version consumed exactly B accepted groups, so v·B groups are behind the learner;
+    the groups fsync'd to the spool but not yet consumed are accepted too (they will be trained).
+    Groups lost with a killed supervisor were never fsync'd, never counted, and are simply redone.
+    """
+    return version * batch_groups + unconsumed_groups
+
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    return RolloutSettings(
+        # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
+        # is per request).
+        sampling=SamplingParams(**cfg.sampling.model_dump()),
+        max_context_tokens=cfg.env.max_context_tokens,
+        tool_parser=cfg.env.tool_parser,
+        system_prompt=cfg.env.system_prompt,
+        # abort-and-retry: an aborted turn is resubmitted with its partial output (AReaL-style), so the
+        # tokens already generated keep their old version and the rest comes from the new weights.
+        retry_aborted=cfg.async_.weight_sync_mode == "abort",
+    )
+
+
+def build_scheduler(
+    setup: RunSetup,
+    *,
+    engine: GenerateEngine,
+    tokenizer: ChatTokenizer,
+    agent_endpoint: OpenAIEndpoint,
+    ready: events.Ready,
+    served_version: int,
+    dropped_already: int,
+    notify: Callable[[str], None] | None = None,
+) -> GroupScheduler:
+    """The actor side: spool writer and staleness control around the engine pool.
+
+    The learner may already have trained the unconsumed groups, published newer versions and dropped
+    some groups while the engines were starting: admission starts from the version the engines serve
+    now, and does not count as accepted what the learner already announced it will never train
+    (`dropped_already`). Synchronous on purpose: the caller reads `served_version` and
+    `dropped_already` and installs the result with no await in between, so no learner event can land
+    between the read and the scheduler that must see it."""
+    cfg, run = setup.cfg, setup.run
+    unconsumed, _ = spool_depth(run.spool, ready.consumed_seq)
+    spool = SpoolWriter(run.spool)
+    # A resumed run continues the task stream after the groups already produced instead of replaying it.
+    # Tasks held out for evaluation (eval.holdout_fraction) are never trained on.
+    stream = training_tasks(setup.env.tasks(cfg.run.seed), training_holdout(cfg))
+    tasks = itertools.islice(stream, spool.next_seq - 1, None)
+    return GroupScheduler(
+        engine=engine,
+        tokenizer=tokenizer,
+        factory=setup.env_factory,
+        env_name=cfg.env.name,
+        env_options=cfg.env.options,
+        settings=agent_endpoint.settings,
+        group_size=cfg.env.group_size,
+        admission=AdmissionController(
+            cfg.learner.batch_groups, cfg.async_.max_staleness, cfg.rollout.max_concurrent_groups
+        ),
+        spool=spool,
+        tasks=tasks,
+        initial_version=served_version,
+        initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
+        - dropped_already,
+        notify=notify,
+        agent_endpoint=agent_endpoint,
+    )
+
+
+async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Config) -> OpenAIEndpoint:
+    """The run's OpenAI endpoint on 127.0.0.1 (agent-function episodes; judges on the run's own engines,
+    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on."""
+    from envs.judge import set_run_endpoint
+    from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.supervisor.observability import judge_metrics
+
+    endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg))
+    await endpoint.start()
+    log.info("OpenAI endpoint (agent episodes, judges) on %s", endpoint.base_url)
+    set_run_endpoint(endpoint.base_url, endpoint.service_key)
+    judge_metrics.install()
+    return endpoint
+
+
+def build_evaluator(
+    setup: RunSetup, *, engine: Any, tokenizer: Any, progress: Progress, started_at: float
+) -> Evaluator | None:
+    """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
+    off."""
+    if setup.evaluation is None:
+        return None
+    return Evaluator(
+        setup.evaluation,
+        engine=engine,
+        tokenizer=tokenizer,
+        settings=rollout_settings(setup.cfg),
+        every_versions=setup.cfg.eval.every_versions,
+        log_path=setup.run.eval_log,
+        progress=progress,
+        started_at=started_at,
+    )

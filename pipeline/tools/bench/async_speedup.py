@@ -1,0 +1,413 @@
+"""`rollwise bench async`: learner steps/hour with staleness η = 2 versus synchronous η = 0.
+
+What is real and what is modelled:
+- real: GroupScheduler, AdmissionController, SpoolWriter/SpoolReader, run_group (the multi-turn runner with
+  its chat buffer), EnginePool/EngineClient over HTTP on 127.0.0.1, sync_weights;
+- modelled engine: an aiohttp server speaking SGLang's /generate (and the pause/update/continue
+  control routes). Response lengths are lognormal (long tail, capped by max_new_tokens); latency is
+  GPU-like and costs no CPU: `prefill_s` + `per_token_s` per token via asyncio.sleep, independent of
+  how many requests run at once (an engine far from saturation). Pausing in place freezes decoding;
+  tokens decoded after an update carry the new version (rollwise's per-token version extension);
+- modelled learner: a step is `step_s` of asyncio.sleep consuming B groups, then a weight sync
+  (pause -> update with `load_s` of sleep -> continue); groups older than v − η are dropped.
+
+Both runs use the same seeds and parameters; only η differs. Reported per η: learner steps/hour,
+learner idle fraction (waiting for B groups), actor idle fraction (admission held work back because
+of staleness), mean token staleness of trained groups, and dropped groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import math
+import random
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
+from pipeline.contracts.schema import batch_to_segments
+from pipeline.supervisor.actors.admission import AdmissionController, is_stale
+from pipeline.supervisor.actors.rollout import RolloutSettings
+from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.engines.client import EngineClient
+from pipeline.supervisor.engines.pool import EnginePool
+from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.engines.weightsync import sync_weights
+from pipeline.transport.spool import SpoolReader, SpoolWriter
+
+GOAL_SPEEDUP = 2.0
+END_TEXT = "<|end|>"
+
+
+class CharTokenizer:
+    """A dependency-free chat tokenizer: one id per character code point below 256, id 256 = <|end|>.
+
+    Template: "<role>: <content><|end|>\\n" per message, "assistant: " as the generation prompt. Decoding
+    then encoding any id sequence round-trips exactly, which the runner's token buffer relies on.
+    """
+
+    eos_token_id = 256
+    vocab_size = 257
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> str:
+        text = "".join(f"{m['role']}: {m['content']}{END_TEXT}\n" for m in conversation)
+        return text + ("assistant: " if kwargs.get("add_generation_prompt") else "")
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        ids: list[int] = []
+        for k, part in enumerate(text.split(END_TEXT)):
+            if k:
+                ids.append(self.eos_token_id)
+            for ch in part:
+                code = ord(ch)
+                if code >= 256:
+                    raise ValueError(f"CharTokenizer cannot encode {ch!r} (code point {code} >= 256)")
+                ids.append(code)
+        return ids
+
+    def decode(self, token_ids: Any, **kwargs: Any) -> str:
+        return "".join(END_TEXT if t == self.eos_token_id else chr(t) for t in token_ids)
+
+
+class CoinEnv(Environment):
+    """A trivial multi-turn task: `turns` turns, then outcome 1.0 when the last reply has an odd length.
+
+    Cheap on purpose (the benchmark measures scheduling, not environments); rewards still vary within
+    a group so the groups carry a learning signal.
+    """
+
+    def __init__(self, turns: int = 2) -> None:
+        self.spec = EnvSpec(name="bench-coin", version="1", max_turns=turns, step_timeout_s=30.0)
+        self._turn = 0
+
+    def tasks(self, seed: int) -> Iterator[Task]:
+        for index in itertools.count():
+            yield Task(id=f"coin-{seed}-{index}", seed=seed * 1_000_003 + index, data={})
+
+    async def reset(self, task: Task) -> list[Message]:
+        self._turn = 0
+        return [{"role": "user", "content": f"Flip {task.id}."}]
+
+    async def step(self, action: Action) -> StepResult:
+        self._turn += 1
+        if self._turn >= self.spec.max_turns:
+            return StepResult(messages=[], done=True, outcome=float(len(action.text) % 2))
+        return StepResult(messages=[{"role": "user", "content": "Again."}])
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Response length ~ lognormal(median_tokens, sigma) capped by max_new_tokens; time = prefill_s +
+    per_token_s per token (asyncio.sleep, decoded in chunks of `chunk_tokens`)."""
+
+    per_token_s: float = 0.002
+    prefill_s: float = 0.02
+    median_tokens: float = 40.0
+    sigma: float = 1.0
+    chunk_tokens: int = 8
+    load_s: float = 0.05
+
+
+class LatencyEngine:
+    """A GPU-like fake SGLang server (see module docstring). Serves on 127.0.0.1."""
+
+    def __init__(self, model: LatencyModel, *, seed: int = 0) -> None:
+        self.model = model
+        self.seed = seed
+        self.weight_version = "0"
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+        self.generated_tokens = 0
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", self._ok)
+        app.router.add_post("/pause_generation", self._pause)
+        app.router.add_post("/continue_generation", self._continue)
+        app.router.add_post("/update_weights_from_disk", self._update)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.base_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        self._unpaused.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _length(self, rid: str, cap: int) -> int:
+        digest = hashlib.blake2b(f"{self.seed}:{rid}".encode(), digest_size=8).digest()
+        rng = random.Random(int.from_bytes(digest, "big"))
+        return max(1, min(cap, round(self.model.median_tokens * math.exp(rng.gauss(0.0, self.model.sigma)))))
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        rid = str(body["rid"])
+        sampling = body.get("sampling_params") or {}
+        cap = int(sampling.get("max_new_tokens", 128))
+        stops = [int(t) for t in sampling.get("stop_token_ids") or []]
+        n = self._length(rid, cap)
+        stopped = n < cap and bool(stops)
+        rng = random.Random(rid)
+        ids = [rng.randrange(97, 123) for _ in range(n - 1 if stopped else n)]
+        if stopped:
+            ids.append(stops[0])
+        await self._unpaused.wait()
+        await asyncio.sleep(self.model.prefill_s)
+        versions: list[str] = []
+        while len(versions) < len(ids):
+            await self._unpaused.wait()
+            chunk = min(self.model.chunk_tokens, len(ids) - len(versions))
+            await asyncio.sleep(chunk * self.model.per_token_s)
+            await self._unpaused.wait()  # a pause during the chunk holds its tokens until continue
+            versions.extend([self.weight_version] * chunk)
+        self.generated_tokens += len(ids)
+        finish = {"type": "stop", "matched": ids[-1]} if stopped else {"type": "length", "length": cap}
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(body["input_ids"]),
+            "weight_version": self.weight_version,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "output_token_logprobs": [[-1.0, t, None] for t in ids],
+            "output_token_weight_versions": versions,
+        }
+        return web.json_response({"output_ids": ids, "meta_info": meta})
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self._unpaused.clear()
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        self._unpaused.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _update(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(self.model.load_s)
+        self.weight_version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    seconds: float = 22.0
+    batch_groups: int = 4
+    group_size: int = 4
+    turns: int = 2
+    max_new_tokens: int = 300
+    max_concurrent: int = 12  # (η + 1)·B for η = 2: the overlapped run can use every slot
+    step_s: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class ModeResult:
+    eta: int
+    wall_s: float
+    steps: int
+    steps_per_hour: float
+    learner_idle_fraction: float
+    actor_idle_fraction: float
+    mean_staleness: float
+    max_staleness: int
+    trained_groups: int
+    dropped_stale: int
+    sync_s_mean: float
+
+
+def _group_min_version(batch: Any) -> tuple[int | None, list[int]]:
+    """Oldest version among the group's generated tokens, and every generated token's version."""
+    episodes, _ = batch_to_segments(batch)
+    versions = [v for ep in episodes for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m]
+    return (min(versions) if versions else None), versions
+
+
+async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: Path) -> ModeResult:
+    """One timed run at staleness bound `eta` (see module docstring)."""
+    engine = LatencyEngine(model, seed=params.seed)
+    url = await engine.start()
+    pool = EnginePool([EngineClient(url, retries=0, request_timeout_s=60.0)])
+    spool_dir = workdir / f"spool-eta{eta}"
+    admission = AdmissionController(params.batch_groups, eta, params.max_concurrent)
+    settings = RolloutSettings(
+        sampling=SamplingParams(max_new_tokens=params.max_new_tokens),
+        max_context_tokens=params.turns * (params.max_new_tokens + 64) + 64,
+    )
+    env = CoinEnv(params.turns)
+    scheduler = GroupScheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=CoinEnv,
+        env_name="bench-coin",
+        env_options={"turns": params.turns},
+        settings=settings,
+        group_size=params.group_size,
+        admission=admission,
+        spool=SpoolWriter(spool_dir),
+        tasks=env.tasks(params.seed),
+    )
+    reader = SpoolReader(spool_dir, after_seq=0)
+    stop = asyncio.Event()
+    version = 0
+    steps = 0
+    idle_s = 0.0
+    staleness: list[int] = []
+    dropped = 0
+    trained = 0
+    sync_total = 0.0
+    started = time.monotonic()
+    deadline = started + params.seconds
+    scheduler_task = asyncio.create_task(scheduler.run(stop))
+    try:
+        while time.monotonic() < deadline:
+            batch_versions: list[int] = []
+            taken = 0
+            wait_from = time.monotonic()
+            while taken < params.batch_groups and time.monotonic() < deadline:
+                items = await asyncio.to_thread(reader.poll, params.batch_groups - taken)
+                if not items:
+                    await asyncio.sleep(0.005)
+                    continue
+                for item in items:
+                    oldest, versions = _group_min_version(item.batch)
+                    if oldest is None or is_stale(oldest, version, eta):
+                        dropped += 1
+                        scheduler.on_dropped(1)
+                        continue
+                    batch_versions.extend(version - v for v in versions)
+                    taken += 1
+            idle_s += time.monotonic() - wait_from
+            if taken < params.batch_groups:
+                break
+            await asyncio.sleep(params.step_s)  # the optimizer step, GPU-like: no CPU
+            version += 1
+            steps += 1
+            trained += taken
+            staleness.extend(batch_versions)
+            timings = await sync_weights(
+                pool, model_path=f"/weights/v{version}", version=version, mode="in_place"
+            )
+            sync_total += timings.total_s
+            scheduler.on_version(version)
+    finally:
+        wall = time.monotonic() - started
+        stop.set()
+        await scheduler.drain(0.0)
+        await scheduler_task
+        await pool.close()
+        await engine.stop()
+    return ModeResult(
+        eta=eta,
+        wall_s=wall,
+        steps=steps,
+        steps_per_hour=steps * 3600.0 / wall,
+        learner_idle_fraction=idle_s / wall,
+        actor_idle_fraction=scheduler.actor_idle_s / wall,
+        mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
+        max_staleness=max(staleness) if staleness else 0,
+        trained_groups=trained,
+        dropped_stale=dropped,
+        sync_s_mean=sync_total / steps if steps else 0.0,
+    )
+
+
+async def run_bench(params: BenchParams, model: LatencyModel, etas: Sequence[int]) -> list[ModeResult]:
+    with tempfile.TemporaryDirectory(prefix="rollwise-bench-async-") as tmp:
+        return [await run_mode(eta, params, model, Path(tmp)) for eta in etas]
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rollwise bench async", description=__doc__.split("\n\n")[0])
+    d, m = BenchParams(), LatencyModel()
+    p.add_argument("--seconds", type=float, default=d.seconds, help="wall time of each run")
+    p.add_argument("--eta", type=int, default=2, help="staleness bound compared with eta = 0")
+    p.add_argument("--batch-groups", type=int, default=d.batch_groups, help="B: groups per learner step")
+    p.add_argument("--group-size", type=int, default=d.group_size, help="G: episodes per group")
+    p.add_argument("--turns", type=int, default=d.turns, help="turns per episode")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="cap of one response")
+    p.add_argument("--max-concurrent", type=int, default=d.max_concurrent, help="groups running at once")
+    p.add_argument("--step-s", type=float, default=d.step_s, help="modelled learner step (seconds)")
+    p.add_argument("--per-token-ms", type=float, default=m.per_token_s * 1e3, help="decode latency/token")
+    p.add_argument("--prefill-ms", type=float, default=m.prefill_s * 1e3, help="latency per request")
+    p.add_argument("--median-tokens", type=float, default=m.median_tokens, help="median response length")
+    p.add_argument("--sigma", type=float, default=m.sigma, help="lognormal sigma of response lengths")
+    p.add_argument("--load-ms", type=float, default=m.load_s * 1e3, help="weight load time of the engine")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run η = 0 and η = --eta back to back; exit 0 when the speed-up reaches the goal, 1 otherwise."""
+    args = _parse(argv or [])
+    params = BenchParams(
+        seconds=args.seconds,
+        batch_groups=args.batch_groups,
+        group_size=args.group_size,
+        turns=args.turns,
+        max_new_tokens=args.max_new_tokens,
+        max_concurrent=args.max_concurrent,
+        step_s=args.step_s,
+        seed=args.seed,
+    )
+    model = LatencyModel(
+        per_token_s=args.per_token_ms / 1e3,
+        prefill_s=args.prefill_ms / 1e3,
+        median_tokens=args.median_tokens,
+        sigma=args.sigma,
+        load_s=args.load_ms / 1e3,
+    )
+    results = asyncio.run(run_bench(params, model, [0, args.eta]))
+    sync, overlapped = results
+    speedup = overlapped.steps_per_hour / sync.steps_per_hour if sync.steps_per_hour else math.inf
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "params": asdict(params),
+                    "model": asdict(model),
+                    "results": [asdict(r) for r in results],
+                    "speedup": speedup,
+                    "goal": GOAL_SPEEDUP,
+                }
+            )
+        )
+    else:
+        print(
+            f"B={params.batch_groups} G={params.group_size} turns={params.turns} step={params.step_s}s "
+            f"tokens~lognormal(median {model.median_tokens:g}, sigma {model.sigma:g})"
+            f" <= {params.max_new_tokens}, "
+            f"{model.per_token_s * 1e3:g} ms/token + {model.prefill_s * 1e3:g} ms prefill"
+        )
+        header = f"{'eta':>4} {'steps':>6} {'steps/h':>9} {'learner idle':>13} {'actor idle':>11} "
+        print(header + f"{'staleness':>10} {'max':>4} {'dropped':>8} {'sync s':>7}")
+        for r in results:
+            print(
+                f"{r.eta:>4} {r.steps:>6} {r.steps_per_hour:>9.0f} {r.learner_idle_fraction:>13.1%} "
+                f"{r.actor_idle_fraction:>11.1%} {r.mean_staleness:>10.2f} {r.max_staleness:>4} "
+                f"{r.dropped_stale:>8} {r.sync_s_mean:>7.3f}"
+            )
+        verdict = "meets" if speedup >= GOAL_SPEEDUP else "misses"
+        print(f"speed-up eta={args.eta} vs eta=0: {speedup:.2f}x ({verdict} the {GOAL_SPEEDUP:.1f}x goal)")
+    return 0 if speedup >= GOAL_SPEEDUP else 1

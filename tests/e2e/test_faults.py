@@ -1,0 +1,231 @@
+"""Faults and bad input against the real daemon: kill -9, a dying engine, a flaky environment, a
+corrupt spool, a bad config. Each test states what must survive and checks it on disk or in /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from envs.api import Action, EnvError, StepResult
+from envs.guess_number import GuessNumberEnv
+from pipeline.transport.spool import read_group_file
+from tests.e2e.test_run_e2e import REPO, TINY, DaemonRun, checkpoint_state, daemons, tiny_model
+
+__all__ = ["FlakyEnv", "daemons", "tiny_model"]  # re-exported fixtures are used by name
+
+
+class FlakyEnv(GuessNumberEnv):
+    """guess-number whose step() fails on ~10% of calls: raises, hangs past the step timeout, or returns
+    garbage (not a StepResult), chosen by a private RNG so the test does not depend on global state."""
+
+    def __init__(self, fault_rate: float = 0.1, **options: int) -> None:
+        super().__init__(**options)
+        self.spec = dataclasses.replace(self.spec, step_timeout_s=0.5, episode_timeout_s=10.0)
+        self.fault_rate = fault_rate
+        self._rng = random.Random()
+
+    async def step(self, action: Action) -> StepResult:
+        if self._rng.random() < self.fault_rate:
+            fault = self._rng.choice(["raise", "hang", "garbage"])
+            if fault == "raise":
+                raise EnvError("FlakyEnv: injected failure")
+            if fault == "hang":
+                await asyncio.sleep(30)
+            garbage: Any = "garbage"
+            return garbage
+        return await super().step(action)
+
+
+def _model_override(model: Path) -> str:
+    return f"model.path={json.dumps(str(model))}"
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found.extend(int(p) for p in text)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "run"
+
+
+def _checkpointed_step(run_dir: Path) -> int:
+    return int(checkpoint_state(run_dir)["step"]) if (run_dir / "checkpoints" / "latest").exists() else 0
+
+
+def _lineage_group_ids(run_dir: Path) -> list[str]:
+    """Group ids consumed along the checkpoint chain on disk (each step dir records the ids consumed
+    since the previous checkpoint; a resumed learner overwrites the steps it redoes)."""
+    ids: list[str] = []
+    for step_dir in sorted((run_dir / "checkpoints").glob("step*"), key=lambda p: int(p.name[4:])):
+        state = json.loads((step_dir / "state.json").read_text())
+        ids.extend(state["consumed"]["group_ids"])
+    return ids
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_kill_9_at_random_moments_loses_no_durable_group_and_trains_none_twice(
+    run_dir: Path, tiny_model: Path, daemons: list[DaemonRun]
+) -> None:
+    rng = random.Random(5)
+    # Keep every checkpoint (and so every spool file: retention prunes only what the oldest kept
+    # checkpoint consumed), so the test can account for each group ever written.
+    overrides = [
+        *TINY,
+        _model_override(tiny_model),
+        "learner.checkpoint_every=2",
+        "learner.keep_checkpoints=1000",
+    ]
+    resumes: list[tuple[int, int]] = []  # (checkpointed step at start, first step the run reported)
+    for _ in range(3):
+        checkpointed = _checkpointed_step(run_dir)
+        run = DaemonRun(run_dir, overrides)
+        daemons.append(run)
+        run.wait_steps(1)
+        resumes.append((checkpointed, run.steps()[0]))
+        # A random moment within the next steps: mid-episode, mid-spool-write, mid-step or mid-checkpoint.
+        run.wait_steps(1 + rng.randint(0, 2))
+        time.sleep(rng.uniform(0.0, 1.5))
+        run.proc.send_signal(signal.SIGKILL)
+        run.wait(timeout_s=10)
+    final = DaemonRun(run_dir, overrides, max_steps=_checkpointed_step(run_dir) + 2)
+    daemons.append(final)
+    assert final.wait(timeout_s=120) == 0, final.tail()
+
+    for checkpointed, first in resumes:
+        assert first == checkpointed + 1, "the learner's step counter must resume from the last checkpoint"
+    trained = _lineage_group_ids(run_dir)
+    assert len(trained) == len(set(trained)), "a consumed group was trained twice"
+    consumed_seq = int(checkpoint_state(run_dir)["consumed"]["last_seq"])
+    written = {seq: read_group_file(path)[0] for seq, path in _spool_files(run_dir / "spool")}
+    # Every fsync'd group up to the resume point was consumed exactly once along the chain (trained or
+    # dropped with a reason); the ones after it wait in the spool for the next start. None is lost.
+    assert sorted(written) == list(range(1, max(written) + 1)), "a spool sequence number is missing"
+    assert {gid for seq, gid in written.items() if seq <= consumed_seq} == set(trained)
+
+
+def _spool_files(spool: Path) -> list[tuple[int, Path]]:
+    return sorted((int(p.name[1:13]), p) for p in spool.glob("g*.arrow"))
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_killed_engine_costs_its_episodes_and_is_restarted(
+    run_dir: Path, tiny_model: Path, daemons: list[DaemonRun]
+) -> None:
+    run = DaemonRun(run_dir, [*TINY, _model_override(tiny_model)])
+    daemons.append(run)
+    run.wait_steps(1)
+    engines = [p for p in _child_pids(run.proc.pid) if "pipeline.engine.server" in _cmdline(p)]
+    assert len(engines) == 1
+    os.kill(engines[0], signal.SIGKILL)
+    steps_at_kill = len(run.steps())
+    run.wait_for(
+        lambda r: r.metric("rollwise_process_restarts_total", {"component": "engine"}) >= 1, 30, "restart"
+    )
+    run.wait_steps(steps_at_kill + 2, timeout_s=90)
+    assert run.metric("rollwise_episodes_total", {"reason": "engine_error"}) >= 1
+
+    def new_engines() -> list[int]:
+        return [p for p in _child_pids(run.proc.pid) if "pipeline.engine.server" in _cmdline(p)]
+
+    # /proc can miss a child for a moment (its cmdline is read while the process list is walked).
+    run.wait_for(lambda r: len(new_engines()) == 1, 30, "one engine process")
+    assert new_engines() != engines
+    run.signal(signal.SIGTERM)
+    assert run.wait(timeout_s=60) == 0, run.tail()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_flaky_environment_costs_only_its_episodes(
+    run_dir: Path, tiny_model: Path, daemons: list[DaemonRun]
+) -> None:
+    overrides = [*TINY, _model_override(tiny_model), "env.name='tests.e2e.test_faults:FlakyEnv'"]
+    run = DaemonRun(run_dir, overrides, max_steps=4)
+    daemons.append(run)
+    run.wait_steps(3, timeout_s=120)
+    failed = run.metric("rollwise_episodes_total", {"reason": "env_error"}) + run.metric(
+        "rollwise_episodes_total", {"reason": "timeout"}
+    )
+    total = run.metric("rollwise_episodes_total")
+    assert failed >= 1
+    assert failed / total < 0.6  # 10% of steps, up to 5 steps an episode: most episodes survive
+    assert run.wait(timeout_s=60) == 0, run.tail()
+    assert run.steps()[-1] == 4
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_corrupt_and_truncated_spool_files_are_quarantined_and_training_continues(
+    run_dir: Path, tiny_model: Path, daemons: list[DaemonRun]
+) -> None:
+    overrides = [*TINY, _model_override(tiny_model)]
+    first = DaemonRun(run_dir, overrides, max_steps=1)
+    daemons.append(first)
+    assert first.wait(timeout_s=120) == 0, first.tail()
+    spool = run_dir / "spool"
+    consumed = int(checkpoint_state(run_dir)["consumed"]["last_seq"])
+    # The next two groups the learner will read: one overwritten with garbage, one cut in half (they
+    # may exist already, written during the first run's drain, or not yet).
+    garbage, truncated = spool / f"g{consumed + 1:012d}.arrow", spool / f"g{consumed + 2:012d}.arrow"
+    whole = sorted(spool.glob("g*.arrow"))[0].read_bytes()
+    garbage.write_bytes(b"this is not arrow at all")
+    truncated.write_bytes(whole[: len(whole) // 2])
+    second = DaemonRun(run_dir, overrides, max_steps=3)
+    daemons.append(second)
+    assert second.wait(timeout_s=120) == 0, second.tail()
+    assert second.steps() == [2, 3]
+    reasons = {p.name: p.read_text() for p in (spool / "quarantine").glob("*.reason")}
+    assert sorted(reasons) == [garbage.name + ".reason", truncated.name + ".reason"]
+    assert all(text.strip() for text in reasons.values())
+    assert any(e.get("event") == "message" and "quarantined" in str(e.get("text")) for e in second.events)
+
+
+def test_bad_config_exits_2_naming_the_key_and_creates_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "never"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "learner.clip_low=-1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "learner.clip_low" in proc.stderr
+    assert not run_dir.exists()

@@ -1,0 +1,424 @@
+"""A learner that does not share the supervisor's disk (`learner.run_dir`): its config over stdin, the
+preset built on its side and compared by digest, its published versions fetched from its own weight
+server and mirrored into the run directory (checked against the manifest), its checkpoints on its disk.
+
+The daemon tests run everything on 127.0.0.1 with two separate directories: nothing of the learner's
+reaches the supervisor's directory except through the weight server, and no spool file reaches the
+learner's (it reads them over Arrow Flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import itertools
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from learner.worker import receive_config
+from pipeline.contracts import events
+from pipeline.contracts.config import ConfigError, check_exposed_ports, config_to_toml, load_config, reveal
+from pipeline.contracts.http_guard import ExposedWithoutKey
+from pipeline.contracts.run_dir import RunDir, model_digest
+from pipeline.supervisor.learner_child import TRANSPORT_TOKEN_ENV, config_message, learner_child_spec
+from pipeline.supervisor.observability import metrics
+from pipeline.transport.spool import read_group_file
+from pipeline.transport.weights_http import WeightServer, WeightServerThread, fetch_version
+from tests.e2e.test_faults import _child_pids, _cmdline, _lineage_group_ids, _spool_files
+from tests.e2e.test_run_e2e import TINY, DaemonRun, checkpoint_state, daemons  # noqa: F401 - fixture
+from tests.fakes.sglang_fake import FakeSGLang, free_port
+
+TOKEN = "learner-weights-token-0123456789"
+
+
+def own_run_dir_overrides(learner_dir: Path) -> list[str]:
+    flight_port = free_port()
+    return [
+        *TINY,
+        'transport.kind="flight"',
+        f"transport.flight_port={flight_port}",
+        f'learner.spool_url="grpc://127.0.0.1:{flight_port}"',
+        f"learner.run_dir={json.dumps(str(learner_dir))}",
+        "learner.weights_port=0",
+    ]
+
+
+def fake_model(path: Path, weights: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"model_type": "qwen3", "transformers_version": "4.50.0"}\n')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+# --- the pieces -----------------------------------------------------------------------------------------
+def test_the_config_and_the_secrets_reach_the_learner_on_stdin_and_never_its_argv_or_env(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(
+        None,
+        [
+            f'learner.run_dir="{tmp_path / "learner"}"',
+            'learner.spool_url="grpc://sup:8815"',
+            f'transport.token="{TOKEN}-flight"',
+            f'learner.weights_token="{TOKEN}"',
+            "learner.lr=3e-3",
+        ],
+    )
+    spec = learner_child_spec(RunDir.at(tmp_path / "run"), cfg.learner, transport_token=TOKEN + "-flight")
+    assert spec.argv[1:] == ["-m", "learner.worker", "--config", "-", "--run-dir", str(tmp_path / "learner")]
+    assert TRANSPORT_TOKEN_ENV not in spec.env and spec.stdin
+    message = config_message(cfg)
+    assert TOKEN not in message["toml"]  # the config as config.toml holds it
+    assert message["secrets"] == {"transport.token": TOKEN + "-flight", "learner.weights_token": TOKEN}
+
+    received = receive_config(io.StringIO(json.dumps(message) + "\n" + '{"cmd": "stop"}\n'))
+    assert received.model_dump(mode="json") == cfg.model_dump(mode="json")
+    assert reveal(received.learner.weights_token) == TOKEN
+    assert reveal(received.transport.token) == TOKEN + "-flight"
+    assert config_to_toml(received) == config_to_toml(cfg)
+
+
+@pytest.mark.parametrize(
+    ("first_line", "message"),
+    [
+        ("", "stdin closed before the supervisor sent the config"),
+        ("not json\n", "not JSON"),
+        ('{"cmd": "stop"}\n', "expected a 'config' command first"),
+        ('{"cmd": "config", "toml": 3, "secrets": {}}\n', "needs 'toml'"),
+        ('{"cmd": "config", "toml": "[learner]\\nlr = -1\\n", "secrets": {}}\n', r"learner\.lr"),
+        ('{"cmd": "config", "toml": "", "secrets": {"learner.lr": "x"}}\n', "not a secret setting"),
+    ],
+)
+def test_a_bad_config_line_on_stdin_is_refused_naming_the_problem(first_line: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        receive_config(io.StringIO(first_line))
+
+
+def test_config_rules_of_a_learner_with_its_own_run_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLWISE_LEARNER_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=r"learner\.run_dir .* needs learner\.spool_url"):
+        load_config(None, ['learner.run_dir="/data/learner"'])
+    with pytest.raises(ConfigError, match="is the run directory itself"):
+        load_config(
+            None, ['learner.run_dir="runs/exp/"', 'run.run_dir="runs/exp"', 'learner.spool_url="grpc://s:1"']
+        )
+    exposed = [
+        'learner.run_dir="/data/l"',
+        'learner.spool_url="grpc://s:1"',
+        'learner.weights_host="0.0.0.0"',
+    ]
+    with pytest.raises(ConfigError, match=r"learner\.weights_token is required"):
+        check_exposed_ports(load_config(None, exposed))
+    monkeypatch.setenv("ROLLWISE_LEARNER_TOKEN", TOKEN)
+    check_exposed_ports(load_config(None, exposed))
+    # A section's rule never echoes the section (it may hold a token).
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [f'learner.weights_token="{TOKEN}"', 'learner.run_dir="/l"'])
+    assert TOKEN not in str(refused.value)
+
+
+def test_the_initial_model_digest_covers_weights_and_tokenizer_but_not_the_transformers_version(
+    tmp_path: Path,
+) -> None:
+    a = fake_model(tmp_path / "a", b"\x00" * 64)
+    b = fake_model(tmp_path / "b", b"\x00" * 64)
+    (b / "config.json").write_text('{"transformers_version": "4.57.1", "model_type": "qwen3"}')
+    assert model_digest(a) == model_digest(b)
+    (b / "model.safetensors").write_bytes(b"\x00" * 63 + b"\x01")
+    assert model_digest(a) != model_digest(b)
+    (b / "model.safetensors").write_bytes(b"\x00" * 64)
+    (b / "tokenizer.json").write_text("{}")
+    assert model_digest(a) != model_digest(b)
+
+
+def test_ready_and_published_carry_where_to_fetch_and_older_events_still_decode() -> None:
+    ready = events.Ready(1, 2, 3, "/l/weights/v1", weights_url="http://c:8816", initial_model_digest="ab")
+    published = events.Published(version=4, path="/l/weights/v4", weights_url="http://c:8816")
+    for event in (ready, published):
+        assert events.decode(json.loads(events.encode(event))) == event
+    old = events.decode({"event": "published", "version": 4, "path": "/r/weights/v4"})
+    assert old == events.Published(version=4, path="/r/weights/v4", weights_url=None)
+    with pytest.raises(ValueError, match=r"ready\.initial_model_digest has 5"):
+        events.decode({"event": "ready", "version": 0, "step": 0, "consumed_seq": 0, "path": "p",
+                       "initial_model_digest": 5})  # fmt: skip
+
+
+def test_the_learners_weight_server_wants_its_token_and_a_key_off_loopback(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path / "learner")
+    fake_model(run.weights_of(2), b"\x01" * 32)
+    with pytest.raises(ExposedWithoutKey, match=r"learner\.weights_token"):
+        WeightServerThread(run.weights_of, "0.0.0.0", 0, None, what="the learner's weight server").start()
+    server = WeightServerThread(run.weights_of, "127.0.0.1", 0, TOKEN, what="the learner's weight server")
+    port = server.start()
+    try:
+        url = f"http://127.0.0.1:{port}/weights/v2/manifest"
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(url, timeout=10)
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            manifest = json.loads(resp.read())
+        assert [f["path"] for f in manifest["files"]] == ["config.json", "model.safetensors"]
+    finally:
+        server.stop()
+
+
+def mirror_failures() -> float:
+    return metrics.REGISTRY.get_sample_value("rollwise_weight_mirror_failures_total") or 0.0
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for _ in itertools.count():
+        if condition():
+            return
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_a_version_published_again_with_other_weights_replaces_the_fetched_copy(tmp_path: Path) -> None:
+    learner = RunDir.at(tmp_path / "learner")
+    app = web.Application()
+    WeightServer(learner.weights_of).add_routes(app)
+    runner, source = await _serve(app)
+    try:
+        fake_model(learner.weights_of(3), b"old lineage")
+        local = await fetch_version(source, 3, tmp_path / "mirror")
+        inode = (local / "model.safetensors").stat().st_ino
+        assert (await fetch_version(source, 3, tmp_path / "mirror")) == local  # the same manifest: kept
+        assert (local / "model.safetensors").stat().st_ino == inode
+        # The learner restarted from an older checkpoint and publishes version 3 again (a new directory).
+        fresh = fake_model(tmp_path / "learner" / "weights" / "v3.new", b"new lineage")
+        os.rename(learner.weights_of(3), tmp_path / "gone")
+        os.rename(fresh, learner.weights_of(3))
+        assert (await fetch_version(source, 3, tmp_path / "mirror")) == local
+        assert (local / "model.safetensors").read_bytes() == b"new lineage"
+    finally:
+        await runner.cleanup()
+
+
+async def test_copies_are_kept_by_install_order_so_a_rolled_back_version_survives(tmp_path: Path) -> None:
+    learner = RunDir.at(tmp_path / "learner")
+    app = web.Application()
+    WeightServer(learner.weights_of).add_routes(app)
+    runner, source = await _serve(app)
+    mirror = tmp_path / "mirror"
+    try:
+        for version in (2, 3, 4, 5, 6):
+            fake_model(learner.weights_of(version), bytes([version]) * 16)
+        for version in (3, 4, 5):
+            await fetch_version(source, version, mirror)
+        # The learner restarted at version 2 (older than every copy): the engines go back to it.
+        assert (await fetch_version(source, 2, mirror)) == mirror / "v2"
+        assert sorted(p.name for p in mirror.iterdir()) == [
+            "v2", "v2.manifest.json", "v4", "v4.manifest.json", "v5", "v5.manifest.json"
+        ]  # fmt: skip
+        await fetch_version(source, 6, mirror)
+        assert sorted(p.name for p in mirror.iterdir() if p.is_dir()) == ["v2", "v5", "v6"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_supersedes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.supervisor import daemon as supervisor_module
+    from pipeline.supervisor.daemon import Supervisor
+    from pipeline.supervisor.wiring import resolve_config
+    from tests.supervisor.test_supervisor import _ns, _VersionLog
+
+    monkeypatch.setattr(supervisor_module, "MIRROR_RETRY_FIRST_S", 0.05)
+    learner = RunDir.at(tmp_path / "learner")
+    app = web.Application()
+    WeightServer(learner.weights_of).add_routes(app)
+    runner, source = await _serve(app)
+    fake = FakeSGLang()
+    await fake.start()
+    overrides = [
+        'engine.kind="external"',
+        f'engine.urls=["{fake.base_url}"]',
+        "metrics.port=0",
+        f'learner.run_dir="{learner.root}"',
+        'learner.spool_url="grpc://127.0.0.1:1"',
+    ]
+    sup = Supervisor(
+        resolve_config(_ns(run_dir=str(tmp_path / "run"), log_format="json", set=overrides)),
+        progress_out=(progress := io.StringIO()),
+    )
+    sup.scheduler = _VersionLog()  # type: ignore[assignment]
+    failures_before = mirror_failures()
+    try:
+        fake_model(learner.weights_of(1), b"\x11" * 4096)
+        async with aiohttp.ClientSession() as http, http.get(f"{source}/weights/v1/manifest") as resp:
+            assert resp.status == 200  # the server has made (and cached) v1's manifest
+        (learner.weights_of(1) / "model.safetensors").write_bytes(b"\x11" * 4095 + b"\x00")  # bit rot
+        # Events are handled one after the other, as LearnerChild.follow hands them over: the copy runs
+        # in the background, so the next event is heard while it is refused and retried.
+        await sup.on_learner_event(events.Published(1, str(learner.weights_of(1)), weights_url=source))
+        await until(lambda: mirror_failures() >= failures_before + 2)  # refused, and again on the retry
+        assert len(sup.mirror_tasks) == 1 and fake.update_calls == []
+        good = fake_model(learner.weights_of(2), b"\x22" * 4096)
+        await sup.on_learner_event(events.Published(2, str(good), weights_url=source))
+        await asyncio.wait_for(asyncio.gather(*sup.mirror_tasks), 10)
+    finally:
+        await sup.engines.pool.close()
+        await fake.stop()
+        await runner.cleanup()
+    assert [c["weight_version"] for c in fake.update_calls] == ["2"]  # version 1 never reached an engine
+    mirrored = sup.run_dir.weights_of(2)
+    assert fake.update_calls[0]["model_path"] == str(mirrored)
+    assert (mirrored / "model.safetensors").read_bytes() == b"\x22" * 4096
+    assert not sup.run_dir.weights_of(1).exists()
+    assert sup.version == 2 and sup.scheduler.versions == [2]  # type: ignore[attr-defined]
+    text = progress.getvalue()
+    assert "copying version 1 from the learner failed" in text and "sha256" in text
+    assert "version 1 not copied from the learner" in text
+
+
+# --- the daemon, end to end -----------------------------------------------------------------------------
+def _learner_pid(daemon_pid: int) -> int:
+    found = [p for p in _child_pids(daemon_pid) if "learner.worker" in _cmdline(p)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _readies(supervisor_log: Path) -> list[tuple[int, int]]:
+    """(version, step) of every ready event the supervisor received, in order."""
+    text = supervisor_log.read_text()
+    return [(int(v), int(s)) for v, s in re.findall(r"learner ready: Ready\(version=(\d+), step=(\d+)", text)]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.integration
+def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_no_disk(
+    tmp_path: Path,
+    daemons: list[DaemonRun],  # noqa: F811
+) -> None:
+    sup_dir, learner_dir = tmp_path / "supervisor", tmp_path / "learner"
+    # Every checkpoint kept (and so every spool file), so each group written can be accounted for; the
+    # engine downloads each version from the supervisor in turn (its own disk: fetched/engine0).
+    # The launcher starts the learner with an empty environment, as ssh would: its config and both
+    # tokens (Flight, its weight server) can only have come through its stdin.
+    overrides = [
+        *own_run_dir_overrides(learner_dir),
+        "learner.keep_checkpoints=1000",
+        'engine.weight_transport="http"',
+        'learner.launcher=["env", "-i", "PATH=/usr/bin:/bin"]',
+        f'transport.token="{TOKEN}-flight"',
+        f'learner.weights_token="{TOKEN}"',
+    ]
+    run = DaemonRun(sup_dir, overrides)  # the preset is built on both sides: model.path unset
+    daemons.append(run)
+    run.wait_steps(2, timeout_s=180)
+
+    os.kill(_learner_pid(run.proc.pid), signal.SIGKILL)
+    killed_at = checkpoint_state(learner_dir)["step"]  # the dead learner writes nothing more
+    run.wait_for(
+        lambda r: len(_readies(sup_dir / "logs" / "supervisor.log")) == 2,
+        120,
+        "the restarted learner's ready",
+    )
+    first, restarted = _readies(sup_dir / "logs" / "supervisor.log")
+    synced_before = len(run.snapshot("sync"))
+    run.wait_for(
+        lambda r: (
+            max(r.steps()) >= killed_at + 2
+            and len(syncs := r.snapshot("sync")) > synced_before
+            and syncs[-1]["version"] > restarted[0]
+        ),
+        120,
+        "two steps and a new version synced after the restart",
+    )
+    run.signal(signal.SIGTERM)
+    assert run.wait(timeout_s=90) == 0, run.tail()
+
+    # The restarted learner resumed its own checkpoint (the supervisor holds none).
+    assert first == (0, 0) and restarted[1] == killed_at
+    # Its stderr comes through the launcher's pipe into the supervisor's logs/learner.log.
+    assert (sup_dir / "logs" / "learner.log").read_text().count("--config - --run-dir") == 2
+    # No disk shared: no checkpoint on the supervisor's side, no spool file on the learner's.
+    assert not (sup_dir / "checkpoints").exists()
+    # Its own trace files (learner.trace, s<step>.arrow) are the only Arrow files it writes.
+    assert not (learner_dir / "spool").exists() and not list(learner_dir.rglob("g*.arrow"))
+    # The learner got the supervisor's config over stdin and built the same preset.
+    assert (learner_dir / "config.toml").read_text() == (sup_dir / "config.toml").read_text()
+    assert model_digest(learner_dir / "model") == model_digest(sup_dir / "model")
+
+    # Versions advanced and the engines served each from the supervisor's mirror, equal to the learner's.
+    syncs = run.snapshot("sync")
+    assert syncs and all(s["ok"] for s in syncs) and all("mirror_s" in s for s in syncs)
+    # The newest version all three disks still hold (each keeps 3) is one the restarted learner made.
+    held = [
+        {int(p.name[1:]) for p in d.iterdir() if re.fullmatch(r"v\d+", p.name)}
+        for d in (learner_dir / "weights", sup_dir / "weights", sup_dir / "fetched" / "engine0")
+    ]
+    newest = max(set.intersection(*held))
+    assert newest > restarted[0]
+    for name in ("config.json", "model.safetensors"):
+        learners = _sha(learner_dir / "weights" / f"v{newest}" / name)
+        assert _sha(sup_dir / "weights" / f"v{newest}" / name) == learners
+        assert _sha(sup_dir / "fetched" / "engine0" / f"v{newest}" / name) == learners
+
+    # Exactly once across the kill: every group in the supervisor's spool up to the learner's consumed
+    # sequence was consumed once along its checkpoint chain, none twice, none lost.
+    trained = _lineage_group_ids(learner_dir)
+    assert len(trained) == len(set(trained)), "a consumed group was trained twice"
+    written = {seq: read_group_file(path)[0] for seq, path in _spool_files(sup_dir / "spool")}
+    assert sorted(written) == list(range(1, max(written) + 1))
+    consumed_seq = int(checkpoint_state(learner_dir)["consumed"]["last_seq"])
+    assert {gid for seq, gid in written.items() if seq <= consumed_seq} == set(trained)
+
+    # A new daemon on both directories: the version to serve comes from the learner's ready event (the
+    # supervisor's directory holds no checkpoint), and training goes on from the learner's checkpoint.
+    # (More steps than the groups left in the spool can feed: the actors must sample new ones.)
+    final = checkpoint_state(learner_dir)
+    again = DaemonRun(sup_dir, overrides, max_steps=int(final["step"]) + 6)
+    daemons.append(again)
+    assert again.wait(timeout_s=180) == 0, again.tail()
+    assert again.steps() == list(range(int(final["step"]) + 1, int(final["step"]) + 7))
+    resumed = _readies(sup_dir / "logs" / "supervisor.log")[2]
+    assert resumed == (int(final["counters"]["policy_version"]), int(final["step"]))
+    # The engines started on the initial model and moved to the learner's version (or to one it
+    # published right after, if that came first), never back to an older one.
+    versions = [sync["version"] for sync in again.snapshot("sync")]
+    assert versions and versions[0] >= resumed[0] > 0 and versions == sorted(versions)
+
+
+@pytest.mark.integration
+def test_a_learner_whose_preset_differs_is_refused_naming_both_digests(
+    tmp_path: Path,
+    daemons: list[DaemonRun],  # noqa: F811
+) -> None:
+    from learner.model_init import init_model
+
+    sup_dir, learner_dir = tmp_path / "supervisor", tmp_path / "learner"
+    init_model(learner_dir / "model", preset="tiny", seed=1)  # left over from another run (seed 1)
+    run = DaemonRun(sup_dir, own_run_dir_overrides(learner_dir))  # this run: seed 0
+    daemons.append(run)
+    assert run.wait(timeout_s=180) == 1, run.tail()
+    stderr = run.stderr_path.read_text()
+    assert "the learner's initial model differs from the supervisor's" in stderr
+    assert model_digest(learner_dir / "model") in stderr and model_digest(sup_dir / "model") in stderr
+    assert not run.steps() and not (learner_dir / "checkpoints").exists()  # nothing trained

@@ -1,0 +1,69 @@
+"""The shipped configs load, resolve, and start what they say (the GPU recipe cannot run here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from pipeline.supervisor.wiring import resolve_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ns(config: Path, overrides: list[str]) -> argparse.Namespace:
+    return argparse.Namespace(
+        config=str(config), set=overrides, run_dir=None, max_steps=None, log_format=None
+    )
+
+
+def test_qwen3_recipe_resolves_and_starts_sglang_with_its_flags(tmp_path: Path) -> None:
+    model = tmp_path / "Qwen3-1.7B"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # stands in for the downloaded checkpoint
+    setup = resolve_config(
+        _ns(ROOT / "examples" / "qwen3_calculator.toml", [f"model.path={json.dumps(str(model))}"])
+    )
+    cfg = setup.cfg
+    assert (cfg.learner.precision, cfg.learner.gradient_checkpointing, cfg.learner.lr) == (
+        "bf16-mixed",
+        True,
+        1e-6,
+    )
+    assert (cfg.learner.clip_low, cfg.learner.clip_high) == (3e-4, 4e-4)
+    assert (cfg.learner.mismatch.proximal, cfg.learner.mismatch.is_weights) == ("learner", "token")
+    assert setup.env.spec.name == "calculator" and setup.env.spec.tools
+    slot = plan_engines(cfg)[0]
+    argv = engine_argv(cfg, slot, model_dir=model, version=0)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    flags = argv[3:]
+    assert flags[flags.index("--model-path") + 1] == str(model)
+    assert flags[flags.index("--mem-fraction-static") + 1] == "0.45"
+    assert flags[flags.index("--tp-size") + 1] == "1"
+    assert flags[flags.index("--dtype") + 1] == "bfloat16"
+    assert flags[flags.index("--context-length") + 1] == "8192"
+    assert flags[flags.index("--weight-version") + 1] == "0"
+    assert "--enable-metrics" in flags and (slot.host, slot.port) == ("127.0.0.1", 30000)
+
+
+def test_the_defaults_are_a_pretrained_models_and_the_toy_overrides_them() -> None:
+    defaults = resolve_config(_ns(ROOT / "examples" / "guess_number.toml", [])).cfg
+    builtin = resolve_config(
+        argparse.Namespace(config=None, set=[], run_dir=None, max_steps=None, log_format=None)
+    ).cfg
+    assert (builtin.learner.lr, builtin.sampling.max_new_tokens, builtin.env.max_context_tokens) == (
+        1e-6,
+        1024,
+        8192,
+    )
+    assert (builtin.learner.clip_low, builtin.learner.clip_high) == (3e-4, 4e-4)
+    assert (builtin.learner.mismatch.proximal, builtin.learner.mismatch.is_weights) == ("learner", "token")
+    assert builtin.learner.precision == "auto"  # bf16-mixed on CUDA, fp32 on a CPU
+    assert (defaults.learner.lr, defaults.sampling.max_new_tokens) == (3e-3, 1)
+    assert (defaults.learner.mismatch.proximal, defaults.learner.warmup_steps) == ("engine", 0)
+    text = (ROOT / "examples" / "guess_number.toml").read_text()
+    for key in ("lr = 3e-3", "warmup_steps = 0", 'proximal = "engine"', "max_new_tokens = 1"):
+        # every value that differs from a default carries its reason on the comment lines above it
+        before = text.split(key)[0].rstrip().splitlines()[-1]
+        assert before.startswith("#"), key

@@ -1,0 +1,443 @@
+"""The scheduler against a fake SGLang through a real EnginePool, the real runner and a real spool."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from envs.api import Environment, Task
+from pipeline.contracts.schema import batch_to_segments
+from pipeline.supervisor.actors.admission import AdmissionController
+from pipeline.supervisor.actors.rollout import RolloutSettings
+from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.engines.client import EngineClient
+from pipeline.supervisor.engines.pool import EnginePool
+from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.observability import metrics
+from pipeline.tools.bench.async_speedup import CharTokenizer, CoinEnv
+from pipeline.transport.spool import SpoolEntry, SpoolReader, SpoolWriter
+from tests.fakes.sglang_fake import FakeSGLang
+
+G = 2
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeSGLang]:
+    server = FakeSGLang(vocab_size=256, eos_token_id=CharTokenizer.eos_token_id)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def pool(fake: FakeSGLang) -> AsyncIterator[EnginePool]:
+    p = EnginePool([EngineClient(fake.base_url, retries=0, request_timeout_s=10.0)])
+    yield p
+    await p.close()
+
+
+def _tasks() -> Iterator[Task]:
+    return CoinEnv().tasks(seed=0)
+
+
+def make_scheduler(
+    pool: EnginePool,
+    spool_dir: Path,
+    *,
+    batch: int,
+    eta: int,
+    max_concurrent: int = 16,
+    tasks: Iterator[Task] | None = None,
+    factory: Callable[..., Environment] = CoinEnv,
+    failure_backoff_s: tuple[float, float] = (0.05, 2.0),
+) -> GroupScheduler:
+    return GroupScheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=factory,
+        env_name="bench-coin",
+        env_options={"turns": 2},
+        settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
+        group_size=G,
+        admission=AdmissionController(batch_groups=batch, max_staleness=eta, max_concurrent=max_concurrent),
+        spool=SpoolWriter(spool_dir),
+        tasks=tasks if tasks is not None else _tasks(),
+        run_prefix="test",
+        failure_backoff_s=failure_backoff_s,
+    )
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll a plain attribute condition (the scheduler has no event per counter change)."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def _settle() -> None:
+    """Give the scheduler loop time to admit anything it is allowed to (it must not)."""
+    await asyncio.sleep(0.1)
+
+
+async def test_eta_zero_admits_exactly_one_batch_per_version(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 2 and sched.running == 0)
+    await _settle()
+    assert (sched.started, sched.accepted, sched.capacity()) == (2, 2, 0)
+    sched.on_version(1)
+    await until(lambda: sched.written == 4)
+    await _settle()
+    assert sched.started == 4
+    stop.set()
+    await runner
+    items = SpoolReader(tmp_path, after_seq=0).poll()
+    assert [i.group_id for i in items] == [gid for gid, _ in sched.written_log]
+    assert sorted(i.group_id for i in items) == [f"test-g{k:06d}" for k in range(1, 5)]
+    for item in items:
+        episodes, rejected = batch_to_segments(item.batch)
+        assert rejected == []
+        assert len({e.episode_id for e in episodes}) == G
+        assert all(e.finish_reason in ("stop", "length") for e in episodes)
+
+
+async def test_dropped_groups_are_replaced_at_the_same_version(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 2 and sched.running == 0)
+    sched.on_dropped(1)
+    await until(lambda: sched.written == 3)
+    await _settle()
+    assert (sched.started, sched.accepted) == (3, 2)
+    stop.set()
+    await runner
+
+
+async def test_concurrency_caps_running_groups_and_staleness_idle_is_counted(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    await pool.pause_all("in_place")  # groups run but cannot finish
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=3, max_concurrent=3)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 3)
+    await _settle()
+    assert sched.started == 3
+    assert sched.in_flight_episodes == 3 * G
+    assert sched.actor_idle_s == 0.0  # concurrency, not staleness, holds work back
+    stop.set()
+    await runner
+    assert await sched.drain(0.0) == (0, 3)
+    assert sched.running == 0
+    assert os.listdir(tmp_path) == []
+
+
+def _queued_gauge() -> float | None:
+    return metrics.REGISTRY.get_sample_value("rollwise_groups_queued")
+
+
+async def test_groups_queued_counts_admissible_groups_waiting_for_a_slot(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    await pool.pause_all("in_place")  # groups run but cannot finish: all 3 slots stay taken
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=3, max_concurrent=3)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 3)
+    # staleness allows (η + v + 1)·B − (accepted + running) = (3 + 0 + 1)·4 − 3 = 13, no slot is free
+    await until(lambda: _queued_gauge() == 13)
+    assert sched.queued == 13
+    sched.on_version(1)  # one more version: B = 4 more groups admissible, still no slot
+    await until(lambda: _queued_gauge() == 17)
+    stop.set()
+    await runner
+    assert _queued_gauge() == 0  # the loop has ended: nothing waits to be started by it
+    await sched.drain(0.0)
+    assert sched.queued == 0
+
+
+async def test_groups_queued_is_zero_when_staleness_not_slots_holds_work(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    metrics.GROUPS_QUEUED.set(99)
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=4)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1 and sched.running == 0)
+    await until(lambda: _queued_gauge() == 0)
+    assert (sched.queued, sched.capacity()) == (0, 0)
+    stop.set()
+    await runner
+
+
+async def test_actor_idle_accumulates_while_staleness_holds_work(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=4)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1 and sched.running == 0)
+    idle_before = sched.actor_idle_s
+    await asyncio.sleep(0.3)
+    sched.on_version(1)  # ends the wait, which books its idle time
+    await until(lambda: sched.started == 2)
+    stop.set()
+    await runner
+    # every slot (4 of 4) was free for ~0.3 s
+    assert 0.25 <= sched.actor_idle_s - idle_before <= 1.0
+
+
+async def test_drain_lets_groups_finish_within_grace(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    fake.token_delay_s = 0.01
+    sched = make_scheduler(pool, tmp_path, batch=3, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 3)
+    stop.set()
+    await runner
+    finished, cancelled = await sched.drain(10.0)
+    assert (finished, cancelled) == (3, 0)
+    assert len(SpoolReader(tmp_path, after_seq=0).poll()) == 3
+
+
+async def test_drain_cancels_groups_past_grace_and_writes_nothing_partial(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    await pool.pause_all("in_place")
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 2)
+    drained = asyncio.create_task(sched.drain(0.05))
+    await runner  # drain also ends the admission loop
+    assert await drained == (0, 2)
+    assert (sched.running, sched.written, sched.cancelled) == (0, 0, 2)
+    assert os.listdir(tmp_path) == []
+
+
+class _BrokenEnv(CoinEnv):
+    def __init__(self, turns: int = 2) -> None:
+        raise RuntimeError("env cannot start")
+
+
+async def test_group_whose_every_episode_failed_is_still_written(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, factory=_BrokenEnv)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1)
+    stop.set()
+    await runner
+    [item] = SpoolReader(tmp_path, after_seq=0).poll()
+    assert item.group_id == "test-g000001"
+    assert item.batch.num_rows == 0  # the learner drops it as too_few_members
+
+
+async def test_engine_errors_are_written_as_untrainable_rows(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    fake.queue_faults("http_500", "http_500")
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 1)
+    stop.set()
+    await runner
+    [item] = SpoolReader(tmp_path, after_seq=0).poll()
+    episodes, _ = batch_to_segments(item.batch)
+    assert sorted(e.finish_reason for e in episodes) == ["engine_error", "engine_error"]
+
+
+async def test_run_returns_when_the_task_stream_ends(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=8, eta=0, tasks=itertools.islice(_tasks(), 3))
+    await asyncio.wait_for(sched.run(asyncio.Event()), timeout=5.0)
+    assert (sched.started, sched.written, sched.running) == (3, 3, 0)
+
+
+async def test_group_ids_differ_between_scheduler_instances(pool: EnginePool, tmp_path: Path) -> None:
+    a = make_scheduler(pool, tmp_path / "a", batch=1, eta=0)
+    b = GroupScheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=CoinEnv,
+        env_name="bench-coin",
+        env_options=None,
+        settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=4), max_context_tokens=128),
+        group_size=G,
+        admission=AdmissionController(1, 0, 1),
+        spool=SpoolWriter(tmp_path / "b"),
+        tasks=_tasks(),
+    )
+    assert a.run_prefix == "test"
+    c = GroupScheduler(
+        engine=pool,
+        tokenizer=CharTokenizer(),
+        factory=CoinEnv,
+        env_name="bench-coin",
+        env_options=None,
+        settings=b.settings,
+        group_size=G,
+        admission=b.admission,
+        spool=b.spool,
+        tasks=_tasks(),
+    )
+    assert b.run_prefix != c.run_prefix
+    assert len(b.run_prefix) == 8
+
+
+class _BlockingSpool(SpoolWriter):
+    """A spool whose writes wait for `release` (a slow disk) or fail with `fail` while it is set."""
+
+    def __init__(self, spool_dir: Path) -> None:
+        super().__init__(spool_dir)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.fail: Exception | None = None
+        self.refused = 0
+
+    def write_group(self, batch: pa.RecordBatch, *, group_id: str) -> SpoolEntry:
+        self.entered.set()
+        if self.fail is not None:
+            self.refused += 1
+            raise self.fail
+        self.release.wait(timeout=10)
+        return super().write_group(batch, group_id=group_id)
+
+
+async def test_group_cancelled_during_its_write_is_still_written_and_counted(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0)
+    spool = _BlockingSpool(tmp_path)
+    sched.spool = spool
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(spool.entered.is_set)
+    drained = asyncio.create_task(sched.drain(0.0))
+    await asyncio.sleep(0.05)
+    assert not drained.done()  # drain waits for the write it cannot cancel
+    spool.release.set()
+    assert await drained == (1, 0)
+    await runner
+    assert (sched.written, sched.accepted, sched.running, sched.cancelled) == (1, 1, 0, 0)
+    assert [i.group_id for i in SpoolReader(tmp_path, after_seq=0).poll()] == ["test-g000001"]
+
+
+def _storage_errors(kind: str) -> float:
+    sample = metrics.REGISTRY.get_sample_value(
+        "rollwise_storage_errors_total", {"component": "spool", "kind": kind}
+    )
+    return sample or 0.0
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [(OSError(28, "No space left on device"), "ENOSPC"), (OSError(30, "Read-only file system"), "EROFS")],
+)
+async def test_a_write_the_storage_refuses_holds_the_group_pauses_admission_and_resumes(
+    pool: EnginePool, tmp_path: Path, error: OSError, kind: str
+) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=100, eta=0, max_concurrent=2)
+    sched.storage_retry_s = (0.01, 0.05)
+    notes: list[str] = []
+    sched.notify = notes.append
+    spool = _BlockingSpool(tmp_path)
+    spool.fail = error
+    spool.release.set()
+    sched.spool = spool
+    before = _storage_errors(kind)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: spool.refused >= 6)
+    # Both running groups finished and wait for the disk; nothing new starts meanwhile.
+    assert sched.storage_blocked_since is not None and sched.capacity() == 0
+    started = sched.started
+    await _settle()
+    assert sched.started == started <= 2 and sched.written == 0 and sched.failed == 0
+    assert metrics.REGISTRY.get_sample_value("rollwise_storage_blocked", {"component": "spool"}) == 1.0
+    assert _storage_errors(kind) - before == spool.refused
+    assert len(notes) == 1 and kind in notes[0] and "paused" in notes[0]
+    spool.fail = None  # space returns
+    await until(lambda: sched.written >= started + 2)
+    assert sched.storage_blocked_since is None and sched.failed == 0
+    assert metrics.REGISTRY.get_sample_value("rollwise_storage_blocked", {"component": "spool"}) == 0.0
+    assert "writable again" in notes[-1]
+    stop.set()
+    await runner
+    await sched.drain(5.0)
+    seqs = [i.seq for i in SpoolReader(tmp_path, after_seq=0).poll()]
+    assert seqs == list(range(1, sched.written + 1))  # every finished group, in order, none lost
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(".tmp")]
+
+
+async def test_drain_gives_up_a_write_the_storage_keeps_refusing(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
+    sched.storage_retry_s = (0.01, 0.05)
+    spool = _BlockingSpool(tmp_path)
+    spool.fail = OSError(28, "No space left on device")
+    sched.spool = spool
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: spool.refused >= 2)
+    stop.set()
+    await runner
+    await asyncio.wait_for(sched.drain(0.2), 5.0)
+    assert (sched.written, sched.failed, sched.running) == (0, 1, 0)
+
+
+async def test_failed_write_loses_the_group_and_frees_its_slot(pool: EnginePool, tmp_path: Path) -> None:
+    # A failure that is not the storage's (here a bug in the writer) is not retried.
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
+    spool = _BlockingSpool(tmp_path)
+    spool.fail = RuntimeError("a bug, not a full disk")
+    sched.spool = spool
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.failed >= 2)  # the slot came back, so a second group could start
+    stop.set()
+    await runner
+    await sched.drain(0.0)
+    assert sched.written == 0
+    assert sched.accepted == 0
+    assert sched.running == 0
+
+
+async def test_failing_groups_back_off_admission_instead_of_spinning(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    # A broken environment (or a dead engine) ends groups in milliseconds; dropped groups free their
+    # admission slot at once, so only the backoff keeps the scheduler from writing empty groups in a loop.
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, factory=_BrokenEnv, failure_backoff_s=(0.05, 0.4))
+    stop = asyncio.Event()
+
+    async def learner_drops_everything() -> None:
+        while not stop.is_set():
+            if sched.accepted > 0:
+                sched.on_dropped(sched.accepted)
+            await asyncio.sleep(0.001)
+
+    runner = asyncio.create_task(sched.run(stop))
+    dropper = asyncio.create_task(learner_drops_everything())
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.gather(runner, dropper)
+    # pauses of 0.05, 0.1, 0.2, 0.4, 0.4 ... s: about 5 groups in one second, not hundreds
+    assert 3 <= sched.started <= 8
+    assert sched.failed_groups == sched.written
+
+
+async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
+    sched._note_outcome("bad", any_trainable=False)
+    sched._note_outcome("bad", any_trainable=False)
+    assert sched._failure_streak == 2
+    sched._note_outcome("good", any_trainable=True)
+    assert sched._failure_streak == 0

@@ -1,0 +1,473 @@
+"""Unit tests of the daemon's machinery: children, backoff, run-dir lock, config gate, HTTP, progress."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from pipeline.contracts import events
+from pipeline.contracts.config import ConfigError, load_config
+from pipeline.contracts.run_dir import RunDir, RunDirInUse, hold_supervisor_lock
+from pipeline.supervisor.children import Backoff, Child, ChildSpec, keep_running
+from pipeline.supervisor.daemon import main_run, step_line
+from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from pipeline.supervisor.http_endpoints import HttpEndpoints
+from pipeline.supervisor.observability import metrics
+from pipeline.supervisor.observability.learner_metrics import record_step
+from pipeline.supervisor.progress import JsonProgress, Totals, status_between
+from pipeline.supervisor.wiring import initial_accepted, resolve_config, rollout_settings
+
+
+def _ns(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {
+        "config": None,
+        "set": [],
+        "run_dir": None,
+        "max_steps": None,
+        "log_format": None,
+    }
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _restarts(component: str) -> float:
+    return (
+        metrics.REGISTRY.get_sample_value("rollwise_process_restarts_total", {"component": component}) or 0.0
+    )
+
+
+# --- backoff and children ------------------------------------------------------------------------------
+def test_backoff_doubles_caps_and_resets_after_stable_uptime() -> None:
+    b = Backoff(base_s=0.5, cap_s=3.0, stable_s=10.0)
+    assert [b.next_delay(1.0) for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert b.next_delay(uptime_s=11.0) == 0.5  # it ran long enough: a fresh failure
+    assert b.next_delay(1.0) == 1.0
+
+
+async def test_keep_running_restarts_a_crashing_child_and_counts_restarts(tmp_path: Path) -> None:
+    stopping = asyncio.Event()
+    starts: list[int] = []
+    before = _restarts("test-crasher")
+
+    def spec() -> ChildSpec:
+        return ChildSpec("crasher", [sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "c.log")
+
+    async def serve(child: Child) -> None:
+        starts.append(child.pid or 0)
+        if len(starts) == 3:
+            stopping.set()
+
+    await asyncio.wait_for(
+        keep_running(
+            spec, serve, stopping, component="test-crasher", backoff=Backoff(base_s=0.01, cap_s=0.02)
+        ),
+        20,
+    )
+    assert len(starts) == 3 and len(set(starts)) == 3
+    # The third exit happened while stopping: not a restart.
+    assert _restarts("test-crasher") - before == 2
+    assert (tmp_path / "c.log").read_text().count("exit code 3") == 3
+
+
+async def test_child_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(60)"
+    )
+    child = Child(ChildSpec("stubborn", [sys.executable, "-c", code], tmp_path / "s.log", events=True))
+    await child.start()
+    assert child.proc is not None and child.proc.stdout is not None
+    assert await child.proc.stdout.readline() == b"up\n"  # the handler is installed
+    started = time.monotonic()
+    rc = await child.stop(grace_s=0.3)
+    assert rc == -9
+    assert time.monotonic() - started < 5
+
+
+async def test_child_events_are_json_objects_and_other_stdout_goes_to_the_log(tmp_path: Path) -> None:
+    code = "print('hello'); print('{\"event\": \"ready\", \"version\": 2}'); print('[1, 2]')"
+    child = Child(ChildSpec("talker", [sys.executable, "-c", code], tmp_path / "t.log", events=True))
+    await child.start()
+    assert await child.read_event() == {"event": "ready", "version": 2}
+    assert await child.read_event() is None
+    assert await child.wait() == 0
+    text = (tmp_path / "t.log").read_text()
+    assert "[stdout] hello" in text and "[stdout] [1, 2]" in text
+
+
+async def test_child_send_writes_json_lines_to_stdin(tmp_path: Path) -> None:
+    code = "import sys, json; print(json.dumps({'echo': json.loads(sys.stdin.readline())}), flush=True)"
+    child = Child(
+        ChildSpec("echo", [sys.executable, "-c", code], tmp_path / "e.log", events=True, stdin=True)
+    )
+    await child.start()
+    assert await child.send({"cmd": "stop"})
+    assert await child.read_event() == {"echo": {"cmd": "stop"}}
+    await child.wait()
+    assert not await child.send({"cmd": "stop"})
+
+
+# --- run directory --------------------------------------------------------------------------------------
+def test_second_lock_on_the_same_run_dir_is_refused_with_the_holder_pid(tmp_path: Path) -> None:
+    holder = r"in use by another rollwise daemon \(pid \d+"
+    run = RunDir.at(tmp_path)
+    with hold_supervisor_lock(run), pytest.raises(RunDirInUse, match=holder), hold_supervisor_lock(run):
+        pass
+    with hold_supervisor_lock(run):  # released on exit
+        pass
+
+
+def test_initial_accepted_counts_trained_versions_and_unconsumed_spool() -> None:
+    assert initial_accepted(version=0, batch_groups=4, unconsumed_groups=0) == 0
+    assert initial_accepted(version=3, batch_groups=4, unconsumed_groups=5) == 17
+
+
+def test_serving_weights_prefer_the_published_version(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path)
+    model = tmp_path.resolve() / "model"
+    assert run.serving_weights(0) == model
+    assert run.serving_weights(2) == model  # not published (yet): the initial model
+    (tmp_path / "weights" / "v2").mkdir(parents=True)
+    (tmp_path / "weights" / "v2" / "config.json").write_text("{}")
+    assert run.serving_weights(2) == tmp_path.resolve() / "weights" / "v2"
+
+
+# --- config gate ------------------------------------------------------------------------------------------
+def test_run_flags_override_the_config(tmp_path: Path) -> None:
+    cfg = resolve_config(_ns(run_dir=str(tmp_path / "r"), max_steps=7, log_format="json")).cfg
+    assert (cfg.run.run_dir, cfg.run.max_steps, cfg.run.log_format) == (str(tmp_path / "r"), 7, "json")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["learner.lr=-1"], "learner.lr"),
+        (["learner.no_such_key=1"], "learner.no_such_key"),
+        (["env.name=no-such-env"], "env.name"),
+        (["env.options={low = 9, high = 3}"], "env.options"),
+        (["model.path='/nonexistent/model'"], "model.path"),
+        (["learner.action_prior_coef=-0.1"], "learner.action_prior_coef"),
+        (["env.name='word-guess'", "learner.action_prior_coef=0.1"], "learner.action_prior_coef"),
+    ],
+)
+def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        resolve_config(_ns(set=overrides))
+
+
+def test_bad_max_steps_flag_names_run_max_steps() -> None:
+    with pytest.raises(ConfigError, match=r"run\.max_steps"):
+        resolve_config(_ns(max_steps=0))
+
+
+def test_main_run_with_bad_config_exits_2_before_creating_the_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "never"
+    assert main_run(_ns(run_dir=str(run_dir), set=["learner.batch_groups=0"])) == 2
+    assert "learner.batch_groups" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+# --- engines ----------------------------------------------------------------------------------------------
+def test_plan_engines_assigns_consecutive_ports_and_external_urls() -> None:
+    cfg = load_config(None, ["engine.num_engines=2", "engine.port=31000"])
+    slots = plan_engines(cfg)
+    assert [s.url for s in slots] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    assert all(s.managed for s in slots)
+    ext = plan_engines(load_config(None, ["engine.kind='external'", "engine.urls=['http://h:1/']"]))
+    assert [(s.url, s.managed) for s in ext] == [("http://h:1", False)]
+
+
+def test_embedded_engine_argv_carries_model_version_and_port(tmp_path: Path) -> None:
+    cfg = load_config(None, ["engine.port=0", "engine.threads=2"])
+    slot = plan_engines(cfg)[0]
+    argv = engine_argv(cfg, slot, model_dir=tmp_path / "w", version=5)
+    assert argv[1:3] == ["-m", "pipeline.engine.server"]
+    assert argv[-1] == "--enable-metrics"
+    flags = dict(zip(argv[3:-1:2], argv[4:-1:2], strict=True))
+    assert flags["--model"] == str(tmp_path / "w")
+    assert flags["--weight-version"] == "5"
+    assert flags["--port"] == str(slot.port) and slot.port > 0
+    assert flags["--threads"] == "2"
+
+
+# --- metrics, HTTP, progress ----------------------------------------------------------------------------
+def _step(step: int, **fields: object) -> events.Step:
+    base: dict[str, object] = {
+        "step": step,
+        "version": step,
+        "groups": 4,
+        "group_ids": ["a", "b", "c", "d"],
+        "consumed_seq": 4 * step,
+        "metrics": {
+            "loss": 0.25,
+            "clip_fraction": 0.5,
+            "grad_norm": None,
+            "mismatch_abs_mean_lag0": 0.02,
+            "mismatch_abs_mean_lag1plus": 0.3,
+            "is_weight_max": 1.5,
+            "rejected_fraction": 0.125,
+        },
+        "staleness": {0: 5, 1: 2},
+        "idle_s": 0.5,
+        "busy_s": 1.5,
+        "spool_read_s": 0.125,
+        "spool_depth_groups": 3,
+        "spool_depth_bytes": 4096,
+    }
+    return events.Step(**(base | fields))  # type: ignore[arg-type]
+
+
+def test_step_event_lands_in_learner_metrics() -> None:
+    def value(name: str, labels: dict[str, str] | None = None) -> float:
+        return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+    accepted = value("rollwise_groups_accepted_total")
+    count = value("rollwise_trained_token_staleness_versions_count")
+    total = value("rollwise_trained_token_staleness_versions_sum")
+    le_0, le_1 = (
+        value("rollwise_trained_token_staleness_versions_bucket", {"le": le}) for le in ("0.0", "1.0")
+    )
+    read_count = value("rollwise_spool_read_duration_seconds_count")
+    record_step(_step(12, groups=3))
+    assert value("rollwise_learner_step") == 12
+    assert value("rollwise_learner_loss") == 0.25
+    assert value("rollwise_learner_clip_fraction_ratio") == 0.5
+    assert value("rollwise_learner_logprob_mismatch_abs_by_lag", {"lag": "0"}) == 0.02
+    assert value("rollwise_learner_logprob_mismatch_abs_by_lag", {"lag": "1+"}) == 0.3
+    assert value("rollwise_learner_is_weight", {"stat": "max"}) == 1.5
+    assert value("rollwise_learner_rejected_tokens_ratio") == 0.125
+    assert value("rollwise_groups_accepted_total") == accepted + 3
+    assert value("rollwise_spool_depth_groups") == 3 and value("rollwise_spool_depth_bytes") == 4096
+    # 5 tokens 0 versions behind and 2 tokens 1 behind: 7 observations summing to 2, bucketed as such.
+    assert value("rollwise_trained_token_staleness_versions_count") == count + 7
+    assert value("rollwise_trained_token_staleness_versions_sum") == total + 2
+    assert value("rollwise_trained_token_staleness_versions_bucket", {"le": "0.0"}) == le_0 + 5
+    assert value("rollwise_trained_token_staleness_versions_bucket", {"le": "1.0"}) == le_1 + 7
+    assert value("rollwise_spool_read_duration_seconds_count") == read_count + 1
+
+
+def test_observe_many_equals_repeated_observe() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    many = metrics.CountedHistogram("many", "m", buckets=(0, 1, 2), registry=registry)
+    one = metrics.CountedHistogram("one", "o", buckets=(0, 1, 2), registry=registry)
+    for amount, count in ((0.0, 3), (1.0, 2), (5.0, 4), (2.0, 0)):
+        many.observe_many(amount, count)
+        for _ in range(count):
+            one.observe(amount)
+
+    def samples(histogram: metrics.CountedHistogram, prefix: str) -> dict[tuple[str, str], float]:
+        family = next(iter(histogram.collect()))
+        return {
+            (s.name.removeprefix(prefix), s.labels.get("le", "")): s.value
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, expected = samples(many, "many"), samples(one, "one")
+    assert got == expected
+    assert got[("_count", "")] == 9 and got[("_sum", "")] == 22.0 and got[("_bucket", "1.0")] == 5
+
+
+def test_step_line_puts_the_metrics_beside_the_counts_once() -> None:
+    line = step_line(_step(2))
+    assert line["loss"] == 0.25 and line["grad_norm"] is None and line["step"] == 2
+    assert "metrics" not in line and line["staleness"] == {"0": 5, "1": 2}
+
+
+async def test_http_endpoints_serve_metrics_health_and_readiness() -> None:
+    waiting = ["learner", "engine0"]
+    endpoints = HttpEndpoints("127.0.0.1", 0, lambda: list(waiting))
+    await endpoints.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(endpoints.url + "/healthz") as r:
+                assert r.status == 200
+            async with session.get(endpoints.url + "/readyz") as r:
+                assert r.status == 503
+                assert json.loads(await r.text())["waiting_for"] == ["learner", "engine0"]
+            waiting.clear()
+            async with session.get(endpoints.url + "/readyz") as r:
+                assert r.status == 200
+            async with session.get(endpoints.url + "/metrics") as r:
+                assert r.status == 200
+                text = await r.text()
+                assert "# TYPE rollwise_learner_step gauge" in text
+                assert "# TYPE rollwise_process_restarts_total counter" in text
+    finally:
+        await endpoints.stop()
+
+
+def test_status_reports_interval_rates_from_counter_deltas() -> None:
+    before = Totals(at=10.0, episodes=100, successes=20, staleness_sum=0.0, staleness_count=0)
+    after = Totals(
+        at=20.0, episodes=150, successes=60, staleness_sum=30.0, staleness_count=60, spool_depth_groups=7
+    )
+    status = status_between(
+        before, after, elapsed_s=20.0, version=3, step=4, step_time_s=0.5, step_rewards=[0.5, 1.1]
+    )
+    assert status.episodes_per_s == 5.0
+    assert status.success_rate == 0.8  # 40 of the last 50 episodes
+    assert status.reward_mean == 0.8
+    assert status.staleness_mean == 0.5
+    assert (status.policy_version, status.learner_step, status.episodes) == (3, 4, 150)
+    assert status.spool_depth_groups == 7
+
+
+def test_status_without_new_episodes_or_steps_has_no_rates() -> None:
+    t = Totals(1.0, episodes=5, successes=1, staleness_sum=0, staleness_count=0)
+    status = status_between(t, t, elapsed_s=1.0, version=0, step=0, step_time_s=None, step_rewards=[])
+    assert status.success_rate is None and status.reward_mean is None and status.episodes_per_s == 0.0
+
+
+def test_json_progress_writes_one_object_per_line() -> None:
+    out = io.StringIO()
+    progress = JsonProgress(out)
+    progress.on_step({"event": "step", "step": 1, "loss": 0.5})
+    progress.message("hello")
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == ["step", "message"]
+    assert lines[0]["step"] == 1 and lines[0]["loss"] == 0.5 and lines[1]["text"] == "hello"
+
+
+def test_prints_while_json_owns_stdout_become_log_lines(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three of TextArena's single-player games print (LogicPuzzle, RushHour), from environment threads;
+    under `--log-format json` such prints would break the one-object-per-line stream."""
+    import logging
+    import threading
+
+    from pipeline.supervisor.progress import RichProgress, stray_stdout_to_log
+
+    real = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", real)
+    progress = JsonProgress(sys.stdout)
+    log = logging.getLogger("rollwise.test-stdout")
+    with caplog.at_level(logging.INFO, logger=log.name), stray_stdout_to_log(progress, log):
+        print("Correct: 0, Total: 18")
+
+        def game() -> None:
+            print("Attempt 1:", end="", flush=True)
+            print(" Generated invalid", "puzzle", end="")
+
+        worker = threading.Thread(target=game)
+        worker.start()
+        worker.join()
+        progress.message("still JSON")
+    assert sys.stdout is real  # restored
+    assert [json.loads(line)["text"] for line in real.getvalue().splitlines()] == ["still JSON"]
+    # The unterminated line is logged once, whole, when the run ends; not at each flush, not lost.
+    assert [r.getMessage() for r in caplog.records if r.name == log.name] == [
+        "stdout: Correct: 0, Total: 18",
+        "stdout: Attempt 1: Generated invalid puzzle",
+    ]
+    # A progress stream that is not the process's stdout, or a rich view, leaves sys.stdout alone.
+    with stray_stdout_to_log(JsonProgress(io.StringIO()), log), stray_stdout_to_log(RichProgress(), log):
+        assert sys.stdout is real
+
+
+async def test_a_background_task_that_dies_stops_the_daemon_with_its_error(tmp_path: Path) -> None:
+    from pipeline.supervisor.daemon import Supervisor
+
+    sup = Supervisor(resolve_config(_ns(run_dir=str(tmp_path), log_format="json")))
+
+    async def broken() -> None:
+        raise RuntimeError("boom")
+
+    task = sup.watch(broken(), "scheduler")
+    await asyncio.wait_for(sup.stopping.wait(), 5)
+    assert task.done()
+    assert sup.fatal is not None and "scheduler" in sup.fatal and "boom" in sup.fatal
+    await sup.engines.pool.close()
+
+
+async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed learner trains its unconsumed groups and publishes while the tokenizer loads; the
+    scheduler must start from what happened by then, or admission waits forever for a version the
+    engines already serve (seen as a stalled daemon after a kill -9)."""
+    import pipeline.supervisor.daemon as supervisor_module
+    from pipeline.supervisor.daemon import Supervisor
+
+    setup = resolve_config(_ns(run_dir=str(tmp_path), log_format="json", set=["learner.batch_groups=2"]))
+    sup = Supervisor(setup)
+    setup.run.spool.mkdir(parents=True)
+    loading = asyncio.Event()
+
+    def slow_tokenizer(model_dir: Path) -> object:
+        loop.call_soon_threadsafe(loading.set)
+        time.sleep(0.3)
+        return object()
+
+    async def learner_events_meanwhile() -> None:
+        await loading.wait()
+        sup.version = 24  # what publish() leaves behind for versions 23 and 24
+        sup.on_dropped(seq=45, reason="stale")
+
+    async def endpoint(engine: object, tokenizer: object, cfg: object) -> object:
+        return types.SimpleNamespace(settings=rollout_settings(setup.cfg))
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(supervisor_module, "load_tokenizer", slow_tokenizer)
+    monkeypatch.setattr(supervisor_module, "start_openai_endpoint", endpoint)
+    sup.version = 22
+    ready = events.Ready(version=22, step=22, consumed_seq=44, path=str(tmp_path))
+    scheduler, _ = await asyncio.gather(sup.start_scheduler(ready), learner_events_meanwhile())
+    assert scheduler is sup.scheduler
+    assert scheduler.version == 24
+    assert scheduler.accepted == 22 * 2 - 1  # v·B, nothing unconsumed in the spool, one drop
+    await sup.engines.pool.close()
+
+
+class _VersionLog:
+    """The scheduler's side of a weight sync: which versions it was told the engines serve."""
+
+    def __init__(self) -> None:
+        self.versions: list[int] = []
+
+    def on_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+async def test_a_learner_restarted_alone_takes_the_engines_back_to_its_checkpointed_version(
+    tmp_path: Path,
+) -> None:
+    from pipeline.supervisor.daemon import Supervisor
+    from tests.fakes.sglang_fake import FakeSGLang
+
+    fake = FakeSGLang()
+    await fake.start()
+    overrides = ['engine.kind="external"', f'engine.urls=["{fake.base_url}"]', "metrics.port=0"]
+    sup = Supervisor(
+        resolve_config(_ns(run_dir=str(tmp_path / "run"), log_format="json", set=overrides)),
+        progress_out=io.StringIO(),
+    )
+    sup.scheduler = _VersionLog()  # type: ignore[assignment]
+    try:
+        for v in (1, 2, 3, 4):
+            await sup.on_learner_event(events.Published(version=v, path=f"/run/weights/v{v}"))
+        # The learner dies after its checkpoint at version 2; the restarted one resumes there and trains
+        # the groups after it again, re-publishing version 3 with new weights.
+        await sup.on_learner_event(events.Ready(version=2, step=2, consumed_seq=8, path="/run/weights/v2"))
+        await sup.on_learner_event(events.Published(version=3, path="/run/weights/v3"))
+    finally:
+        await sup.engines.pool.close()
+        await fake.stop()
+    assert [c["weight_version"] for c in fake.update_calls] == ["1", "2", "3", "4", "2", "3"]
+    assert fake.update_calls[-2]["model_path"] == "/run/weights/v2"
+    assert sup.version == 3
+    assert sup.scheduler.versions == [1, 2, 3, 4, 2, 3]  # type: ignore[attr-defined]

@@ -1,0 +1,73 @@
+"""Smoke test of `rollwise bench actors` on a tiny workload (real child server, real HTTP)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from envs.api import Action
+from pipeline.tools.bench import runner_overhead as actors
+
+
+def test_bench_actors_runs_both_sides_and_reports_a_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--episodes", "10", "--turns", "3", "--group-size", "4", "--repeats", "1", "--no-pin", "--json"]
+    assert actors.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 10 episodes in groups of 4, 4 and 2; every one of them takes exactly 3 turns.
+    assert report["runner"]["turns"] == 30 and report["bare"]["turns"] == 30
+    sizes = report["runner"]["payload_sizes"]
+    assert len(sizes) == 3 and sizes[0] < sizes[1] < sizes[2]  # the buffer grows every turn
+    assert report["ratio"] == pytest.approx(report["runner"]["turns_per_s"] / report["bare"]["turns_per_s"])
+    assert report["meets_goal"] == (report["ratio"] >= 0.5)
+    assert report["runner"]["overhead_p50_us"] <= report["runner"]["overhead_p99_us"]
+    text = actors.format_report(report)
+    assert "ratio runner/bare" in text and "p99" in text
+
+
+def test_bench_actors_rejects_a_non_positive_count(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        actors.main(["--episodes", "0"])
+    assert "--episodes" in capsys.readouterr().err
+
+
+async def test_echo_env_ends_after_its_turns() -> None:
+    env = actors.EchoEnv(turns=2)
+    task = next(env.tasks(0))
+    assert await env.reset(task) == [{"role": "user", "content": actors.ECHO_PROMPT}]
+    first = await env.step(Action(text="hi"))
+    second = await env.step(Action(text="ho"))
+    assert (first.done, first.messages) == (False, [{"role": "user", "content": "hi"}])
+    assert (second.done, second.outcome) == (True, 1.0)
+
+
+def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "--agent",
+        "--episodes",
+        "6",
+        "--turns",
+        "2",
+        "--group-size",
+        "3",
+        "--repeats",
+        "1",
+        "--no-pin",
+        "--json",
+    ]
+    assert actors.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    # The same 6 x 2 conversation on each side; an agent side that split a trajectory would have raised.
+    assert [report[side]["turns"] for side in ("native", "sdk", "http", "none")] == [12, 12, 12, 12]
+    for side in ("sdk", "http", "none"):
+        assert report[f"ratio_{side}"] == pytest.approx(
+            report[side]["turns_per_s"] / report["native"]["turns_per_s"]
+        )
+    assert report["meets_goal"] == (report["ratio_none"] >= 0.5)
+    assert report["sdk_alone_cpu_us_per_request"] > 0
+    text = actors.format_agent_report(report)
+    assert (
+        "agent, openai SDK client" in text and "agent, no client" in text and "agent/native turns/s" in text
+    )

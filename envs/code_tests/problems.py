@@ -3,15 +3,16 @@
 Each family is a small function-writing task with parameters written into its statement (the divisors
 of a FizzBuzz, the shift of a Caesar cipher, the calendar of a leap-year count...), so its variants
 are different problems with different answers. Every problem carries a reference solution as source
-text; the hidden tests' expected values are computed by running that very source on generated
-inputs, so the gold solution and the tests cannot disagree. Inputs come from a ``random.Random``
-seeded with the problem's id: the set is the same on every machine and in every process.
+text, rendered by ``specialize`` from a typed function of ``reference_solutions`` with the variant's
+parameters written in; the hidden tests' expected values are computed by running that very source on
+generated inputs, so the gold solution and the tests cannot disagree. Inputs come from a
+``random.Random`` seeded with the problem's id: the set is the same on every machine and in every
+process.
 
 Values are compared as canonical JSON (``canonical``): tuples equal lists, ``True`` is not ``1``,
 ``3.0`` is not ``3``.
 """
 
-# ruff: noqa: E501 - problem statements and reference sources are prose and code literals: kept whole
 from __future__ import annotations
 
 import copy
@@ -23,6 +24,9 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from envs.code_tests import reference_solutions as reference
+from envs.code_tests.specialize import specialize
 
 TESTS_PER_PROBLEM = 8
 SPLITS = ("all", "train", "test")
@@ -121,7 +125,7 @@ def _sum_multiples() -> Iterator[_Draft]:
             "sum_multiples",
             f"Write a function `sum_multiples(n)` that returns the sum of all positive integers below "
             f"`n` that are divisible by {a} or by {b} (or both). For n <= 1 the sum is 0.",
-            f"def sum_multiples(n):\n    return sum(k for k in range(1, n) if k % {a} == 0 or k % {b} == 0)\n",
+            specialize(reference.sum_multiples, DIVISOR_A=a, DIVISOR_B=b),
             lambda rng: (rng.randint(2, 3000),),
             ((-3,), (1,), (max(a, b) + 1,)),
         )
@@ -134,7 +138,7 @@ def _count_digit() -> Iterator[_Draft]:
             "count_digit",
             f"Write a function `count_digit(n)` that returns how many times the digit {digit} appears in "
             "the decimal representation of the non-negative integer `n` (0 is written as 0).",
-            f"def count_digit(n):\n    return str(n).count('{digit}')\n",
+            specialize(reference.count_digit, DIGIT=str(digit)),
             lambda rng: (rng.randint(0, 10 ** rng.randint(1, 15)),),
             ((0,), (digit,), (int(str(digit) * 5),)),
         )
@@ -147,7 +151,7 @@ def _digits_at_least() -> Iterator[_Draft]:
             "digits_at_least",
             f"Write a function `digits_at_least(n)` that returns how many decimal digits of the "
             f"non-negative integer `n` are {digit} or greater.",
-            f"def digits_at_least(n):\n    return sum(1 for c in str(n) if int(c) >= {digit})\n",
+            specialize(reference.digits_at_least, MIN_DIGIT=digit),
             lambda rng: (rng.randint(0, 10 ** rng.randint(1, 12)),),
             ((0,), (digit,)),
         )
@@ -160,18 +164,9 @@ def _caesar() -> Iterator[_Draft]:
             str(shift),
             "caesar",
             f"Write a function `caesar(text)` that shifts every ASCII letter of `text` forward by "
-            f"{_plural(shift, 'place')} in the alphabet, wrapping around from z to a, and keeps its case; every other "
-            "character stays as it is.",
-            "def caesar(text):\n"
-            "    out = []\n"
-            "    for ch in text:\n"
-            "        if 'a' <= ch <= 'z':\n"
-            f"            out.append(chr((ord(ch) - 97 + {shift}) % 26 + 97))\n"
-            "        elif 'A' <= ch <= 'Z':\n"
-            f"            out.append(chr((ord(ch) - 65 + {shift}) % 26 + 65))\n"
-            "        else:\n"
-            "            out.append(ch)\n"
-            "    return ''.join(out)\n",
+            f"{_plural(shift, 'place')} in the alphabet, wrapping around from z to a, and keeps its case; "
+            "every other character stays as it is.",
+            specialize(reference.caesar, SHIFT=shift),
             lambda rng: (_text(rng, alphabet, (0, 30)),),
             (("",), ("Zz Aa!",)),
         )
@@ -191,22 +186,11 @@ def _fizzbuzz() -> Iterator[_Draft]:
         yield _Draft(
             f"{a}-{b}",
             "fizzbuzz",
-            f"Write a function `fizzbuzz(n)` that returns a list of strings for the numbers 1 to `n` in order: "
-            f'"{word_a}{word_b}" for numbers divisible by both {a} and {b}, "{word_a}" for the other multiples '
-            f'of {a}, "{word_b}" for the other multiples of {b}, and the number itself as a string otherwise. '
-            "For n < 1 the list is empty.",
-            "def fizzbuzz(n):\n"
-            "    out = []\n"
-            "    for k in range(1, n + 1):\n"
-            f"        if k % {a} == 0 and k % {b} == 0:\n"
-            f"            out.append('{word_a}{word_b}')\n"
-            f"        elif k % {a} == 0:\n"
-            f"            out.append('{word_a}')\n"
-            f"        elif k % {b} == 0:\n"
-            f"            out.append('{word_b}')\n"
-            "        else:\n"
-            "            out.append(str(k))\n"
-            "    return out\n",
+            "Write a function `fizzbuzz(n)` that returns a list of strings for the numbers 1 to `n` in "
+            f'order: "{word_a}{word_b}" for numbers divisible by both {a} and {b}, "{word_a}" for the other '
+            f'multiples of {a}, "{word_b}" for the other multiples of {b}, and the number itself as a string '
+            "otherwise. For n < 1 the list is empty.",
+            specialize(reference.fizzbuzz, DIVISOR_A=a, DIVISOR_B=b, WORD_A=word_a, WORD_B=word_b),
             lambda rng: (rng.randint(2, 45),),
             ((0,), (1,), (a * b,)),
         )
@@ -214,22 +198,22 @@ def _fizzbuzz() -> Iterator[_Draft]:
 
 def _palindrome() -> Iterator[_Draft]:
     rules = [
-        ("exact", "exactly as written", "    return s == s[::-1]\n", "abAB a"),
-        ("case", "ignoring the case of letters", "    t = s.lower()\n    return t == t[::-1]\n", "abAB a"),
+        ("exact", "exactly as written", reference.is_palindrome_exact, "abAB a"),
+        ("case", "ignoring the case of letters", reference.is_palindrome_ignoring_case, "abAB a"),
         (
             "alnum",
             "ignoring case and every character that is not a letter or a digit (str.isalnum)",
-            "    t = [c.lower() for c in s if c.isalnum()]\n    return t == t[::-1]\n",
+            reference.is_palindrome_alnum,
             "abAB1 ,.",
         ),
     ]
-    for key, rule, body, alphabet in rules:
+    for key, rule, solution, alphabet in rules:
         yield _Draft(
             key,
             "is_palindrome",
             f"Write a function `is_palindrome(s)` that returns True if the string `s` reads the same "
             f"forwards and backwards {rule}, and False otherwise.",
-            f"def is_palindrome(s):\n{body}",
+            specialize(solution, "is_palindrome"),
             functools.partial(_one_arg, _palindrome_or_not, alphabet),
             (("",), ("Ab,a",), ("abBA",)),
         )
@@ -237,30 +221,20 @@ def _palindrome() -> Iterator[_Draft]:
 
 def _run_length() -> Iterator[_Draft]:
     formats = [
-        ("char-count", 'the character followed by the run\'s length ("aaab" -> "a3b1")', "ch + str(n)"),
-        ("count-char", 'the run\'s length followed by the character ("aaab" -> "3a1b")', "str(n) + ch"),
+        ("char-count", 'the character followed by the run\'s length ("aaab" -> "a3b1")'),
+        ("count-char", 'the run\'s length followed by the character ("aaab" -> "3a1b")'),
         (
             "omit-one",
             'the character, followed by the run\'s length only when it is more than 1 ("aaab" -> "a3b")',
-            "ch + (str(n) if n > 1 else '')",
         ),
     ]
-    for key, rule, piece in formats:
+    for key, rule in formats:
         yield _Draft(
             key,
             "run_length",
             f"Write a function `run_length(s)` that encodes the string `s` (letters only) by its runs of "
             f'equal consecutive characters: each run becomes {rule}. The empty string encodes to "".',
-            "def run_length(s):\n"
-            "    out, i = [], 0\n"
-            "    while i < len(s):\n"
-            "        j = i\n"
-            "        while j < len(s) and s[j] == s[i]:\n"
-            "            j += 1\n"
-            f"        ch, n = s[i], j - i\n"
-            f"        out.append({piece})\n"
-            "        i = j\n"
-            "    return ''.join(out)\n",
+            specialize(reference.run_length, RUN_FORMAT=key),
             lambda rng: ("".join(rng.choice("abc") * rng.randint(1, 12) for _ in range(rng.randint(1, 5))),),
             (("",), ("a",), ("zzzzzzzzzzzz",)),
         )
@@ -275,13 +249,9 @@ def _recurrence() -> Iterator[_Draft]:
         yield _Draft(
             f"{first}-{second}-{modulus}",
             "term",
-            f"Write a function `term(n)` that returns a(n) modulo {modulus} for n >= 0, where a(0) = {first}, "
-            f"a(1) = {second} and a(n) = a(n-1) + a(n-2) for n >= 2.",
-            "def term(n):\n"
-            f"    a, b = {first} % {modulus}, {second} % {modulus}\n"
-            "    for _ in range(n):\n"
-            f"        a, b = b, (a + b) % {modulus}\n"
-            "    return a\n",
+            f"Write a function `term(n)` that returns a(n) modulo {modulus} for n >= 0, where "
+            f"a(0) = {first}, a(1) = {second} and a(n) = a(n-1) + a(n-2) for n >= 2.",
+            specialize(reference.term, FIRST=first, SECOND=second, MODULUS=modulus),
             lambda rng: (rng.randint(2, 5000),),
             ((0,), (1,), (2,)),
         )
@@ -294,7 +264,7 @@ def _digit_power_sum() -> Iterator[_Draft]:
             "digit_power_sum",
             f"Write a function `digit_power_sum(n)` that returns the sum of the decimal digits of the "
             f"non-negative integer `n`, each raised to the power {power}.",
-            f"def digit_power_sum(n):\n    return sum(int(c) ** {power} for c in str(n))\n",
+            specialize(reference.digit_power_sum, POWER=power),
             lambda rng: (rng.randint(0, 10 ** rng.randint(1, 12)),),
             ((0,), (9,)),
         )
@@ -307,12 +277,7 @@ def _base_digit_sum() -> Iterator[_Draft]:
             "base_digit_sum",
             f"Write a function `base_digit_sum(n)` that returns the sum of the digits (as numbers) of the "
             f"non-negative integer `n` written in base {base}.",
-            "def base_digit_sum(n):\n"
-            "    total = 0\n"
-            "    while n:\n"
-            f"        total += n % {base}\n"
-            f"        n //= {base}\n"
-            "    return total\n",
+            specialize(reference.base_digit_sum, BASE=base),
             lambda rng: (rng.randint(0, 10 ** rng.randint(1, 12)),),
             ((0,), (base - 1,), (base,)),
         )
@@ -325,15 +290,7 @@ def _count_with_divisors() -> Iterator[_Draft]:
             "count_with_divisors",
             f"Write a function `count_with_divisors(n)` that returns how many integers from 1 to `n` "
             f"(inclusive) have exactly {_plural(k, 'positive divisor')}. For n < 1 the answer is 0.",
-            "def count_with_divisors(n):\n"
-            "    def divisors(m):\n"
-            "        count, d = 0, 1\n"
-            "        while d * d <= m:\n"
-            "            if m % d == 0:\n"
-            "                count += 1 if d * d == m else 2\n"
-            "            d += 1\n"
-            "        return count\n"
-            f"    return sum(1 for m in range(1, n + 1) if divisors(m) == {k})\n",
+            specialize(reference.count_with_divisors, DIVISOR_COUNT=k),
             lambda rng: (rng.randint(2, 1500),),
             ((0,), (1,), (16,)),
         )
@@ -342,32 +299,32 @@ def _count_with_divisors() -> Iterator[_Draft]:
 def _reduce_numbers() -> Iterator[_Draft]:
     positive = lambda rng: (_ints(rng, 1, 60, (1, 8)),)  # noqa: E731 - a one-line input maker
     signed = lambda rng: (_ints(rng, -50, 50, (1, 10)),)  # noqa: E731
-    variants: list[tuple[str, str, str, Inputs, tuple[Args, ...]]] = [
+    variants: list[tuple[str, str, Callable[..., object], Inputs, tuple[Args, ...]]] = [
         (
             "gcd_all",
             "the greatest common divisor of all numbers in the non-empty list `xs` of positive integers",
-            "    import math\n    g = 0\n    for x in xs:\n        g = math.gcd(g, x)\n    return g\n",
+            reference.gcd_all,
             positive,
             (([12],), ([4, 6],)),
         ),
         (
             "lcm_all",
             "the least common multiple of all numbers in the non-empty list `xs` of positive integers",
-            "    import math\n    m = 1\n    for x in xs:\n        m = m * x // math.gcd(m, x)\n    return m\n",
+            reference.lcm_all,
             positive,
             (([7],), ([4, 6],)),
         ),
         (
             "spread",
             "the largest minus the smallest number of the non-empty list `xs`",
-            "    return max(xs) - min(xs)\n",
+            reference.spread,
             signed,
             (([5],),),
         ),
         (
             "sum_squares",
             "the sum of the squares of the numbers in the list `xs` (0 for an empty list)",
-            "    return sum(x * x for x in xs)\n",
+            reference.sum_squares,
             signed,
             (([],),),
         ),
@@ -375,38 +332,38 @@ def _reduce_numbers() -> Iterator[_Draft]:
             "product_mod",
             "the product of the numbers in the list `xs` modulo 1000003, as a number from 0 to 1000002 "
             "(1 for an empty list)",
-            "    p = 1\n    for x in xs:\n        p = p * x % 1000003\n    return p\n",
+            reference.product_mod,
             signed,
             (([],), ([-1],)),
         ),
         (
             "distinct_count",
             "how many different values the list `xs` holds",
-            "    return len(set(xs))\n",
+            reference.distinct_count,
             signed,
             (([],),),
         ),
         (
             "odd_sum",
             "the sum of the odd numbers in the list `xs` (negative ones included)",
-            "    return sum(x for x in xs if x % 2)\n",
+            reference.odd_sum,
             signed,
             (([],), ([-3, 2],)),
         ),
         (
             "max_abs",
             "the largest absolute value among the numbers of the non-empty list `xs`",
-            "    return max(abs(x) for x in xs)\n",
+            reference.max_abs,
             signed,
             (([-9, 3],),),
         ),
     ]
-    for name, what, body, make, fixed in variants:
+    for name, what, solution, make, fixed in variants:
         yield _Draft(
             name,
             name,
             f"Write a function `{name}(xs)` that returns {what}.",
-            f"def {name}(xs):\n{body}",
+            specialize(solution, name),
             make,
             fixed,
         )
@@ -414,17 +371,15 @@ def _reduce_numbers() -> Iterator[_Draft]:
 
 def _kth_value() -> Iterator[_Draft]:
     for k in range(1, 6):
-        for order, word in (("largest", "reverse=True"), ("smallest", "")):
+        for order in ("largest", "smallest"):
             ordinal = {1: "1st", 2: "2nd", 3: "3rd"}.get(k, f"{k}th")
             yield _Draft(
                 f"{order}-{k}",
                 f"kth_{order}",
-                f"Write a function `kth_{order}(xs)` that returns the {ordinal} {order} distinct value in the "
-                f"list of integers `xs` (equal values count once), or None if `xs` holds fewer than "
+                f"Write a function `kth_{order}(xs)` that returns the {ordinal} {order} distinct value in "
+                f"the list of integers `xs` (equal values count once), or None if `xs` holds fewer than "
                 f"{_plural(k, 'distinct value')}.",
-                f"def kth_{order}(xs):\n"
-                f"    values = sorted(set(xs){', ' + word if word else ''})\n"
-                f"    return values[{k - 1}] if len(values) >= {k} else None\n",
+                specialize(reference.kth_value, f"kth_{order}", K=k, LARGEST=order == "largest"),
                 lambda rng: (_ints(rng, -20, 20, (0, 12)),),
                 (([],), ([3, 3, 3],)),
             )
@@ -438,14 +393,10 @@ def _word_counts() -> Iterator[_Draft]:
             yield _Draft(
                 f"{minimum}-{'lower' if lower else 'exact'}",
                 "word_counts",
-                f"Write a function `word_counts(text)` that splits `text` on whitespace, {rule}, and returns a "
-                f"dict that maps each word occurring at least {_plural(minimum, 'time')} to its number of occurrences.",
-                "def word_counts(text):\n"
-                "    counts = {}\n"
-                "    for word in text.split():\n"
-                f"        {'word = word.lower()' if lower else 'pass'}\n"
-                "        counts[word] = counts.get(word, 0) + 1\n"
-                f"    return {{w: c for w, c in counts.items() if c >= {minimum}}}\n",
+                f"Write a function `word_counts(text)` that splits `text` on whitespace, {rule}, and returns "
+                f"a dict that maps each word occurring at least {_plural(minimum, 'time')} to its number of "
+                "occurrences.",
+                specialize(reference.word_counts, MIN_COUNT=minimum, LOWERCASE=lower),
                 lambda rng: (" ".join(rng.choice(words) for _ in range(rng.randint(0, 14))),),
                 (("",), ("  Fig\tfig\n",)),
             )
@@ -463,17 +414,7 @@ def _balanced() -> Iterator[_Draft]:
             f"Write a function `balanced(s)` that returns True if the brackets {shown} in the string `s` are "
             "balanced and properly nested, and False otherwise. Every other character (other kinds of "
             "brackets included) is ignored.",
-            "def balanced(s):\n"
-            f"    closing = {pairs!r}\n"
-            "    opening = set(closing.values())\n"
-            "    stack = []\n"
-            "    for ch in s:\n"
-            "        if ch in opening:\n"
-            "            stack.append(ch)\n"
-            "        elif ch in closing:\n"
-            "            if not stack or stack.pop() != closing[ch]:\n"
-            "                return False\n"
-            "    return not stack\n",
+            specialize(reference.balanced, CLOSING=pairs),
             functools.partial(_one_arg, _brackets_or_noise, brackets),
             (("",), (brackets,), (brackets[::-1],), (brackets[0] * 2 + brackets[1] * 2,)),
         )
@@ -497,25 +438,19 @@ def _brackets_or_noise(rng: random.Random, brackets: str) -> str:
 
 def _collatz() -> Iterator[_Draft]:
     variants = [
-        ("steps", "how many steps it takes to reach 1 (0 for n = 1)", "steps"),
-        ("peak", "the largest value the sequence reaches, n included", "peak"),
-        ("odd", "how many odd values the sequence visits, n and the final 1 included", "odd"),
-        ("length", "how many values the sequence has, n and the final 1 included", "steps + 1"),
+        ("steps", "how many steps it takes to reach 1 (0 for n = 1)"),
+        ("peak", "the largest value the sequence reaches, n included"),
+        ("odd", "how many odd values the sequence visits, n and the final 1 included"),
+        ("length", "how many values the sequence has, n and the final 1 included"),
     ]
-    for key, what, result in variants:
+    for key, what in variants:
         yield _Draft(
             key,
             f"collatz_{key}",
             f"Write a function `collatz_{key}(n)` that, for an integer n >= 1, follows the Collatz rule "
-            f"(an even value v becomes v // 2, an odd value v > 1 becomes 3 * v + 1, stop at 1) and returns {what}.",
-            f"def collatz_{key}(n):\n"
-            "    steps, peak, odd = 0, n, 1 if n % 2 else 0\n"
-            "    while n != 1:\n"
-            "        n = n // 2 if n % 2 == 0 else 3 * n + 1\n"
-            "        steps += 1\n"
-            "        peak = max(peak, n)\n"
-            "        odd += n % 2\n"
-            f"    return {result}\n",
+            "(an even value v becomes v // 2, an odd value v > 1 becomes 3 * v + 1, stop at 1) and returns "
+            f"{what}.",
+            specialize(reference.collatz, f"collatz_{key}", COLLATZ_RESULT=key),
             lambda rng: (rng.randint(2, 10000),),
             ((1,), (2,), (27,)),
         )
@@ -523,35 +458,22 @@ def _collatz() -> Iterator[_Draft]:
 
 def _merge_intervals() -> Iterator[_Draft]:
     touching = {
-        True: ("intervals that overlap or touch (share an end point) are merged", "<="),
-        False: ("intervals that overlap are merged, but ones that only touch at an end point are not", "<"),
+        True: "intervals that overlap or touch (share an end point) are merged",
+        False: "intervals that overlap are merged, but ones that only touch at an end point are not",
     }
     results = {
-        "list": (
-            "the merged intervals as a list of [start, end] pairs sorted by start",
-            "[list(x) for x in merged]",
-        ),
-        "count": ("how many intervals remain after merging", "len(merged)"),
-        "length": (
-            "the total length covered (the sum of end - start over the merged intervals)",
-            "sum(e - s for s, e in merged)",
-        ),
+        "list": "the merged intervals as a list of [start, end] pairs sorted by start",
+        "count": "how many intervals remain after merging",
+        "length": "the total length covered (the sum of end - start over the merged intervals)",
     }
-    for touch, (rule, compare) in touching.items():
-        for key, (what, result) in results.items():
+    for touch, rule in touching.items():
+        for key, what in results.items():
             yield _Draft(
                 f"{'touch' if touch else 'overlap'}-{key}",
                 "merge_intervals",
                 f"Write a function `merge_intervals(intervals)` that takes a list of [start, end] pairs of "
                 f"integers (start <= end, in any order) where {rule}, and returns {what}.",
-                "def merge_intervals(intervals):\n"
-                "    merged = []\n"
-                "    for s, e in sorted(intervals):\n"
-                f"        if merged and s {compare} merged[-1][1]:\n"
-                "            merged[-1][1] = max(merged[-1][1], e)\n"
-                "        else:\n"
-                "            merged.append([s, e])\n"
-                f"    return {result}\n",
+                specialize(reference.merge_intervals, TOUCHING=touch, MERGED_RESULT=key),
                 lambda rng: (
                     [sorted((rng.randint(0, 30), rng.randint(0, 30))) for _ in range(rng.randint(0, 7))],
                 ),
@@ -561,52 +483,32 @@ def _merge_intervals() -> Iterator[_Draft]:
 
 def _grid_transform() -> Iterator[_Draft]:
     variants = [
-        ("rotate_cw", "rotated 90 degrees clockwise", "[list(row) for row in zip(*grid[::-1])]"),
-        ("rotate_ccw", "rotated 90 degrees counter-clockwise", "[list(row) for row in zip(*grid)][::-1]"),
-        ("rotate_half", "rotated 180 degrees", "[row[::-1] for row in grid[::-1]]"),
-        (
-            "transpose",
-            "transposed (row i of the result is column i of the grid)",
-            "[list(row) for row in zip(*grid)]",
-        ),
-        ("flip_rows", "mirrored left to right (every row reversed)", "[row[::-1] for row in grid]"),
-        (
-            "flip_columns",
-            "mirrored top to bottom (the order of the rows reversed)",
-            "[list(row) for row in grid[::-1]]",
-        ),
+        ("rotate_cw", "rotated 90 degrees clockwise", reference.rotate_cw),
+        ("rotate_ccw", "rotated 90 degrees counter-clockwise", reference.rotate_ccw),
+        ("rotate_half", "rotated 180 degrees", reference.rotate_half),
+        ("transpose", "transposed (row i of the result is column i of the grid)", reference.transpose),
+        ("flip_rows", "mirrored left to right (every row reversed)", reference.flip_rows),
+        ("flip_columns", "mirrored top to bottom (the order of the rows reversed)", reference.flip_columns),
     ]
-    for name, what, result in variants:
+    for name, what, solution in variants:
         yield _Draft(
             name,
             name,
-            f"Write a function `{name}(grid)` that takes a non-empty rectangular grid (a list of equally long, "
-            f"non-empty lists) and returns a new grid: the input {what}.",
-            f"def {name}(grid):\n    return {result}\n",
+            f"Write a function `{name}(grid)` that takes a non-empty rectangular grid (a list of equally "
+            f"long, non-empty lists) and returns a new grid: the input {what}.",
+            specialize(solution, name),
             lambda rng: (_grid(rng),),
             (([[1]],), ([[1, 2, 3]],)),
         )
 
 
-_ROMAN = [(1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"), (50, "L"), (40, "XL")]
-_ROMAN += [(10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I")]
-_ROMAN_TABLE = repr(_ROMAN)
-
-
 def _roman() -> Iterator[_Draft]:
-    to_roman = (
-        "    out = []\n"
-        f"    for value, letters in {_ROMAN_TABLE}:\n"
-        "        while n >= value:\n"
-        "            out.append(letters)\n"
-        "            n -= value\n"
-    )
     yield _Draft(
         "upper",
         "to_roman",
         "Write a function `to_roman(n)` that returns the Roman numeral of 1 <= n <= 3999 in upper case, "
         'in the usual subtractive form (4 = "IV", 9 = "IX", 40 = "XL", 1994 = "MCMXCIV").',
-        f"def to_roman(n):\n{to_roman}    return ''.join(out)\n",
+        specialize(reference.to_roman, LOWER_CASE=False),
         lambda rng: (rng.randint(1, 3999),),
         ((1,), (4,), (3999,)),
     )
@@ -615,7 +517,7 @@ def _roman() -> Iterator[_Draft]:
         "to_roman",
         "Write a function `to_roman(n)` that returns the Roman numeral of 1 <= n <= 3999 in lower case, "
         'in the usual subtractive form (4 = "iv", 9 = "ix", 40 = "xl", 1994 = "mcmxciv").',
-        f"def to_roman(n):\n{to_roman}    return ''.join(out).lower()\n",
+        specialize(reference.to_roman, LOWER_CASE=True),
         lambda rng: (rng.randint(1, 3999),),
         ((1,), (49,), (3888,)),
     )
@@ -624,12 +526,7 @@ def _roman() -> Iterator[_Draft]:
         "from_roman",
         "Write a function `from_roman(s)` that returns the value of the upper-case Roman numeral `s` "
         '(a valid numeral in the usual subtractive form, 1 to 3999; "MCMXCIV" = 1994).',
-        "def from_roman(s):\n"
-        f"    n = 0\n    for value, letters in {_ROMAN_TABLE}:\n"
-        "        while s.startswith(letters):\n"
-        "            n += value\n"
-        "            s = s[len(letters):]\n"
-        "    return n\n",
+        specialize(reference.from_roman),
         lambda rng: (_roman_of(rng.randint(1, 3999)),),
         (("I",), ("IV",), ("MMMCMXCIX",)),
     )
@@ -637,7 +534,7 @@ def _roman() -> Iterator[_Draft]:
 
 def _roman_of(n: int) -> str:
     out = []
-    for value, letters in _ROMAN:
+    for value, letters in reference.ROMAN_NUMERALS:
         while n >= value:
             out.append(letters)
             n -= value
@@ -653,27 +550,17 @@ def _nested(rng: random.Random, depth: int = 0) -> list[Any]:
 
 def _flatten() -> Iterator[_Draft]:
     variants = [
-        ("1", "one level: lists directly inside `nested` are replaced by their elements"),
-        ("2", "two levels: like flattening one level, done twice"),
-        ("all", "completely: the result holds only the numbers, in order"),
+        ("1", 1, "one level: lists directly inside `nested` are replaced by their elements"),
+        ("2", 2, "two levels: like flattening one level, done twice"),
+        ("all", None, "completely: the result holds only the numbers, in order"),
     ]
-    for depth, what in variants:
-        deeper = "isinstance(item, list)" + ("" if depth == "all" else f" and depth < {depth}")
+    for key, depth, what in variants:
         yield _Draft(
-            depth,
+            key,
             "flatten",
-            f"Write a function `flatten(nested)` that takes a list whose elements are integers or lists (nested "
-            f"to any depth) and returns a new list flattened {what}.",
-            "def flatten(nested):\n"
-            "    def go(items, depth):\n"
-            "        out = []\n"
-            "        for item in items:\n"
-            f"            if {deeper}:\n"
-            "                out.extend(go(item, depth + 1))\n"
-            "            else:\n"
-            "                out.append(item)\n"
-            "        return out\n"
-            "    return go(nested, 0)\n",
+            "Write a function `flatten(nested)` that takes a list whose elements are integers or lists "
+            f"(nested to any depth) and returns a new list flattened {what}.",
+            specialize(reference.flatten, MAX_DEPTH=depth),
             lambda rng: (_nested(rng),),
             (([],), ([[[1]], 2, [3, [4, [5]]]],)),
         )
@@ -685,46 +572,31 @@ def _window_sums() -> Iterator[_Draft]:
             str(k),
             "max_window_sum",
             f"Write a function `max_window_sum(xs)` that returns the largest sum of "
-            f"{_plural(k, 'consecutive element')} of the list of integers `xs`, or None if `xs` has fewer than "
-            f"{_plural(k, 'element')}.",
-            "def max_window_sum(xs):\n"
-            f"    if len(xs) < {k}:\n"
-            "        return None\n"
-            f"    return max(sum(xs[i:i + {k}]) for i in range(len(xs) - {k} + 1))\n",
+            f"{_plural(k, 'consecutive element')} of the list of integers `xs`, or None if `xs` has fewer "
+            f"than {_plural(k, 'element')}.",
+            specialize(reference.max_window_sum, WINDOW=k),
             lambda rng: (_ints(rng, -20, 20, (0, 14)),),
             (([],), ([5] * k,)),
         )
     yield _Draft(
         "kadane",
         "max_subarray",
-        "Write a function `max_subarray(xs)` that returns the largest sum of a non-empty run of consecutive "
-        "elements of the non-empty list of integers `xs`.",
-        "def max_subarray(xs):\n"
-        "    best = current = xs[0]\n"
-        "    for x in xs[1:]:\n"
-        "        current = max(x, current + x)\n"
-        "        best = max(best, current)\n"
-        "    return best\n",
+        "Write a function `max_subarray(xs)` that returns the largest sum of a non-empty run of "
+        "consecutive elements of the non-empty list of integers `xs`.",
+        specialize(reference.max_subarray),
         lambda rng: (_ints(rng, -20, 20, (1, 14)),),
         (([-3],), ([-2, -1, -5],)),
     )
 
 
 def _common_affix() -> Iterator[_Draft]:
-    for side, body in (("prefix", "s[:n]"), ("suffix", "s[len(s) - n:]")):
-        take = "w[:n]" if side == "prefix" else "w[len(w) - n:]"
+    for side, solution in (("prefix", reference.common_prefix), ("suffix", reference.common_suffix)):
         yield _Draft(
             side,
             f"common_{side}",
-            f"Write a function `common_{side}(words)` that returns the longest string that is a {side} of every "
-            'string in the list `words` ("" for an empty list).',
-            f"def common_{side}(words):\n"
-            "    if not words:\n"
-            "        return ''\n"
-            "    s = min(words, key=len)\n"
-            "    for n in range(len(s), -1, -1):\n"
-            f"        if all({take} == {body} for w in words):\n"
-            f"            return {body}\n",
+            f"Write a function `common_{side}(words)` that returns the longest string that is a {side} of "
+            'every string in the list `words` ("" for an empty list).',
+            specialize(solution),
             lambda rng: (_affixed_words(rng),),
             (([],), (["same", "same"],), (["a", ""],)),
         )
@@ -743,25 +615,23 @@ def _dedupe() -> Iterator[_Draft]:
         (
             "first",
             "keeps the first occurrence of every value (in order) and drops later repeats",
-            "    seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n            seen.add(x)\n            out.append(x)\n    return out\n",
+            reference.dedupe_first,
         ),
         (
             "last",
-            "keeps the last occurrence of every value and drops earlier ones, preserving the order of the kept elements",
-            "    seen, out = set(), []\n    for x in reversed(xs):\n        if x not in seen:\n            seen.add(x)\n            out.append(x)\n    return out[::-1]\n",
+            "keeps the last occurrence of every value and drops earlier ones, preserving the order of the "
+            "kept elements",
+            reference.dedupe_last,
         ),
-        (
-            "unique",
-            "keeps, in order, only the values that occur exactly once",
-            "    return [x for x in xs if xs.count(x) == 1]\n",
-        ),
+        ("unique", "keeps, in order, only the values that occur exactly once", reference.dedupe_unique),
     ]
-    for key, what, body in variants:
+    for key, what, solution in variants:
         yield _Draft(
             key,
             "dedupe",
-            f"Write a function `dedupe(xs)` that returns a new list built from the list of integers `xs`: it {what}.",
-            f"def dedupe(xs):\n{body}",
+            f"Write a function `dedupe(xs)` that returns a new list built from the list of integers `xs`: "
+            f"it {what}.",
+            specialize(solution, "dedupe"),
             lambda rng: (_ints(rng, 0, 6, (0, 12)),),
             (([],), ([1, 1, 1],)),
         )
@@ -769,32 +639,22 @@ def _dedupe() -> Iterator[_Draft]:
 
 def _case_convert() -> Iterator[_Draft]:
     variants = [
-        (
-            "snake_to_camel",
-            '"hello_big_world" -> "helloBigWorld"',
-            "    first, *rest = s.split('_')\n    return first + ''.join(w.capitalize() for w in rest)\n",
-            "_",
-        ),
-        (
-            "snake_to_pascal",
-            '"hello_big_world" -> "HelloBigWorld"',
-            "    return ''.join(w.capitalize() for w in s.split('_'))\n",
-            "_",
-        ),
+        ("snake_to_camel", '"hello_big_world" -> "helloBigWorld"', reference.snake_to_camel, "_"),
+        ("snake_to_pascal", '"hello_big_world" -> "HelloBigWorld"', reference.snake_to_pascal, "_"),
         (
             "camel_to_snake",
             '"helloBigWorld" -> "hello_big_world" (every upper-case letter starts a new word)',
-            "    return ''.join('_' + c.lower() if c.isupper() else c for c in s)\n",
+            reference.camel_to_snake,
             "camel",
         ),
-        ("kebab_to_snake", '"hello-big-world" -> "hello_big_world"', "    return s.replace('-', '_')\n", "-"),
+        ("kebab_to_snake", '"hello-big-world" -> "hello_big_world"', reference.kebab_to_snake, "-"),
     ]
-    for name, example, body, style in variants:
+    for name, example, solution, style in variants:
         yield _Draft(
             name,
             name,
             f"Write a function `{name}(s)` that converts an identifier made of lower-case words: {example}.",
-            f"def {name}(s):\n{body}",
+            specialize(solution, name),
             functools.partial(_one_arg, _identifier, style),
             (),
         )
@@ -812,27 +672,27 @@ def _search_sorted() -> Iterator[_Draft]:
         (
             "first_index",
             "the index of the first element equal to `x`, or -1 if there is none",
-            "    for i, v in enumerate(xs):\n        if v == x:\n            return i\n    return -1\n",
+            reference.first_index,
         ),
         (
             "last_index",
             "the index of the last element equal to `x`, or -1 if there is none",
-            "    for i in range(len(xs) - 1, -1, -1):\n        if xs[i] == x:\n            return i\n    return -1\n",
+            reference.last_index,
         ),
-        ("count_equal", "how many elements equal `x`", "    return xs.count(x)\n"),
+        ("count_equal", "how many elements equal `x`", reference.count_equal),
         (
             "insertion_point",
             "the number of elements smaller than `x` (where `x` would be inserted before any equal ones)",
-            "    return sum(1 for v in xs if v < x)\n",
+            reference.insertion_point,
         ),
     ]
-    for name, what, body in variants:
+    for name, what, solution in variants:
         yield _Draft(
             name,
             name,
-            f"Write a function `{name}(xs, x)` that, for a list of integers `xs` sorted in non-decreasing order, "
-            f"returns {what}.",
-            f"def {name}(xs, x):\n{body}",
+            f"Write a function `{name}(xs, x)` that, for a list of integers `xs` sorted in non-decreasing "
+            f"order, returns {what}.",
+            specialize(solution, name),
             lambda rng: (sorted(_ints(rng, 0, 12, (0, 12))), rng.randint(-1, 13)),
             (([], 3), ([2, 2, 2], 2)),
         )
@@ -847,11 +707,7 @@ def _anagram_groups() -> Iterator[_Draft]:
             "into sets of anagrams (the same letters the same number of times, case-sensitive) and returns "
             f"the groups with at least {minimum} word{'s' if minimum > 1 else ''}: each group as a sorted "
             "list, and the list of groups sorted.",
-            "def anagram_groups(words):\n"
-            "    groups = {}\n"
-            "    for w in set(words):\n"
-            "        groups.setdefault(''.join(sorted(w)), []).append(w)\n"
-            f"    return sorted(sorted(g) for g in groups.values() if len(g) >= {minimum})\n",
+            specialize(reference.anagram_groups, MIN_GROUP=minimum),
             lambda rng: (_anagram_words(rng),),
             (([],), (["ab", "ba", "ab"],)),
         )
@@ -869,11 +725,7 @@ def _pascal_row() -> Iterator[_Draft]:
             "pascal_row",
             f"Write a function `pascal_row(n)` that returns row `n` (n >= 0; row 0 is [1]) of Pascal's "
             f"triangle as a list, with every entry taken modulo {modulus}.",
-            "def pascal_row(n):\n"
-            "    row = [1]\n"
-            "    for _ in range(n):\n"
-            "        row = [1] + [row[i] + row[i + 1] for i in range(len(row) - 1)] + [1]\n"
-            f"    return [v % {modulus} for v in row]\n",
+            specialize(reference.pascal_row, MODULUS=modulus),
             lambda rng: (rng.randint(2, 60),),
             ((0,), (1,)),
         )
@@ -881,11 +733,11 @@ def _pascal_row() -> Iterator[_Draft]:
 
 def _lattice_points() -> Iterator[_Draft]:
     norms = [
-        ("euclid", "x*x + y*y", "r*r", "x*x + y*y"),
-        ("manhattan", "|x| + |y|", "r", "abs(x) + abs(y)"),
-        ("chebyshev", "max(|x|, |y|)", "r", "max(abs(x), abs(y))"),
+        ("euclid", "x*x + y*y", "r*r", reference.lattice_points_euclid),
+        ("manhattan", "|x| + |y|", "r", reference.lattice_points_manhattan),
+        ("chebyshev", "max(|x|, |y|)", "r", reference.lattice_points_chebyshev),
     ]
-    for key, shown, bound, expression in norms:
+    for key, shown, bound, solution in norms:
         for strict in (False, True):
             compare = "<" if strict else "<="
             yield _Draft(
@@ -893,31 +745,21 @@ def _lattice_points() -> Iterator[_Draft]:
                 "lattice_points",
                 f"Write a function `lattice_points(r)` that returns how many points (x, y) with integer "
                 f"coordinates satisfy {shown} {compare} {bound.replace('*', ' * ')} for the integer r >= 0.",
-                "def lattice_points(r):\n"
-                f"    return sum(1 for x in range(-r, r + 1) for y in range(-r, r + 1) if {expression} {compare} {bound})\n",
+                specialize(solution, "lattice_points", STRICT=strict),
                 lambda rng: (rng.randint(1, 60),),
                 ((0,), (1,)),
             )
 
 
 def _longest_run() -> Iterator[_Draft]:
-    for tie, compare in (("first", ">"), ("last", ">=")):
+    for tie in ("first", "last"):
         yield _Draft(
             tie,
             "longest_run",
-            "Write a function `longest_run(s)` that returns [character, length] for the longest run of equal "
-            f"consecutive characters in the non-empty string `s`; when several runs are equally long, the {tie} "
-            "one counts.",
-            "def longest_run(s):\n"
-            "    best, i = None, 0\n"
-            "    while i < len(s):\n"
-            "        j = i\n"
-            "        while j < len(s) and s[j] == s[i]:\n"
-            "            j += 1\n"
-            f"        if best is None or j - i {compare} best[1]:\n"
-            "            best = [s[i], j - i]\n"
-            "        i = j\n"
-            "    return best\n",
+            "Write a function `longest_run(s)` that returns [character, length] for the longest run of "
+            "equal consecutive characters in the non-empty string `s`; when several runs are equally long, "
+            f"the {tie} one counts.",
+            specialize(reference.longest_run, LAST_WINS=tie == "last"),
             lambda rng: ("".join(rng.choice("xyz") * rng.randint(1, 4) for _ in range(rng.randint(1, 6))),),
             (("a",), ("aabb",)),
         )
@@ -928,20 +770,13 @@ def _spiral() -> Iterator[_Draft]:
         ("clockwise", "right along the top row"),
         ("counterclockwise", "down the left column"),
     ):
-        transform = "grid" if direction == "clockwise" else "[list(r) for r in zip(*grid)]"
         yield _Draft(
             direction,
             "spiral",
-            f"Write a function `spiral(grid)` that returns the values of the non-empty rectangular grid (a list "
-            f"of equally long non-empty lists) in {direction} spiral order, starting at the top-left corner "
-            f"and moving first {first_move}.",
-            "def spiral(grid):\n"
-            f"    g = [list(r) for r in {transform}]\n"
-            "    out = []\n"
-            "    while g:\n"
-            "        out.extend(g.pop(0))\n"
-            "        g = [list(r) for r in zip(*g)][::-1]\n"
-            "    return out\n",
+            "Write a function `spiral(grid)` that returns the values of the non-empty rectangular grid (a "
+            f"list of equally long non-empty lists) in {direction} spiral order, starting at the top-left "
+            f"corner and moving first {first_move}.",
+            specialize(reference.spiral, CLOCKWISE=direction == "clockwise"),
             lambda rng: (_grid(rng),),
             (([[1]],), ([[1, 2], [3, 4]],)),
         )
@@ -954,18 +789,9 @@ def _look_and_say() -> Iterator[_Draft]:
             "look_and_say",
             f"Write a function `look_and_say(s)` that applies the look-and-say step {times} time"
             f"{'s' if times > 1 else ''} to the non-empty digit string `s`: one step reads the runs of equal "
-            'digits from left to right and writes, for each run, its length followed by the digit ("1211" -> "111221").',
-            "def look_and_say(s):\n"
-            f"    for _ in range({times}):\n"
-            "        out, i = [], 0\n"
-            "        while i < len(s):\n"
-            "            j = i\n"
-            "            while j < len(s) and s[j] == s[i]:\n"
-            "                j += 1\n"
-            "            out.append(str(j - i) + s[i])\n"
-            "            i = j\n"
-            "        s = ''.join(out)\n"
-            "    return s\n",
+            "digits from left to right and writes, for each run, its length followed by the digit "
+            '("1211" -> "111221").',
+            specialize(reference.look_and_say, TIMES=times),
             lambda rng: (_text(rng, "1223", (1, 8)),),
             (("1",), ("1211",)),
         )
@@ -980,7 +806,7 @@ def _count_vowels() -> Iterator[_Draft]:
                 "count_vowels",
                 f"Write a function `count_vowels(s)` that returns how many characters of `s` are one of the "
                 f"letters {', '.join(vowels)} {rule}.",
-                f"def count_vowels(s):\n    return sum(1 for c in s{'.lower()' if any_case else ''} if c in '{vowels}')\n",
+                specialize(reference.count_vowels, VOWELS=vowels, ANY_CASE=any_case),
                 lambda rng: (_text(rng, "aeiouyAEIOUYbcdxz .", (0, 25)),),
                 (("",), ("YAy",)),
             )
@@ -991,52 +817,50 @@ def _leap_years() -> Iterator[_Draft]:
         (
             "gregorian",
             "Gregorian (divisible by 4, except centuries not divisible by 400)",
-            "y % 4 == 0 and (y % 100 != 0 or y % 400 == 0)",
+            reference.leap_years_gregorian,
         ),
-        ("julian", "Julian (every year divisible by 4)", "y % 4 == 0"),
+        ("julian", "Julian (every year divisible by 4)", reference.leap_years_julian),
     ]
-    for key, rule, test in calendars:
+    for key, rule, solution in calendars:
         yield _Draft(
             key,
             "leap_years",
-            f"Write a function `leap_years(first, last)` that returns how many leap years of the {rule} calendar "
-            "lie between the years `first` and `last` inclusive (1 <= first <= last).",
-            f"def leap_years(first, last):\n    return sum(1 for y in range(first, last + 1) if {test})\n",
+            f"Write a function `leap_years(first, last)` that returns how many leap years of the {rule} "
+            "calendar lie between the years `first` and `last` inclusive (1 <= first <= last).",
+            specialize(solution, "leap_years"),
             lambda rng: tuple(sorted((rng.randint(1, 2500), rng.randint(1, 2500)))),
             ((1900, 1900), (2000, 2000), (1, 4)),
         )
 
 
 def _divisor_classes() -> Iterator[_Draft]:
-    classes = [("abundant", ">"), ("perfect", "=="), ("deficient", "<")]
-    for name, compare in classes:
+    classes = [
+        ("abundant", "greater than", reference.count_abundant),
+        ("perfect", "equal to", reference.count_perfect),
+        ("deficient", "less than", reference.count_deficient),
+    ]
+    for name, relation, solution in classes:
         yield _Draft(
             name,
             f"count_{name}",
-            f"Write a function `count_{name}(n)` that returns how many integers m from 1 to `n` are {name}: the "
-            f"sum of the divisors of m smaller than m is {'greater than' if compare == '>' else 'equal to' if compare == '==' else 'less than'} m.",
-            f"def count_{name}(n):\n"
-            f"    return sum(1 for m in range(1, n + 1) if sum(d for d in range(1, m) if m % d == 0) {compare} m)\n",
+            f"Write a function `count_{name}(n)` that returns how many integers m from 1 to `n` are {name}: "
+            f"the sum of the divisors of m smaller than m is {relation} m.",
+            specialize(solution),
             lambda rng: (rng.randint(1, 400),),
             ((1,), (6,), (12,)),
         )
 
 
 def _rotate_list() -> Iterator[_Draft]:
-    for direction in ("left", "right"):
+    for direction, solution in (("left", reference.rotate_left), ("right", reference.rotate_right)):
         for k in range(1, 6):
-            moved = (
-                f"xs[{k} % len(xs):] + xs[:{k} % len(xs)]"
-                if direction == "left"
-                else f"xs[-({k} % len(xs)):] + xs[:-({k} % len(xs))] if {k} % len(xs) else list(xs)"
-            )
             yield _Draft(
                 f"{direction}-{k}",
                 f"rotate_{direction}",
-                f"Write a function `rotate_{direction}(xs)` that returns a new list: the list `xs` rotated {direction} "
-                f"by {k} place{'s' if k > 1 else ''} (elements that fall off one end come back at the other; an "
-                "empty list stays empty).",
-                f"def rotate_{direction}(xs):\n    if not xs:\n        return []\n    return {moved}\n",
+                f"Write a function `rotate_{direction}(xs)` that returns a new list: the list `xs` rotated "
+                f"{direction} by {_plural(k, 'place')} (elements that fall off one end come back at the "
+                "other; an empty list stays empty).",
+                specialize(solution, PLACES=k),
                 lambda rng: (_ints(rng, 0, 9, (0, 9)),),
                 (([],), ([7],)),
             )
@@ -1047,9 +871,9 @@ def _chunks() -> Iterator[_Draft]:
         yield _Draft(
             str(size),
             "chunks",
-            f"Write a function `chunks(xs)` that splits the list `xs` into consecutive pieces of {_plural(size, 'element')} "
-            "(the last piece may be shorter) and returns the list of pieces.",
-            f"def chunks(xs):\n    return [xs[i:i + {size}] for i in range(0, len(xs), {size})]\n",
+            "Write a function `chunks(xs)` that splits the list `xs` into consecutive pieces of "
+            f"{_plural(size, 'element')} (the last piece may be shorter) and returns the list of pieces.",
+            specialize(reference.chunks, CHUNK_SIZE=size),
             lambda rng: (_ints(rng, 0, 9, (0, 15)),),
             (([],),),
         )
@@ -1057,18 +881,18 @@ def _chunks() -> Iterator[_Draft]:
 
 def _sorted_checks() -> Iterator[_Draft]:
     variants = [
-        ("non_decreasing", "each element is >= the one before it", ">="),
-        ("strictly_increasing", "each element is > the one before it", ">"),
-        ("non_increasing", "each element is <= the one before it", "<="),
-        ("strictly_decreasing", "each element is < the one before it", "<"),
+        ("non_decreasing", "each element is >= the one before it", reference.is_non_decreasing),
+        ("strictly_increasing", "each element is > the one before it", reference.is_strictly_increasing),
+        ("non_increasing", "each element is <= the one before it", reference.is_non_increasing),
+        ("strictly_decreasing", "each element is < the one before it", reference.is_strictly_decreasing),
     ]
-    for name, rule, compare in variants:
+    for name, rule, solution in variants:
         yield _Draft(
             name,
             f"is_{name}",
             f"Write a function `is_{name}(xs)` that returns True if, in the list of integers `xs`, {rule} "
             "(an empty or one-element list qualifies), and False otherwise.",
-            f"def is_{name}(xs):\n    return all(b {compare} a for a, b in zip(xs, xs[1:]))\n",
+            specialize(solution),
             lambda rng: (
                 sorted(_ints(rng, 0, 5, (0, 7)), reverse=rng.random() < 0.5)
                 if rng.random() < 0.6
@@ -1080,13 +904,13 @@ def _sorted_checks() -> Iterator[_Draft]:
 
 def _perfect_powers() -> Iterator[_Draft]:
     for k in range(2, 7):
+        powers = {2: "squares", 3: "cubes"}.get(k, f"{k}th powers")
         yield _Draft(
             str(k),
             "count_powers",
-            f"Write a function `count_powers(n)` that returns how many integers from 1 to `n` (inclusive) are "
-            f"perfect {({2: 'squares', 3: 'cubes'}).get(k, f'{k}th powers')} (m ** {k} for an integer m >= 1). "
-            "For n < 1 the answer is 0.",
-            f"def count_powers(n):\n    m = 0\n    while (m + 1) ** {k} <= n:\n        m += 1\n    return m\n",
+            f"Write a function `count_powers(n)` that returns how many integers from 1 to `n` (inclusive) "
+            f"are perfect {powers} (m ** {k} for an integer m >= 1). For n < 1 the answer is 0.",
+            specialize(reference.count_powers, POWER=k),
             lambda rng: (rng.randint(1, 10**9),),
             ((0,), (1,), (2**k,), (2**k - 1,)),
         )
@@ -1098,13 +922,10 @@ def _polygonal() -> Iterator[_Draft]:
         yield _Draft(
             str(sides),
             f"is_{name}",
-            f"Write a function `is_{name}(n)` that returns True if the integer `n` is {'an' if name[0] in 'aeiou' else 'a'} {name} number, one of "
+            f"Write a function `is_{name}(n)` that returns True if the integer `n` is "
+            f"{'an' if name[0] in 'aeiou' else 'a'} {name} number, one of "
             f"P(k) = {_polygonal_formula(sides)} for an integer k >= 1, and False otherwise.",
-            f"def is_{name}(n):\n"
-            "    k = 1\n"
-            f"    while (({sides} - 2) * k * k - ({sides} - 4) * k) // 2 < n:\n"
-            "        k += 1\n"
-            f"    return (({sides} - 2) * k * k - ({sides} - 4) * k) // 2 == n\n",
+            specialize(reference.is_polygonal, f"is_{name}", SIDES=sides),
             functools.partial(_one_arg, _polygonal_or_not, sides),
             ((1,), (sides,), (0,)),
         )
@@ -1124,13 +945,9 @@ def _polygonal_or_not(rng: random.Random, sides: int) -> int:
 
 
 def _interleave() -> Iterator[_Draft]:
-    for key, rule, tail in (
-        ("stop", "stopping when the shorter string runs out", ""),
-        (
-            "rest",
-            "until the shorter string runs out, then the rest of the longer one",
-            " + a[len(b):] + b[len(a):]",
-        ),
+    for key, rule in (
+        ("stop", "stopping when the shorter string runs out"),
+        ("rest", "until the shorter string runs out, then the rest of the longer one"),
     ):
         yield _Draft(
             key,
@@ -1138,7 +955,7 @@ def _interleave() -> Iterator[_Draft]:
             f"Write a function `interleave(a, b)` that returns the characters of the strings `a` and `b` "
             f'alternately, starting with a\'s first character, {rule} ("abc", "XY" -> '
             f'"{"aXbY" if key == "stop" else "aXbYc"}").',
-            f"def interleave(a, b):\n    return ''.join(x + y for x, y in zip(a, b)){tail}\n",
+            specialize(reference.interleave, KEEP_REST=key == "rest"),
             lambda rng: (_word(rng, "abc", (0, 6)), _word(rng, "XYZ", (0, 6))),
             (("", "XY"),),
         )
@@ -1146,25 +963,25 @@ def _interleave() -> Iterator[_Draft]:
 
 def _reverse_words() -> Iterator[_Draft]:
     variants = [
-        ("order", "the words of `text` in reverse order", "' '.join(text.split()[::-1])"),
+        ("order", "the words of `text` in reverse order", reference.reverse_word_order),
         (
             "letters",
             "every word of `text` with its letters reversed, the words kept in order",
-            "' '.join(w[::-1] for w in text.split())",
+            reference.reverse_word_letters,
         ),
         (
             "both",
             "the words in reverse order, each with its letters reversed",
-            "' '.join(w[::-1] for w in text.split()[::-1])",
+            reference.reverse_words_and_letters,
         ),
     ]
-    for key, what, result in variants:
+    for key, what, solution in variants:
         yield _Draft(
             key,
             "reverse_words",
             f"Write a function `reverse_words(text)` that splits `text` on whitespace and returns {what}, "
             "joined by single spaces.",
-            f"def reverse_words(text):\n    return {result}\n",
+            specialize(solution, "reverse_words"),
             lambda rng: (" ".join(_word(rng, "abcdef", (1, 5)) for _ in range(rng.randint(0, 6))),),
             (("",), ("  one  two ",)),
         )
@@ -1172,21 +989,21 @@ def _reverse_words() -> Iterator[_Draft]:
 
 def _diagonals() -> Iterator[_Draft]:
     variants = [
-        ("main", "the main diagonal (top-left to bottom-right)", "sum(grid[i][i] for i in range(n))"),
-        ("anti", "the anti-diagonal (top-right to bottom-left)", "sum(grid[i][n - 1 - i] for i in range(n))"),
+        ("main", "the main diagonal (top-left to bottom-right)", reference.main_diagonal_sum),
+        ("anti", "the anti-diagonal (top-right to bottom-left)", reference.anti_diagonal_sum),
         (
             "both",
             "both diagonals (the centre cell of an odd-sized grid counted once)",
-            "sum(grid[i][i] + grid[i][n - 1 - i] for i in range(n)) - (grid[n // 2][n // 2] if n % 2 else 0)",
+            reference.both_diagonals_sum,
         ),
     ]
-    for key, what, result in variants:
+    for key, what, solution in variants:
         yield _Draft(
             key,
             "diagonal_sum",
-            f"Write a function `diagonal_sum(grid)` that returns the sum of the cells on {what} of the non-empty "
-            "square grid `grid` (a list of n lists of n integers).",
-            f"def diagonal_sum(grid):\n    n = len(grid)\n    return {result}\n",
+            f"Write a function `diagonal_sum(grid)` that returns the sum of the cells on {what} of the "
+            "non-empty square grid `grid` (a list of n lists of n integers).",
+            specialize(solution, "diagonal_sum"),
             lambda rng: (
                 [
                     [rng.randint(-9, 9) for _ in range(side)]

@@ -1,0 +1,2 @@
+"""The embedded SGLang-compatible engine, a process of its own: `python -m pipeline.engine` (=
+`rollwise engine serve`)."""

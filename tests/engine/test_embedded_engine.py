@@ -41,15 +41,11 @@ from pipeline.engine.batcher import (
     prefill_buckets,
 )
 from pipeline.engine.engine_metrics import EngineMetrics
+from pipeline.engine.model_loading import load_model
+from pipeline.engine.routes import build_app
 from pipeline.engine.sampling import RequestSampling
-from pipeline.engine.server import (
-    RunningServer,
-    ServerConfig,
-    build_app,
-    load_model,
-    serve,
-    start_server,
-)
+from pipeline.engine.serve import RunningServer, serve, start_server
+from pipeline.engine.serve_flags import ServerConfig
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import SamplingParams
 

@@ -19,8 +19,9 @@ from learner.lora import LoraPolicy, apply_lora
 from learner.model import load_policy
 from learner.model_init import init_model
 from learner.served_probe import probe_logprobs
-from pipeline.contracts.config import LoraConfig
-from pipeline.engine.server import RunningServer, ServerConfig, parse_args, start_server
+from pipeline.contracts.learner_config import LoraConfig
+from pipeline.engine.serve import RunningServer, start_server
+from pipeline.engine.serve_flags import ServerConfig, parse_args
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import EngineHTTPError
 from tests.engine.test_embedded_engine import assert_parity, post, recompute_logprobs, wait_until

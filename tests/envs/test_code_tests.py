@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import copy
 import itertools
 import json
 from collections import Counter
@@ -12,9 +14,12 @@ import pytest
 
 from envs.api import Action, EnvError, Task
 from envs.checker import check_env, format_report
+from envs.code_tests import reference_solutions as reference
 from envs.code_tests.environment import CodeTestsEnv, extract_solution, grade
 from envs.code_tests.problems import TESTS_PER_PROBLEM, _build, all_problems, canonical, problems
+from envs.code_tests.specialize import specialize
 from envs.discovery import resolve_env
+from envs.sandbox.isolation import MIN_PYTHON
 from envs.sandbox.limits import Limits
 from envs.sandbox.runner import Sandbox, SandboxConfig, SandboxUnavailable
 from envs.toolcalls import parse_hermes
@@ -68,6 +73,46 @@ def test_problem_set_is_deterministic_and_known_answers_hold() -> None:
     assert answers["look_and_say-1"]['["1211"]'] == '"111221"'
     assert answers["spiral-clockwise"]["[[[1,2],[3,4]]]"] == "[1,2,4,3]"
     assert answers["merge_intervals-overlap-count"]["[[[1,3],[3,5]]]"] == "2"  # touching, not merged
+
+
+def test_every_rendered_solution_defines_its_function_alone_and_reproduces_the_answers() -> None:
+    every = all_problems()
+    assert len({p.solution for p in every}) == len(every)  # a mistyped mode would repeat another variant
+    for problem in every:
+        tree = ast.parse(problem.solution, feature_version=MIN_PYTHON)
+        assert [(type(n), getattr(n, "name", None)) for n in tree.body] == [
+            (ast.FunctionDef, problem.function)
+        ]
+        namespace: dict[str, Any] = {}
+        exec(problem.solution, namespace)  # a fresh namespace: the source stands alone
+        answers = [canonical(namespace[problem.function](*copy.deepcopy(args))) for args in problem.inputs]
+        assert tuple(answers) == problem.expected, problem.id
+
+
+def test_specialize_writes_parameters_in_and_folds_the_branches_they_decide() -> None:
+    source = specialize(reference.word_counts, MIN_COUNT=3, LOWERCASE=False)
+    assert source.startswith("def word_counts(text):\n")  # annotations dropped
+    assert "c >= 3" in source and "MIN_COUNT" not in source
+    assert "lower" not in source and "LOWERCASE" not in source  # `if LOWERCASE:` went with its body
+    assert "word.lower()" in specialize(reference.word_counts, MIN_COUNT=3, LOWERCASE=True)
+    renamed = specialize(reference.merge_intervals, "merge", TOUCHING=False, MERGED_RESULT="count")
+    assert renamed.startswith("def merge(intervals):\n")
+    assert "s < merged[-1][1]" in renamed and "<=" not in renamed
+    assert renamed.rstrip().endswith("return len(merged)") and "MERGED_RESULT" not in renamed
+    assert "(1000, 'M')" in specialize(reference.to_roman, LOWER_CASE=False)  # a Final constant, inlined
+
+
+def test_specialize_refuses_a_source_that_would_not_stand_alone() -> None:
+    reads = r"reads the module-level names \['SHIFT'\] \(Final constants aside\), the variant gives"
+    with pytest.raises(ValueError, match=reads + r" \[\]"):
+        specialize(reference.caesar)
+    with pytest.raises(ValueError, match=reads + r" \['BASE', 'SHIFT'\]"):
+        specialize(reference.caesar, SHIFT=3, BASE=2)
+    constant = r"gives \['LOWER_CASE', 'ROMAN_NUMERALS'\]"  # a Final constant is not a parameter
+    with pytest.raises(ValueError, match=constant):
+        specialize(reference.to_roman, LOWER_CASE=False, ROMAN_NUMERALS=[(1, "I")])
+    with pytest.raises(ValueError, match=r"SHIFT=<object object .*> has no literal form"):
+        specialize(reference.caesar, SHIFT=object())
 
 
 def test_splits_partition_the_set() -> None:

@@ -1,0 +1,90 @@
+"""What the engine reports about itself: /health, /health_generate, model and server info, the weight
+version and Prometheus /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pipeline.engine.engine_state import state_of
+from pipeline.engine.http_json import json_reply
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+async def health(request: web.Request) -> web.Response:
+    state = state_of(request)
+    healthy = state.ready and state.scheduler is not None and state.scheduler.alive
+    return web.Response(status=200 if healthy else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    state = state_of(request)
+    if not state.ready:
+        return web.Response(status=503)
+    try:
+        await asyncio.wait_for(state.generate_internal("HEALTH_CHECK", 1), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = state_of(request)
+    scheduler = state.require_scheduler()
+    config = scheduler.model.config
+    return json_reply(
+        {
+            "model_path": state.model_path,
+            "tokenizer_path": state.config.model,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": scheduler.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state = state_of(request)
+    cfg = state.config
+    scheduler = state.require_scheduler()
+    return json_reply(
+        {
+            "model_path": state.model_path,
+            "tokenizer_path": cfg.model,
+            "host": cfg.host,
+            "port": cfg.port,
+            "served_model_name": cfg.served_model_name or cfg.model,
+            "context_length": scheduler.context_length,
+            "max_running_requests": cfg.max_batch,
+            "max_req_input_len": scheduler.context_length - 1,
+            "enable_metrics": cfg.enable_metrics,
+            "device": cfg.device,
+            "dtype": cfg.dtype,
+            "weight_version": scheduler.weight_version,
+            "internal_states": [
+                {
+                    "num_running_reqs": scheduler.num_running(),
+                    "num_queue_reqs": scheduler.num_waiting(),
+                    "paused": scheduler.paused,
+                }
+            ],
+            "version": "rollwise-embedded",
+        }
+    )
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return json_reply({"weight_version": state_of(request).require_scheduler().weight_version})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=state_of(request).metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )

@@ -109,7 +109,7 @@ class EnvSpec:
     ``tools``: OpenAI function schemas, ``{"type": "function", "function": {"name", "parameters"}}``.
     ``action_hints``: the complete answers the environment accepts, when they are few enough to list
     (guess-number: the numbers low..high). Optional; the learner's action prior
-    (``learner.action_prior_coef``) keeps a floor of probability on their first tokens.
+    (``learner.regularizers.action_prior_coef``) keeps a floor of probability on their first tokens.
 
     Construction raises ``ValueError`` naming the field for values that can never work;
     ``validate()`` additionally reports softer problems (tool schema shape, name characters).

@@ -150,11 +150,6 @@ def add_listener(listener: JudgeListener) -> None:
         _listeners.append(listener)
 
 
-def remove_listener(listener: JudgeListener) -> None:
-    if listener in _listeners:
-        _listeners.remove(listener)
-
-
 def set_run_endpoint(base_url: str | None, api_key: str | None = None) -> None:
     """Where judges with `base_url=None` find the run's own engines (called by rollwise when a run starts;
     None clears it)."""

@@ -1,0 +1,1 @@
+"""The learner process (`python -m learner.worker`, started by the daemon) and its maths."""

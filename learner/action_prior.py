@@ -11,8 +11,8 @@ the first generated position of each turn, i.e. KL(U_A || pi) up to a constant. 
 of action token j is coef * (pi_j - 1/|A|): a push that does not shrink with pi_j, so every valid answer
 keeps enough probability to be tried where it is right.
 
-It is meant to decay to 0 (``learner.action_prior_decay_steps``) once those answers have been found:
-held constant it caps how sure the policy may become. Applying it only to the turns of groups that
+It is meant to decay to 0 (``learner.regularizers.action_prior_decay_steps``) once those answers have been
+found: held constant it caps how sure the policy may become. Applying it only to the turns of groups that
 failed alike (where the policy gradient is silent) was tried and lost the extremes: by the time those
 groups fail, the answers are already gone from every other state (docs/training_curve.md).
 """

@@ -17,91 +17,38 @@ A step dir is staged under a hidden temp name, fsync'd and renamed, and only the
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_model
 
+from learner.checkpoint_state import (
+    ADAPTER_DIR,
+    FORMAT_VERSION,
+    Checkpoint,
+    ConsumedState,
+    check_optimizer_layout,
+    numpy_state_from_json,
+    numpy_state_to_json,
+    python_state,
+    write_text_atomically,
+)
 from learner.model import quiet_transformers, replace_dir_atomically, save_tokenizer
 from learner.trainer import Trainer
-from pipeline.contracts.durable import fsync_dir
 from pipeline.contracts.run_dir import (
     CHECKPOINT_STATE,
     LATEST_CHECKPOINT,
     checkpoint_dirs,
     checkpoint_name,
-    latest_checkpoint_dir,
 )
 
 if TYPE_CHECKING:
     from learner.lora import LoraPolicy
-
-FORMAT_VERSION = 1
-# A learner of several ranks writes torch.distributed.checkpoint shards instead (learner.sharded_checkpoint).
-SHARDED_FORMAT_VERSION = 2
-ADAPTER_DIR = "adapter"
-
-
-@dataclass
-class ConsumedState:
-    """Which trajectories the learner has already trained on (spool resume point)."""
-
-    last_seq: int = -1  # highest spool sequence number consumed; -1: none yet
-    group_ids: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A complete checkpoint on disk; tensors are read by `restore`."""
-
-    path: Path
-    step: int
-    counters: dict[str, int]
-    consumed: ConsumedState
-    extra: dict[str, Any]
-    rng: dict[str, Any]
-    sharded: bool = False
-
-    @property
-    def model_dir(self) -> Path:
-        """HF directory of the checkpointed weights (loadable with learner.model.load_policy)."""
-        return self.path / "model"
-
-
-def _numpy_state_to_json() -> dict[str, Any]:
-    state = np.random.get_state(legacy=True)
-    if not isinstance(state, tuple):
-        raise TypeError(f"numpy legacy RNG state is a tuple, got {type(state)}")
-    name, keys, pos, has_gauss, cached = state
-    return {
-        "name": name,
-        "keys": keys.tolist(),
-        "pos": int(pos),
-        "has_gauss": int(has_gauss),
-        "cached": cached,
-    }
-
-
-def _numpy_state_from_json(state: dict[str, Any]) -> None:
-    keys = np.asarray(state["keys"], dtype=np.uint32)
-    np.random.set_state((state["name"], keys, state["pos"], state["has_gauss"], state["cached"]))
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def save_checkpoint(
@@ -147,7 +94,7 @@ def save_checkpoint(
             "counters": trainer.counters(),
             "consumed": asdict(consumed),
             "extra": extra or {},
-            "rng": {"python": list(_python_state()), "numpy": _numpy_state_to_json()},
+            "rng": {"python": list(python_state()), "numpy": numpy_state_to_json()},
         }
         (staged / CHECKPOINT_STATE).write_text(json.dumps(state) + "\n", encoding="utf-8")
         target = root / name
@@ -155,7 +102,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    _write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")
+    write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")
     for _, old in checkpoint_dirs(root)[:-keep]:
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
@@ -164,50 +111,6 @@ def save_checkpoint(
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
     return target
-
-
-def _python_state() -> tuple[Any, ...]:
-    version, internal, gauss = random.getstate()
-    return (version, list(internal), gauss)
-
-
-def _read(path: Path) -> Checkpoint:
-    state = json.loads((path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
-    if state.get("format") not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
-        raise ValueError(
-            f"checkpoint {path} has format {state.get('format')!r}, expected {FORMAT_VERSION} or "
-            f"{SHARDED_FORMAT_VERSION}"
-        )
-    return Checkpoint(
-        path=path,
-        step=int(state["step"]),
-        counters={k: int(v) for k, v in state["counters"].items()},
-        consumed=ConsumedState(**state["consumed"]),
-        extra=dict(state["extra"]),
-        rng=dict(state["rng"]),
-        sharded=state["format"] == SHARDED_FORMAT_VERSION,
-    )
-
-
-def load_latest_checkpoint(checkpoints_dir: str | Path) -> Checkpoint | None:
-    """The checkpoint `latest` names; else the newest complete step dir; None when there is none."""
-    path = latest_checkpoint_dir(Path(checkpoints_dir))
-    return _read(path) if path is not None else None
-
-
-def _check_optimizer_layout(
-    ckpt: Checkpoint, saved: dict[str, Any], optimizer: torch.optim.Optimizer
-) -> None:
-    """Raise naming the config key when the saved parameter groups differ from the trainer's (torch's own
-    error names neither the key nor the checkpoint)."""
-    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
-    sizes = [len(group["params"]) for group in optimizer.param_groups]
-    if saved_sizes != sizes:
-        raise ValueError(
-            f"checkpoint {ckpt.path} holds optimizer parameter groups of sizes {saved_sizes}, this learner "
-            f"has {sizes}: learner.embedding_weight_decay gives the embeddings their own group when it "
-            f"differs from learner.weight_decay; resume with the values the run was started with"
-        )
 
 
 def restore(trainer: Trainer, ckpt: Checkpoint, *, adapter: LoraPolicy | None = None) -> None:
@@ -233,7 +136,7 @@ def restore(trainer: Trainer, ckpt: Checkpoint, *, adapter: LoraPolicy | None = 
         # strict: a key mismatch raises naming the keys; tied embeddings are saved once, matched by storage.
         load_model(trainer.model, weights, strict=True, device=str(trainer.device))
     tensors = torch.load(ckpt.path / "trainer_state.pt", map_location="cpu", weights_only=True)
-    _check_optimizer_layout(ckpt, tensors["optimizer"], trainer.optimizer)
+    check_optimizer_layout(ckpt, tensors["optimizer"], trainer.optimizer)
     trainer.optimizer.load_state_dict(tensors["optimizer"])
     trainer.scheduler.load_state_dict(tensors["scheduler"])
     trainer.generator.set_state(tensors["generator"])
@@ -242,5 +145,5 @@ def restore(trainer: Trainer, ckpt: Checkpoint, *, adapter: LoraPolicy | None = 
         torch.cuda.set_rng_state_all(tensors["cuda_rng"])
     version, internal, gauss = ckpt.rng["python"]
     random.setstate((version, tuple(internal), gauss))
-    _numpy_state_from_json(ckpt.rng["numpy"])
+    numpy_state_from_json(ckpt.rng["numpy"])
     trainer.load_counters(ckpt.counters)

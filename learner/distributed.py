@@ -97,7 +97,7 @@ def rank_device(device_name: str, local_rank: int) -> torch.device:
     if local_rank >= count:
         raise ValueError(
             f"learner rank with local rank {local_rank} needs a GPU of its own, this node has {count}: "
-            "learner.nproc must not exceed the GPUs per node"
+            "learner.distributed.nproc must not exceed the GPUs per node"
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
@@ -110,14 +110,15 @@ def join(world_size: int, device_name: str) -> Ranks | None:
     if found is None or (found[1] == 1 and world_size == 1):
         if world_size > 1:
             raise RuntimeError(
-                f"learner.nproc x learner.nnodes = {world_size}, but torchrun did not start this process "
-                "(no WORLD_SIZE); `rollwise run` starts the learner through torchrun"
+                f"learner.distributed.nproc x learner.distributed.nnodes = {world_size}, but torchrun did "
+                "not start this process (no WORLD_SIZE); `rollwise run` starts the learner through torchrun"
             )
         return None
     rank, world, local_rank = found
     if world != world_size:
         raise RuntimeError(
-            f"torchrun started {world} ranks, the config's learner.nproc x learner.nnodes is {world_size}"
+            f"torchrun started {world} ranks, the config's learner.distributed.nproc x "
+            f"learner.distributed.nnodes is {world_size}"
         )
     device = rank_device(device_name, local_rank)
     if device.type == "cuda":

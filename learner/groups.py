@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.contracts.schema import EpisodeSegment, RejectedRow
-from pipeline.supervisor.actors.admission import is_stale
+from pipeline.contracts.staleness import is_stale
 
 MIN_GROUP_MEMBERS = 2
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from learner.model import quiet_transformers, save_tokenizer, write_dir_atomically
-from pipeline.contracts.config import LoraConfig
+from pipeline.contracts.learner_config import LoraConfig
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter the learner trains
 ADAPTER_CONFIG = "adapter_config.json"

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,12 +303,26 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`rollwise model init --out DIR [--preset tiny|small] [--seed S]`; argv excludes 'model init'."""
+    """`rollwise model init --out DIR [--preset tiny|small] [--seed S] [--keep-existing]`; argv excludes
+    'model init'. The supervisor runs it as `python -m learner.model_init ... --keep-existing` to build a
+    run's initial model in a process of its own (the daemon imports no torch)."""
     parser = argparse.ArgumentParser(prog="rollwise model init", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write the HF model into")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--keep-existing",
+        action="store_true",
+        help="keep --out when it already holds a model; else build it staged and renamed into place",
+    )
     args = parser.parse_args(argv)
-    out = init_model(args.out, preset=args.preset, seed=args.seed)
+    if args.keep_existing:
+        out = ensure_model(Path(args.out), preset=args.preset, seed=args.seed)
+    else:
+        out = init_model(args.out, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} model (seed {args.seed}) to {out}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

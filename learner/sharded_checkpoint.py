@@ -35,15 +35,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from learner.checkpoint import (
+from learner.checkpoint_state import (
     SHARDED_FORMAT_VERSION,
     Checkpoint,
     ConsumedState,
-    _check_optimizer_layout,
-    _numpy_state_from_json,
-    _numpy_state_to_json,
-    _python_state,
-    _write_text_atomically,
+    check_optimizer_layout,
+    numpy_state_from_json,
+    numpy_state_to_json,
+    python_state,
+    write_text_atomically,
 )
 from learner.distributed import Ranks
 from learner.model import quiet_transformers, replace_dir_atomically, save_hf
@@ -93,7 +93,7 @@ def save_sharded_checkpoint(
             shutil.rmtree(staged, ignore_errors=True)
         raise
     if ranks.leader:
-        _write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")
+        write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")
         for _, old in checkpoint_dirs(root)[:-keep]:
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
@@ -118,7 +118,7 @@ def _write_leader_files(
         "counters": trainer.counters(),
         "consumed": asdict(consumed),
         "extra": extra,
-        "rng": {"python": list(_python_state()), "numpy": _numpy_state_to_json()},
+        "rng": {"python": list(python_state()), "numpy": numpy_state_to_json()},
         "ranks": world,
         "optimizer_groups": _group_sizes(trainer.optimizer),
     }
@@ -154,7 +154,7 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
         weights = ckpt.model_dir / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")
-        _check_optimizer_layout(ckpt, tensors["optimizer"], optimizer)
+        check_optimizer_layout(ckpt, tensors["optimizer"], optimizer)
         # Rank 0 reads the whole weights and optimizer state; every rank receives its shards from it.
         leader = trainer.ranks is None or trainer.ranks.leader
         full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -168,7 +168,7 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
     torch.set_rng_state(tensors["torch_rng"])
     version, internal, gauss = ckpt.rng["python"]
     random.setstate((version, tuple(internal), gauss))
-    _numpy_state_from_json(ckpt.rng["numpy"])
+    numpy_state_from_json(ckpt.rng["numpy"])
     trainer.load_counters(ckpt.counters)
 
 
@@ -190,7 +190,7 @@ def _with_tied_names(saved: dict[str, torch.Tensor], model: torch.nn.Module) -> 
 def _check_group_sizes(ckpt: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
     state = json.loads((ckpt.path / CHECKPOINT_STATE).read_text(encoding="utf-8"))
     saved = {"param_groups": [{"params": [None] * n} for n in state["optimizer_groups"]]}
-    _check_optimizer_layout(ckpt, saved, optimizer)
+    check_optimizer_layout(ckpt, saved, optimizer)
 
 
 def _keyed_by_name(saved: dict[str, Any], trainer: Trainer) -> dict[str, Any]:

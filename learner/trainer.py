@@ -35,7 +35,7 @@ from learner.policy_forward import PolicyForward, forward_policy
 from learner.precision import resolve_precision
 from learner.regularizers import kl_estimate, overlong_penalty
 from learner.trace import StepTracer, token_clip_active
-from pipeline.contracts.config import LearnerConfig
+from pipeline.contracts.learner_config import ConstantSchedule, DecaySchedule, LearnerConfig
 from pipeline.contracts.schema import EpisodeSegment, RejectedRow
 
 # Per-turn advantages below this are float noise of a group whose members all scored the same.
@@ -56,11 +56,14 @@ class StepInput:
     overlong_turns: int = 0  # of them, turns the over-long penalty reached
 
 
-def lr_factor(cfg: LearnerConfig) -> Callable[[int], float]:
+def lr_factor(schedule: ConstantSchedule | DecaySchedule) -> Callable[[int], float]:
     """Learning-rate multiplier of optimizer update u (0-based): a linear warm-up over `warmup_steps`, then
-    constant, or a linear or cosine decay over `lr_decay_steps` to `lr_min_ratio`, held there after.
+    constant, or a linear or cosine decay over `decay_steps` to `min_ratio`, held there after.
     A pure function of u, so a resumed scheduler (its update count restored) continues exactly."""
-    warmup, decay, floor, shape = cfg.warmup_steps, cfg.lr_decay_steps, cfg.lr_min_ratio, cfg.lr_schedule
+    warmup, shape = schedule.warmup_steps, schedule.kind
+    decay, floor = (
+        (schedule.decay_steps, schedule.min_ratio) if isinstance(schedule, DecaySchedule) else (0, 1.0)
+    )
 
     def factor(update: int) -> float:
         if update < warmup:
@@ -381,7 +384,7 @@ class Trainer:
     defaults to where the model's parameters are (the rank's device with `ranks`); `pad_token_id` to the
     model config's.
     `action_token_ids` are the environment's answer tokens (learner.action_prior.action_token_ids); the
-    action prior needs them when ``cfg.action_prior_coef > 0``.
+    action prior needs them when ``cfg.regularizers.action_prior_coef > 0``.
     """
 
     def __init__(
@@ -400,7 +403,7 @@ class Trainer:
     ) -> None:
         if not (math.isfinite(temperature) and temperature > 0.0):
             raise ValueError(f"temperature must be a finite number > 0 (the sampling one), got {temperature}")
-        if cfg.kl_coef > 0.0 and reference is None:
+        if cfg.regularizers.kl_coef > 0.0 and reference is None:
             raise ValueError("kl_coef > 0 needs the frozen reference policy (reference), got none")
         # A model of its own, or a LoRA policy's AdapterOff (the same model with the adapter disabled,
         # which must not be frozen: its adapter is what trains).
@@ -408,7 +411,7 @@ class Trainer:
         if isinstance(reference, torch.nn.Module):
             reference.eval()
             reference.requires_grad_(False)
-        if cfg.action_prior_coef > 0.0 and not action_token_ids:
+        if cfg.regularizers.action_prior_coef > 0.0 and not action_token_ids:
             raise ValueError(
                 "action_prior_coef > 0 needs the environment's action tokens (action_token_ids), got none"
             )
@@ -438,12 +441,12 @@ class Trainer:
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model, cfg.weight_decay, cfg.embedding_weight_decay),
-            lr=cfg.lr,
-            betas=(float(cfg.betas[0]), float(cfg.betas[1])),
-            weight_decay=cfg.weight_decay,
+            _param_groups(model, cfg.optim.weight_decay, cfg.optim.embedding_weight_decay),
+            lr=cfg.optim.lr,
+            betas=(float(cfg.optim.betas[0]), float(cfg.optim.betas[1])),
+            weight_decay=cfg.optim.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg.schedule))
         self.generator = torch.Generator().manual_seed(seed)  # mini-batch shuffling
         self.steps = 0  # step() calls
         self.optimizer_updates = 0
@@ -461,14 +464,22 @@ class Trainer:
         """The entropy bonus weight of the next update: ``entropy_coef``, falling linearly to 0 over the
         first ``entropy_decay_steps`` optimizer updates (constant when that is 0). It follows the restored
         update counter, so a resumed run continues the same schedule."""
-        return _linear_decay(self.cfg.entropy_coef, self.cfg.entropy_decay_steps, self.optimizer_updates)
+        return _linear_decay(
+            self.cfg.regularizers.entropy_coef,
+            self.cfg.regularizers.entropy_decay_steps,
+            self.optimizer_updates,
+        )
 
     @property
     def action_prior_coef(self) -> float:
         """The action prior's weight for the next update, on the same linear schedule as the entropy
         bonus (``action_prior_decay_steps``; 0 = constant)."""
         cfg = self.cfg
-        return _linear_decay(cfg.action_prior_coef, cfg.action_prior_decay_steps, self.optimizer_updates)
+        return _linear_decay(
+            cfg.regularizers.action_prior_coef,
+            cfg.regularizers.action_prior_decay_steps,
+            self.optimizer_updates,
+        )
 
     def counters(self) -> dict[str, int]:
         """Everything besides tensors that a checkpoint must restore for an identical next step."""
@@ -488,15 +499,17 @@ class Trainer:
         started = time.perf_counter()
         data = build_step_input(
             groups,
-            estimator=self.cfg.estimator,
-            gamma=self.cfg.gamma,
-            lam=self.cfg.lam,
+            estimator=self.cfg.advantages.estimator,
+            gamma=self.cfg.advantages.gamma,
+            lam=self.cfg.advantages.lam,
             # A group without signal still trains the entropy bonus and the action prior: its failed
             # states are exactly where a rarely sampled answer has to be kept alive.
             keep_zero_advantage=self.entropy_coef > 0.0 or self.action_prior_coef > 0.0,
-            norm=self.cfg.advantage_norm,
+            norm=self.cfg.advantages.norm,
             overlong=(
-                (self.cfg.overlong_budget, self.cfg.overlong_slope) if self.cfg.overlong_budget else None
+                (self.cfg.regularizers.overlong_budget, self.cfg.regularizers.overlong_slope)
+                if self.cfg.regularizers.overlong_budget
+                else None
             ),
         )
         self.last_rejected = data.rejected
@@ -536,7 +549,7 @@ class Trainer:
         if self.cfg.mismatch.proximal == "learner":
             # Every mini-batch's proximal log-probs are the weights' before the step's first update.
             packs = [self._with_proximal(pack, stats) for pack in packs]
-        accum = self.cfg.grad_accum
+        accum = self.cfg.optim.grad_accum
         for start in range(0, len(packs), accum):
             self._optimizer_update(packs[start : start + accum], stats, live[start : start + accum])
 
@@ -571,7 +584,7 @@ class Trainer:
         )
         with torch.no_grad(), entered as reference:
             ref = self._forward(reference, batch).logprobs
-        kl = kl_estimate(logprobs, ref, self.cfg.kl_estimator)
+        kl = kl_estimate(logprobs, ref, self.cfg.regularizers.kl_estimator)
         keep = batch.loss_mask > 0
         stats.kl_sum += float(kl.detach()[keep].sum())
         stats.kl_tokens += int(keep.sum())
@@ -635,11 +648,11 @@ class Trainer:
         if finite:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             if self.ranks is None:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip))
             else:
                 from learner.sharding import clip_grad_norm
 
-                grad_norm = clip_grad_norm(params, self.cfg.grad_clip)
+                grad_norm = clip_grad_norm(params, self.cfg.optim.grad_clip)
             finite = math.isfinite(grad_norm)
         if not finite:
             # Keep the weights: a non-finite update would poison every later step.
@@ -667,10 +680,10 @@ class Trainer:
             moved = 1 if stats.applied > 0 else 0
             stats.add_mismatch(logprobs, batch.old_logprobs, batch.loss_mask, self._lag(batch) + moved)
         advantages, kl_term = batch.advantages, None
-        if self.cfg.kl_coef > 0.0:
+        if self.cfg.regularizers.kl_coef > 0.0:
             kl = self._kl_to_reference(batch, logprobs, stats)
-            if self.cfg.kl_mode == "reward":
-                advantages = advantages - self.cfg.kl_coef * kl.detach()
+            if self.cfg.regularizers.kl_mode == "reward":
+                advantages = advantages - self.cfg.regularizers.kl_coef * kl.detach()
             else:
                 keep = batch.loss_mask > 0
                 kl_term = torch.where(keep, kl, 0.0).sum() / max(totals.tokens, 1)
@@ -679,25 +692,25 @@ class Trainer:
             batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.old_logprobs,
             advantages,
             batch.loss_mask,
-            clip_low=self.cfg.clip_low,
-            clip_high=self.cfg.clip_high,
-            level=self.cfg.loss_level,
+            clip_low=self.cfg.loss.clip_low,
+            clip_high=self.cfg.loss.clip_high,
+            level=self.cfg.loss.level,
             num_global_sequences=totals.sequences,
-            aggregation=self.cfg.loss_agg,
+            aggregation=self.cfg.loss.agg,
             num_global_tokens=max(totals.tokens, 1),
             token_weights=batch.token_weights,
         )
         if kl_term is not None:  # this micro-batch's tokens over the window's: they sum to the token mean
-            loss = loss + self.cfg.kl_coef * kl_term
+            loss = loss + self.cfg.regularizers.kl_coef * kl_term
         if self.tracer.active:
             clip_active = token_clip_active(
                 logprobs,
                 batch.proximal_logprobs if batch.proximal_logprobs is not None else batch.old_logprobs,
                 advantages,
                 batch.loss_mask,
-                level=self.cfg.loss_level,
-                clip_low=self.cfg.clip_low,
-                clip_high=self.cfg.clip_high,
+                level=self.cfg.loss.level,
+                clip_low=self.cfg.loss.clip_low,
+                clip_high=self.cfg.loss.clip_high,
             )
             self.tracer.record(batch, logprobs, clip_active)
         entropy = out.entropy(batch.loss_mask, self.temperature)

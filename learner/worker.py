@@ -23,19 +23,19 @@ Retention: weights/v<k> for the last 3 published versions (older ones are delete
 publish); spool files are deleted once the *oldest retained* checkpoint has consumed them, so falling
 back to any checkpoint on disk still finds every group it has not trained on.
 
-Its own run directory (learner.run_dir, a learner on another machine): started with `--config -`, it
+Its own run directory (learner.remote.run_dir, a learner on another machine): started with `--config -`, it
 reads the resolved config (and the secrets it needs) as the first line on stdin, writes it to its own
 run directory, builds the preset there when model.path is unset, reads the spool over Flight
-(learner.spool_url) and serves its published versions over HTTP (learner.weights_host/port); its
+(learner.remote.spool_url) and serves its published versions over HTTP (learner.remote.weights_host/port); its
 `ready` and `published` events say where (weights_url), and `ready` carries the preset's digest.
 Checkpoints stay on its disk.
 
-Several ranks (learner.nproc x learner.nnodes > 1, started by torchrun): rank 0 is the process described
-above and the only one that reads stdin, tails the spool or writes events. Before each collective piece of
-work it broadcasts a learner.distributed.Command; the other ranks `follow`: they read the step's groups
-from the spool themselves, train their share of its rows, and take their part in publishing (the weights
-are gathered and written by rank 0) and in the sharded checkpoint. A rank that dies takes the learner down
-(torchrun stops the others); the supervisor restarts it from the last checkpoint.
+Several ranks (learner.distributed.nproc x learner.distributed.nnodes > 1, started by torchrun): rank 0 is
+the process described above and the only one that reads stdin, tails the spool or writes events. Before each
+collective piece of work it broadcasts a learner.distributed.Command; the other ranks `follow`: they read the
+step's groups from the spool themselves, train their share of its rows, and take their part in publishing
+(the weights are gathered and written by rank 0) and in the sharded checkpoint. A rank that dies takes the
+learner down (torchrun stops the others); the supervisor restarts it from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from pipeline.contracts.config import (
     set_secret,
     write_resolved,
 )
-from pipeline.contracts.durable import storage_fault_kind, storage_retry_delays
+from pipeline.contracts.durable import RefusedWrites, retry_delays
 from pipeline.contracts.run_dir import (
     DROPPED_GROUPS_KEY,
     PUBLISHED_VERSION_KEY,
@@ -81,11 +81,13 @@ from pipeline.contracts.run_dir import (
     prune_weights,
     published_version,
 )
-from pipeline.contracts.schema import batch_to_segments
+from pipeline.contracts.schema import RejectedRow, batch_to_segments
 from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file, spool_name
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from learner.lora import LoraPolicy
     from pipeline.transport.weights_http import WeightServerThread
 
@@ -186,14 +188,16 @@ def env_action_token_ids(cfg: Config, tokenizer: Any) -> list[int]:
     `rollwise run` already refused a prior for an env without action_hints; an env that lost them since
     (a changed plugin on resume) raises ValueError naming the key rather than training without the prior.
     """
-    if cfg.learner.action_prior_coef <= 0.0:
+    if cfg.learner.regularizers.action_prior_coef <= 0.0:
         return []
     from envs.discovery import resolve_env
     from learner.action_prior import action_token_ids
 
     hints = resolve_env(cfg.env.name)(**cfg.env.options).spec.action_hints
     if not hints:
-        raise ValueError(f"learner.action_prior_coef > 0 but env {cfg.env.name!r} declares no action_hints")
+        raise ValueError(
+            f"learner.regularizers.action_prior_coef > 0 but env {cfg.env.name!r} declares no action_hints"
+        )
     return action_token_ids(tokenizer, hints)
 
 
@@ -251,7 +255,8 @@ class LearnerWorker:
     def _setup_model(self) -> None:
         import torch
 
-        from learner.checkpoint import load_latest_checkpoint, restore
+        from learner.checkpoint import restore
+        from learner.checkpoint_state import load_latest_checkpoint
         from learner.model import load_policy, resolve_device
         from learner.precision import resolve_precision
         from learner.trace import StepTracer
@@ -276,9 +281,9 @@ class LearnerWorker:
             self.lora = apply_lora(model, cfg.learner.lora, seed=cfg.run.seed)
             model = self.lora.model
         reference: Any = None
-        if cfg.learner.kl_coef > 0.0 and self.lora is not None:
+        if cfg.learner.regularizers.kl_coef > 0.0 and self.lora is not None:
             reference = self.lora.adapter_off()  # the initial policy is the base: no second copy
-        elif cfg.learner.kl_coef > 0.0:
+        elif cfg.learner.regularizers.kl_coef > 0.0:
             # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
             dtype = "bfloat16" if precision.autocast_dtype is not None else precision.param_dtype_name
             reference, _ = load(self.run_dir.initial_model, dtype=dtype)
@@ -404,15 +409,7 @@ class LearnerWorker:
         groups = []
         for seq in seqs:
             group_id, batch = read_group_file(self.run_dir.spool / spool_name(seq))
-            rows, rejected = batch_to_segments(batch)
-            verdict = triage_group(
-                group_id,
-                rows,
-                learner_version=self.version,
-                max_staleness=self.cfg.async_.max_staleness,
-                rejected=rejected,
-                vocab_size=self.vocab_size,
-            )
+            verdict, _ = self.triage(group_id, batch)
             if isinstance(verdict, str):
                 raise RuntimeError(
                     f"spool group {group_id} (seq {seq}): rank 0 trains it, this rank finds {verdict}"
@@ -436,9 +433,23 @@ class LearnerWorker:
     def drop(self, seq: int, group_id: str, reason: str) -> None:
         self.out.emit(events.Dropped(seq=seq, group_id=group_id, reason=reason))
 
+    def triage(self, group_id: str, batch: pa.RecordBatch) -> tuple[TrainGroup | str, list[RejectedRow]]:
+        """Decode and validate a spool group once: train it (a TrainGroup) or drop it (the reason), at
+        this learner's version (learner.groups.triage_group); and the rows that broke the schema."""
+        rows, rejected = batch_to_segments(batch)
+        verdict = triage_group(
+            group_id,
+            rows,
+            learner_version=self.version,
+            max_staleness=self.cfg.async_.max_staleness,
+            rejected=rejected,
+            vocab_size=self.vocab_size,
+        )
+        return verdict, rejected
+
     def take(self, item: SpoolItem) -> None:
-        """Decode and validate the group once, then train it or drop it (learner.groups.triage_group)."""
-        rows, rejected = batch_to_segments(item.batch)
+        """Train the group or drop it."""
+        verdict, rejected = self.triage(item.group_id, item.batch)
         if rejected:
             log.warning(
                 "group %s (seq %d): %d invalid row(s), first: %s",
@@ -449,14 +460,6 @@ class LearnerWorker:
             )
         self.pending.last_seq = max(self.pending.last_seq, item.seq)
         self.pending.consumed_ids.append(item.group_id)
-        verdict = triage_group(
-            item.group_id,
-            rows,
-            learner_version=self.version,
-            max_staleness=self.cfg.async_.max_staleness,
-            rejected=rejected,
-            vocab_size=self.vocab_size,
-        )
         if isinstance(verdict, str):
             self.drop(item.seq, item.group_id, verdict)
             self.pending.dropped[item.group_id] = verdict
@@ -526,28 +529,32 @@ class LearnerWorker:
     def durably(self, component: str, directory: Path, write: Callable[[], T]) -> T:
         """`write()`, retried while the storage refuses it (module docstring); StorageGaveUp when a stop
         is requested meanwhile. Errors that are not the storage's propagate at once."""
-        delays = storage_retry_delays()
-        refused: str | None = None
-        started = time.monotonic()
+        delays = retry_delays()
+        refusals = RefusedWrites(directory)
         while True:
             try:
                 result = write()
             except Exception as exc:
-                kind = storage_fault_kind(exc, directory)
-                if kind is None:
+                refusal = refusals.refused(exc)
+                if refusal is None:
                     raise
-                if refused is None:
-                    log.error("%s write refused by the storage (%s): %s; retrying", component, kind, exc)
-                refused = kind
-                self.out.emit(events.StorageFault(component, blocked=True, kind=kind, message=str(exc)[:500]))
+                if refusal.first:
+                    log.error(
+                        "%s write refused by the storage (%s): %s; retrying", component, refusal.kind, exc
+                    )
+                fault = events.StorageFault(
+                    component, blocked=True, kind=refusal.kind, message=str(exc)[:500]
+                )
+                self.out.emit(fault)
                 if self.stop.wait(next(delays)):
-                    raise StorageGaveUp(f"{component}: {kind}: {exc}") from exc
+                    raise StorageGaveUp(f"{component}: {refusal.kind}: {exc}") from exc
                 continue
-            if refused is not None:
-                waited = time.monotonic() - started
-                log.warning("%s written after %.1f s of refusals", component, waited)
-                message = f"written after {waited:.1f} s of refusals"
-                self.out.emit(events.StorageFault(component, blocked=False, kind=refused, message=message))
+            if (recovered := refusals.wrote()) is not None:
+                log.warning("%s written after %.1f s of refusals", component, recovered.blocked_s)
+                message = f"written after {recovered.blocked_s:.1f} s of refusals"
+                self.out.emit(
+                    events.StorageFault(component, blocked=False, kind=recovered.kind, message=message)
+                )
             return result
 
     def publish(self, *, announce: bool = True) -> None:
@@ -600,7 +607,8 @@ class LearnerWorker:
         prune_weights(self.run_dir.weights, version)
 
     def checkpoint(self) -> None:
-        from learner.checkpoint import ConsumedState, save_checkpoint
+        from learner.checkpoint import save_checkpoint
+        from learner.checkpoint_state import ConsumedState
 
         started = time.monotonic()
         consumed = ConsumedState(last_seq=self.consumed_seq, group_ids=list(self.consumed_since_checkpoint))
@@ -703,7 +711,7 @@ def receive_config(stream: TextIO) -> Config:
 
 @dataclass
 class OwnRunDir:
-    """What a learner with its own run directory (learner.run_dir) sets up before it loads the model:
+    """What a learner with its own run directory (learner.remote.run_dir) sets up before it loads the model:
     its copy of the config, the preset (built here, deterministically; its digest goes to the supervisor)
     and the weight server the supervisor fetches published versions from."""
 
@@ -721,16 +729,16 @@ class OwnRunDir:
         if cfg.model.path is None:
             ensure_model(run.initial_model, preset=cfg.model.preset, seed=cfg.run.seed)
             digest = model_digest(run.initial_model)
-        learner = cfg.learner
+        remote = cfg.learner.remote
         server = WeightServerThread(
             run.weights_of,
-            learner.weights_host,
-            learner.weights_port,
-            reveal(learner.weights_token),
+            remote.weights_host,
+            remote.weights_port,
+            reveal(remote.weights_token),
             what="the learner's weight server",
         )
         port = server.start()
-        url = learner.weights_url or advertised_url(learner.weights_host, port)
+        url = remote.weights_url or advertised_url(remote.weights_host, port)
         log.info("own run directory %s; published weights served at %s", run.root, url)
         return OwnRunDir(server, url, digest)
 
@@ -770,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = receive_config(sys.stdin) if args.config == "-" else load_config(args.config)
         run = RunDir.at(args.run_dir, cfg.model.path)
         lock_fd = acquire_learner_lock(run) if rank == 0 else None
-        if cfg.learner.run_dir is not None and rank == 0:
+        if cfg.learner.remote.run_dir is not None and rank == 0:
             own = OwnRunDir.open(cfg, run)
         ranks = join(cfg.learner.world_size, cfg.learner.device)
         if rank == 0:

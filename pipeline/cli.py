@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
 # command words -> (module, function, one-line help). The function takes the remaining argv.
 _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
     ("model", "init"): ("learner.model_init", "main", "write a Qwen3-architecture model + tokenizer preset"),
     ("engine", "serve"): (
-        "pipeline.engine.server",
+        "pipeline.engine.serve",
         "main",
         "serve the embedded SGLang-compatible engine",
     ),
@@ -96,7 +98,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. learner.lr=3e-3",
+        help="override a config key, e.g. learner.optim.lr=3e-3",
     )
 
 
@@ -160,8 +162,30 @@ def _unknown_subcommand(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _config_warnings_as_lines() -> None:
+    """A config key from an older release (pipeline.contracts.learner_config.DeprecatedConfigKey) is one
+    line on stderr naming its new key, not Python's two-line warning with a source location."""
+    shown = warnings.showwarning
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if category.__name__ == "DeprecatedConfigKey":
+            print(f"rollwise: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    _config_warnings_as_lines()
     delegate = _find_delegate(args)
     if delegate is not None:
         fn, rest = delegate

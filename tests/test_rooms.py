@@ -109,7 +109,9 @@ def room_violations(edges: Iterable[Import], modules: Mapping[str, Path]) -> lis
         if target is None:
             top = edge.target.split(".")[0]
             if top in FORBIDDEN_THIRD_PARTY.get(source_room, frozenset()):
-                problems.append(f"{edge.source}:{edge.line} imports {edge.target} (no {top} in {source_room})")
+                problems.append(
+                    f"{edge.source}:{edge.line} imports {edge.target} (no {top} in {source_room})"
+                )
             continue
         target_room = room_of(target)
         if target_room != source_room and target_room not in ROOM_MAY_IMPORT[source_room]:

@@ -80,11 +80,6 @@ class Isolation:
         )
 
 
-def sandbox_uid(root_uid_base: int, slot: int) -> int | None:
-    """The uid a sandbox runs as: its own unprivileged uid when rollwise is root, else rollwise's."""
-    return root_uid_base + slot if os.geteuid() == 0 else None
-
-
 def no_groups(uid: int | None) -> list[int] | None:
     """``Popen(extra_groups=...)`` for a child that runs as ``uid`` (None: keep this process's)."""
     return None if uid is None else []

@@ -6,7 +6,6 @@ anything starts; an unknown key or a bad value raises ConfigError naming the dot
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import tomllib
@@ -15,12 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
+from pipeline.contracts.config_base import Section, is_loopback, reveal, secret_from_env
+from pipeline.contracts.learner_config import SCHEDULE_KINDS, LearnerConfig
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+__all__ = ["Config", "ConfigError", "LearnerConfig", "load_config", "reveal"]
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     run_dir: str = Field(
         "runs/default", description="Directory holding the spool, checkpoints, weights, logs."
     )
@@ -36,14 +36,14 @@ class RunConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
     preset: Literal["tiny", "small"] = Field("tiny", description="Preset used when path is None.")
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     kind: Literal["embedded", "sglang", "external"] = Field(
         "embedded", description="embedded = rollwise's torch engine; sglang = launch SGLang; external = urls."
     )
@@ -57,7 +57,7 @@ class EngineConfig(_Section):
     tp: int = Field(1, ge=1, description="SGLang tensor parallel size.")
     dp: int = Field(1, ge=1, description="SGLang data parallel size.")
     api_key: SecretStr | None = Field(
-        default_factory=lambda: _secret_from_env("ROLLWISE_ENGINE_API_KEY"),
+        default_factory=lambda: secret_from_env("ROLLWISE_ENGINE_API_KEY"),
         description=(
             "Bearer token for the engines' HTTP API (default: $ROLLWISE_ENGINE_API_KEY); required when "
             "engine.host is not loopback. Never written to the run directory or logged."
@@ -123,7 +123,7 @@ class EngineConfig(_Section):
     )
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature; the learner uses the same value."
     )
@@ -135,7 +135,7 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(1024, ge=1, description="Tokens one turn may generate.")
 
 
-class EnvConfig(_Section):
+class EnvConfig(Section):
     name: str = Field("guess-number", description="Entry-point name in rollwise.envs, or module:attr.")
     options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for the env factory."
@@ -148,11 +148,11 @@ class EnvConfig(_Section):
     system_prompt: str | None = Field(None, description="Optional system message before the env's messages.")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     max_concurrent_groups: int = Field(16, ge=1, description="Upper bound on groups running at once.")
 
 
-class ServedCheckConfig(_Section):
+class ServedCheckConfig(Section):
     """Proof after every weight sync that each engine serves the new policy (docs/operations.md, LoRA)."""
 
     enabled: bool = Field(
@@ -176,7 +176,7 @@ class ServedCheckConfig(_Section):
     )
 
 
-class AsyncConfig(_Section):
+class AsyncConfig(Section):
     max_staleness: int = Field(
         2, ge=0, description="eta: admitted work stays within eta versions of the policy."
     )
@@ -187,350 +187,18 @@ class AsyncConfig(_Section):
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)
 
 
-class MismatchConfig(_Section):
-    """Training/inference mismatch correction (docs/operations.md, "Mismatch correction")."""
-
-    proximal: Literal["engine", "learner"] = Field(
-        "learner",
-        description=(
-            "Which log-probs the clip is centred on: the engine's (engine, no extra pass) or the learner's "
-            "own at the start of the step (learner: one no-grad forward over the batch, decoupled PPO)."
-        ),
-    )
-    is_weights: Literal["none", "token", "sequence"] = Field(
-        "token",
-        description=(
-            "Truncated importance weights w = min(pi_prox / pi_engine, is_cap) on each token (token) or "
-            "the product over the sequence (sequence); needs proximal = learner."
-        ),
-    )
-    is_cap: float = Field(2.0, ge=1.0, description="Upper truncation C of the importance weights.")
-    reject: Literal["none", "token", "sequence", "geometric"] = Field(
-        "none",
-        description=(
-            "Mask tokens (token) or whole sequences (sequence: the product of token ratios; geometric: "
-            "their geometric mean) whose pi_prox / pi_engine leaves reject_band; needs proximal = learner."
-        ),
-    )
-    reject_band: tuple[float, float] = Field(
-        (0.5, 2.0), description="[low, high] of the ratio kept by `reject` (geometric: e.g. [0.999, 1.001])."
-    )
-
-    @model_validator(mode="after")
-    def _rules(self) -> MismatchConfig:
-        low, high = self.reject_band
-        if not 0.0 <= low < 1.0 < high:
-            raise ValueError(f"reject_band must satisfy 0 <= low < 1 < high, got {self.reject_band}")
-        for key in ("is_weights", "reject"):
-            if getattr(self, key) != "none" and self.proximal != "learner":
-                raise ValueError(
-                    f"learner.mismatch.{key} = {getattr(self, key)!r} needs learner.mismatch.proximal = "
-                    "'learner': the correction compares the engine's log-probs with the learner's at the "
-                    "start of the step"
-                )
-        return self
-
-
-class LoraConfig(_Section):
-    """LoRA on the learner with peft; adapters published in PEFT format (docs/operations.md, LoRA)."""
-
-    enabled: bool = Field(False, description="Train LoRA adapters instead of the full weights.")
-    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
-    alpha: int = Field(32, ge=1, description="LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
-        description="Module names (as in the HF model) that get adapters; SGLang's --lora-target-modules.",
-    )
-    serving: Literal["adapter", "merged"] = Field(
-        "adapter",
-        description=(
-            "adapter: engines load each version with /load_lora_adapter and requests name it (SGLang "
-            "dynamic LoRA); merged: the adapter merged into the base is published as full weights."
-        ),
-    )
-
-
-class LearnerConfig(_Section):
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_dtype(cls, data: Any) -> Any:
-        """Run directories written before `precision` existed say `dtype`; resume them as the same thing."""
-        if isinstance(data, dict) and "dtype" in data and "precision" not in data:
-            data = dict(data)
-            legacy = data.pop("dtype")
-            data["precision"] = {"float32": "fp32", "bfloat16": "bf16"}.get(legacy, legacy)
-        return data
-
-    batch_groups: int = Field(8, ge=1, description="B: groups per optimizer step (the rollout batch).")
-    mini_batches: int = Field(4, ge=1, description="Mini-batches per rollout batch (paper: 4).")
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (1e-6: a pretrained LLM, full weights).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    embedding_weight_decay: float | None = Field(
-        None,
-        ge=0,
-        description=(
-            "AdamW weight decay of the token embeddings and the output layer (None = weight_decay). Decay "
-            "there keeps tokens the policy stopped sampling within reach instead of letting their logits "
-            "sink without bound."
-        ),
-    )
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
-    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    grad_accum: int = Field(1, ge=1, description="Mini-batches accumulated per optimizer update.")
-    warmup_steps: int = Field(
-        10,
-        ge=0,
-        description="Linear learning-rate warm-up over the first optimizer updates (AdamW's moments).",
-    )
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="After warm-up: constant, or a linear or cosine decay to lr * lr_min_ratio."
-    )
-    lr_decay_steps: int = Field(
-        0, ge=0, description="Optimizer updates of the decay after warm-up (needed by linear and cosine)."
-    )
-    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="The decay's floor as a fraction of lr.")
-    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
-    kl_coef: float = Field(
-        0.0,
-        ge=0,
-        description=(
-            "Weight of a KL penalty towards the initial weights (0 = off). The learner then holds a frozen "
-            "copy of them (one more set of weights, no gradients or optimizer state) and runs it on every "
-            "mini-batch."
-        ),
-    )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token KL estimate: k1 = log ratio, k2 = squared / 2, k3 = low-variance."
-    )
-    kl_mode: Literal["loss", "reward"] = Field(
-        "loss",
-        description=(
-            "loss: kl_coef x the token-mean estimate is added to the loss (differentiated); reward: the "
-            "estimate (detached) is subtracted from each token's advantage, a per-token reward penalty."
-        ),
-    )
-    overlong_budget: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "DAPO's soft over-long penalty (None = off): a turn longer than this many generated tokens "
-            "gets -1 added to its reward, and one within overlong_slope tokens of it a linear share."
-        ),
-    )
-    overlong_slope: int = Field(
-        0, ge=0, description="Tokens before the budget over which the penalty ramps in."
-    )
-    clip_low: float = Field(3e-4, ge=0, description="GSPO epsilon below 1.")
-    clip_high: float = Field(4e-4, ge=0, description="GSPO epsilon above 1.")
-    loss_level: Literal["sequence_token", "sequence", "token"] = Field(
-        "sequence_token", description="GSPO-token, GSPO, or the token-level GRPO/PPO baseline."
-    )
-    loss_agg: Literal["seq_mean_token_mean", "token_mean"] = Field(
-        "seq_mean_token_mean",
-        description=(
-            "Loss aggregation: every episode weighs the same (seq_mean_token_mean), or every generated "
-            "token does (token_mean: each turn of a multi-turn episode keeps its full weight)."
-        ),
-    )
-    entropy_coef: float = Field(
-        0.0,
-        ge=0,
-        description="Entropy bonus weight (0 = off): keeps exploring when the policy sharpens fast.",
-    )
-    entropy_decay_steps: int = Field(
-        0,
-        ge=0,
-        description=(
-            "Optimizer updates over which entropy_coef falls linearly to 0 (0 = constant): explore while "
-            "learning, then let the policy settle on what it found."
-        ),
-    )
-    action_prior_coef: float = Field(
-        0.0,
-        ge=0,
-        description=(
-            "Weight of the action prior (0 = off): cross-entropy of a uniform distribution over the env's "
-            "action_hints against the policy's first token of each turn, so no valid answer is lost "
-            "before it is tried where it is right. Needs an env that declares action_hints."
-        ),
-    )
-    action_prior_decay_steps: int = Field(
-        0,
-        ge=0,
-        description="Optimizer updates over which action_prior_coef falls linearly to 0 (0 = constant).",
-    )
-    estimator: Literal["turn", "outcome", "anchor"] = Field(
-        "turn",
-        description=(
-            "Per-turn advantages (turn), GRPO broadcast (outcome), or per-turn advantages whose baselines "
-            "are the group's episodes that saw the same history before the turn (anchor, GiGPO-style)."
-        ),
-    )
-    advantage_norm: Literal["std", "none"] = Field(
-        "std",
-        description=(
-            "Divide each advantage channel by its batch std (std, GRPO-style) or keep reward units (none, "
-            "Dr. GRPO; lam then balances the channels' units)."
-        ),
-    )
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount of the turn-reward return-to-go.")
-    lam: float = Field(1.0, ge=0, description="Weight of the shaping (turn reward) channel.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Learner device.")
-    precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
-        "auto",
-        description=(
-            "fp32; bf16-mixed (fp32 master weights and optimizer state, bf16 autocast compute); or bf16 "
-            "(pure: weights and AdamW state in bf16, so updates smaller than bf16's spacing, ~0.4% of a "
-            "weight, are lost). auto = bf16-mixed on CUDA, fp32 on CPU."
-        ),
-    )
-    fused_logprobs: bool = Field(
-        True,
-        description=(
-            "Sampled-token log-probs from the final hidden states through the output layer, fused per "
-            "chunk: no (tokens x vocabulary) logits tensor in forward or backward."
-        ),
-    )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="Recompute each decoder layer's activations in backward (less memory, more compute).",
-    )
-    checkpoint_every: int = Field(5, ge=1, description="Checkpoint every n steps (and on shutdown).")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    threads: int = Field(1, ge=1, description="torch intra-op threads of the learner process.")
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    spool_url: str | None = Field(
-        None,
-        description=(
-            "Where the learner reads groups: None = the run directory's spool; grpc://host:port = a "
-            "supervisor's Flight service (transport.kind = flight; its checkpoint still records the "
-            "consumed sequence, and transport.token authenticates it)."
-        ),
-    )
-
-    nproc: int = Field(
-        1,
-        ge=1,
-        description=(
-            "Learner processes (ranks) per node. Above 1 the supervisor starts the learner through torchrun "
-            "and the model is sharded with FSDP2 (gloo on a CPU, NCCL on GPUs: one GPU per rank)."
-        ),
-    )
-    nnodes: int = Field(
-        1,
-        ge=1,
-        description=(
-            "Nodes the learner spans (torchrun --nnodes, c10d rendezvous at rdzv_endpoint); every node's "
-            "torchrun must be started by one launcher command (see launcher)."
-        ),
-    )
-    rdzv_endpoint: str | None = Field(
-        None,
-        description=(
-            "host:port of torchrun's c10d rendezvous, reachable from every learner node (needed when "
-            "nnodes > 1; one node alone picks a free local port)."
-        ),
-    )
-    launcher: list[str] = Field(
-        default_factory=list,
-        description=(
-            "Command prefix the supervisor starts the learner with, e.g. ['srun', '--nodes=2', "
-            "'--ntasks-per-node=1'] or ['ssh', 'gpu-b']: the learner runs where it puts it, and the "
-            "launcher must carry the learner's stdin and stdout (srun and ssh do). Empty: this machine."
-        ),
-    )
-
-    # --- a learner that does not share the run directory (docs/operations.md, "Three machines") ---
-    run_dir: str | None = Field(
-        None,
-        description=(
-            "The learner's own directory on its machine (checkpoints, published weights, its copy of the "
-            "config, a preset model); None = the run directory, shared. Set: the supervisor hands the "
-            "learner its config over stdin, the learner serves its weights over HTTP (weights_host, "
-            "weights_port) and the supervisor copies each published version into the run directory, "
-            "checked against its manifest, before the engines load it. Needs spool_url."
-        ),
-    )
-    weights_host: str = Field(
-        "127.0.0.1", description="Bind address of the learner's weight server (with learner.run_dir)."
-    )
-    weights_port: int = Field(
-        8816,
-        ge=0,
-        le=65535,
-        description="Port of the learner's weight server (0 = pick a free one; the learner reports it).",
-    )
-    weights_url: str | None = Field(
-        None,
-        description=(
-            "The URL the supervisor fetches the learner's weights from; None = http://weights_host:port "
-            "(the machine's host name when weights_host is a wildcard such as 0.0.0.0)."
-        ),
-    )
-    weights_token: SecretStr | None = Field(
-        default_factory=lambda: _secret_from_env("ROLLWISE_LEARNER_TOKEN"),
-        description=(
-            "Bearer token of the learner's weight server (default: $ROLLWISE_LEARNER_TOKEN); required when "
-            "learner.weights_host is not loopback. The supervisor hands it to the learner over stdin. "
-            "Never written or logged."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _own_run_dir_rules(self) -> LearnerConfig:
-        if self.run_dir is not None and self.spool_url is None:
-            raise ValueError(
-                "learner.run_dir (the learner's own directory) needs learner.spool_url = "
-                "'grpc://supervisor:port': the spool is on the supervisor's disk, not the learner's"
-            )
-        if self.weights_url is not None and not self.weights_url.startswith(("http://", "https://")):
-            raise ValueError(f"learner.weights_url must be http(s)://host:port, got {self.weights_url!r}")
-        return self
-
-    @property
-    def world_size(self) -> int:
-        """Learner ranks in all: nproc x nnodes."""
-        return self.nproc * self.nnodes
-
-    @model_validator(mode="after")
-    def _distributed_rules(self) -> LearnerConfig:
-        if self.nnodes > 1 and self.rdzv_endpoint is None:
-            raise ValueError(
-                "learner.rdzv_endpoint (host:port reachable from every learner node) is needed when "
-                "learner.nnodes > 1"
-            )
-        if self.rdzv_endpoint is not None:
-            host, _, port = self.rdzv_endpoint.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"learner.rdzv_endpoint must be host:port, got {self.rdzv_endpoint!r}")
-        if self.lora.enabled and self.world_size > 1:
-            raise ValueError(
-                "learner.lora with more than one learner rank is not supported: LoRA runs in one process "
-                "(learner.nproc x learner.nnodes must be 1)"
-            )
-        if self.spool_url is not None and self.world_size > 1:
-            raise ValueError(
-                "learner.spool_url (reading the spool over Flight) works with one learner process: ranks "
-                "other than 0 read the step's spool files from the shared run directory (learner.nproc x "
-                "learner.nnodes must be 1)"
-            )
-        return self
-
-
-class TransportConfig(_Section):
+class TransportConfig(Section):
     kind: Literal["spool", "flight"] = Field(
         "spool",
         description=(
             "spool = the learner reads run_dir/spool; flight = the supervisor also serves the spool as an "
-            "Arrow Flight service, for a learner that reads it over the network (learner.spool_url)."
+            "Arrow Flight service, for a learner that reads it over the network (learner.remote.spool_url)."
         ),
     )
     flight_host: str = Field("127.0.0.1", description="Bind address of the Flight service.")
     flight_port: int = Field(8815, ge=0, le=65535, description="Port of the Flight service (0 = pick).")
     token: SecretStr | None = Field(
-        default_factory=lambda: _secret_from_env("ROLLWISE_TRANSPORT_TOKEN"),
+        default_factory=lambda: secret_from_env("ROLLWISE_TRANSPORT_TOKEN"),
         description=(
             "Bearer token the Flight service requires (default: $ROLLWISE_TRANSPORT_TOKEN); required when "
             "transport.flight_host is not loopback. Never written or logged."
@@ -541,13 +209,13 @@ class TransportConfig(_Section):
     )
 
 
-class AdminConfig(_Section):
+class AdminConfig(Section):
     host: str = Field(
         "127.0.0.1", description="Bind address of the admin endpoint (engines list/add/drain, weights)."
     )
     port: int = Field(9401, ge=0, le=65535, description="Port of the admin endpoint (0 = pick).")
     token: SecretStr | None = Field(
-        default_factory=lambda: _secret_from_env("ROLLWISE_ADMIN_TOKEN"),
+        default_factory=lambda: secret_from_env("ROLLWISE_ADMIN_TOKEN"),
         description=(
             "Bearer token of the admin endpoint (default: $ROLLWISE_ADMIN_TOKEN); required when admin.host "
             "is not loopback. Never written or logged."
@@ -562,7 +230,7 @@ class AdminConfig(_Section):
     )
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Held-out evaluation during training (docs/operations.md, "Evaluation"). Eval episodes run on the
     training engines at a lower priority, are never written to the spool and never trained on."""
 
@@ -623,7 +291,7 @@ class EvalConfig(_Section):
         return self
 
 
-class TraceConfig(_Section):
+class TraceConfig(Section):
     """The learner's per-step trace for `rollwise inspect` (docs/operations.md, "Inspecting trajectories")."""
 
     groups_per_step: int = Field(
@@ -639,11 +307,11 @@ class TraceConfig(_Section):
     keep_steps: int = Field(200, ge=1, description="Trace files kept (the newest); older ones are deleted.")
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     host: str = Field("127.0.0.1", description="Bind address of /metrics, /healthz, /readyz.")
     port: int = Field(9400, ge=0, le=65535, description="Port of the supervisor's HTTP endpoint (0 = pick).")
     api_key: SecretStr | None = Field(
-        default_factory=lambda: _secret_from_env("ROLLWISE_METRICS_API_KEY"),
+        default_factory=lambda: secret_from_env("ROLLWISE_METRICS_API_KEY"),
         description=(
             "Bearer token /metrics (and every route but /healthz, /readyz) requires (default: "
             "$ROLLWISE_METRICS_API_KEY); required when metrics.host is not loopback. Never written or logged."
@@ -651,26 +319,7 @@ class MetricsConfig(_Section):
     )
 
 
-def reveal(secret: SecretStr | None) -> str | None:
-    """The plain value of an API key setting, for the one place that sends it."""
-    return secret.get_secret_value() if secret is not None else None
-
-
-def _secret_from_env(name: str) -> SecretStr | None:
-    value = os.environ.get(name)
-    return SecretStr(value) if value else None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-class Config(_Section):
+class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -695,28 +344,16 @@ class Config(_Section):
             raise ValueError("engine.urls is only used with engine.kind = 'external'")
         if self.learner.mini_batches > self.learner.batch_groups * self.env.group_size:
             raise ValueError("learner.mini_batches exceeds the episodes in one rollout batch")
-        if self.env.group_size < 2 and self.learner.estimator == "turn":
+        if self.env.group_size < 2 and self.learner.advantages.estimator == "turn":
             raise ValueError("env.group_size must be >= 2: leave-one-out advantages need peers")
         if self.async_.max_staleness < self.async_.sync_every_steps - 1:
             # Admission counts versions the engines serve; they lag the learner by up to k-1 versions.
             raise ValueError("async.max_staleness must be >= async.sync_every_steps - 1 (actors would wait)")
-        budget = self.learner.overlong_budget
-        if budget is not None and self.learner.overlong_slope > budget:
-            raise ValueError("learner.overlong_slope must be <= learner.overlong_budget")
         lora = self.learner.lora
-        if lora.enabled and self.learner.embedding_weight_decay is not None:
-            raise ValueError(
-                "learner.embedding_weight_decay: LoRA (learner.lora.enabled) freezes the embeddings, "
-                "so there is nothing for it to decay; unset it"
-            )
         if lora.enabled and lora.serving == "adapter" and self.engine.dp > 1:
             raise ValueError(
                 "learner.lora.serving = 'adapter' needs engine.dp = 1: SGLang loads adapters dynamically "
                 "only without data parallelism (start more engines instead, or serve 'merged')"
-            )
-        if self.learner.lr_schedule != "constant" and self.learner.lr_decay_steps < 1:
-            raise ValueError(
-                f"learner.lr_schedule = {self.learner.lr_schedule!r} needs learner.lr_decay_steps >= 1"
             )
         self._fleet_rules()
         if (
@@ -749,14 +386,11 @@ class Config(_Section):
                 "engine.weight_transport = 'http' needs engines with a fetcher: kind = 'embedded', or "
                 "'external' with engine.fetch_urls (SGLang engines rollwise starts share its disk)"
             )
-        url = self.learner.spool_url
-        if url is not None and not url.startswith(("grpc://", "grpc+tcp://")):
-            raise ValueError(f"learner.spool_url must be grpc://host:port, got {url!r}")
-        own = self.learner.run_dir
+        own = self.learner.remote.run_dir
         if own is not None and os.path.normpath(own) == os.path.normpath(self.run.run_dir):
             raise ValueError(
-                f"learner.run_dir = {own!r} is the run directory itself: leave it unset to share the run "
-                "directory, or name the learner's own directory"
+                f"learner.remote.run_dir = {own!r} is the run directory itself: leave it unset to share the "
+                "run directory, or name the learner's own directory"
             )
 
 
@@ -769,37 +403,37 @@ def check_exposed_ports(cfg: Config) -> None:
     Raises ConfigError naming the key. Checked where the ports are opened (`rollwise run`), not on every
     load: the run directory's config.toml never holds the keys, and the learner reads it."""
     engine, exposed = cfg.engine, cfg.metrics
-    if engine.kind != "external" and not _is_loopback(engine.host) and engine.api_key is None:
+    if engine.kind != "external" and not is_loopback(engine.host) and engine.api_key is None:
         raise ConfigError(
             f"engine.api_key is required: engine.host = {engine.host!r} is not a loopback address "
             "(set ROLLWISE_ENGINE_API_KEY, or bind 127.0.0.1)"
         )
-    if not _is_loopback(exposed.host) and exposed.api_key is None:
+    if not is_loopback(exposed.host) and exposed.api_key is None:
         raise ConfigError(
             f"metrics.api_key is required: metrics.host = {exposed.host!r} is not a loopback address "
             "(set ROLLWISE_METRICS_API_KEY, or bind 127.0.0.1)"
         )
-    if not _is_loopback(cfg.admin.host) and cfg.admin.token is None:
+    if not is_loopback(cfg.admin.host) and cfg.admin.token is None:
         raise ConfigError(
             f"admin.token is required: admin.host = {cfg.admin.host!r} is not a loopback address and the "
             "endpoint adds and drains engines and serves the weights (set ROLLWISE_ADMIN_TOKEN, or bind "
             "127.0.0.1)"
         )
     t = cfg.transport
-    if t.kind == "flight" and not _is_loopback(t.flight_host) and t.token is None:
+    if t.kind == "flight" and not is_loopback(t.flight_host) and t.token is None:
         raise ConfigError(
             f"transport.token is required: transport.flight_host = {t.flight_host!r} is not a loopback "
             "address and the Flight service hands out every trajectory (set ROLLWISE_TRANSPORT_TOKEN, or "
             "bind 127.0.0.1)"
         )
 
-    learner = cfg.learner
-    serves_weights = learner.run_dir is not None and not _is_loopback(learner.weights_host)
-    if serves_weights and learner.weights_token is None:
+    remote = cfg.learner.remote
+    serves_weights = remote.run_dir is not None and not is_loopback(remote.weights_host)
+    if serves_weights and remote.weights_token is None:
         raise ConfigError(
-            f"learner.weights_token is required: learner.weights_host = {learner.weights_host!r} is not a "
-            "loopback address and the learner's weight server hands out the policy's weights (set "
-            "ROLLWISE_LEARNER_TOKEN, or bind 127.0.0.1)"
+            f"learner.remote.weights_token is required: learner.remote.weights_host = "
+            f"{remote.weights_host!r} is not a loopback address and the learner's weight server hands out "
+            "the policy's weights (set ROLLWISE_LEARNER_TOKEN, or bind 127.0.0.1)"
         )
 
 
@@ -815,21 +449,30 @@ def config_from_toml(text: str, *, what: str) -> Config:
         raise ConfigError(_format_error(e)) from None
 
 
-def get_secret(cfg: Config, dotted: str) -> str | None:
-    """The plain value of the secret at `section.key` (e.g. transport.token), None when unset."""
-    section, key = dotted.split(".")
-    value = getattr(getattr(cfg, section), key)
-    if value is not None and not isinstance(value, SecretStr):
+def _secret_owner(cfg: Config, dotted: str) -> tuple[BaseModel, str]:
+    """The table holding the secret at `dotted` (e.g. learner.remote.weights_token) and its key."""
+    *path, key = dotted.split(".")
+    target: BaseModel = cfg
+    for name in path:
+        child = getattr(target, name, None)
+        if not isinstance(child, BaseModel):
+            raise ValueError(f"{dotted} is not a secret setting")
+        target = child
+    if key not in type(target).model_fields or not isinstance(getattr(target, key), SecretStr | None):
         raise ValueError(f"{dotted} is not a secret setting")
+    return target, key
+
+
+def get_secret(cfg: Config, dotted: str) -> str | None:
+    """The plain value of the secret at `dotted` (e.g. transport.token), None when unset."""
+    target, key = _secret_owner(cfg, dotted)
+    value: SecretStr | None = getattr(target, key)
     return reveal(value)
 
 
 def set_secret(cfg: Config, dotted: str, value: str) -> None:
-    """Put a secret received out of band (not from a file) at `section.key`."""
-    section, key = dotted.split(".")
-    target = getattr(cfg, section)
-    if key not in type(target).model_fields or not isinstance(getattr(target, key), SecretStr | None):
-        raise ValueError(f"{dotted} is not a secret setting")
+    """Put a secret received out of band (not from a file) at `dotted`."""
+    target, key = _secret_owner(cfg, dotted)
     setattr(target, key, SecretStr(value))
 
 
@@ -858,12 +501,18 @@ def _parse_value(raw: str) -> Any:
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        parts, kind = [str(p) for p in e["loc"]], ""
+        for i in range(1, len(parts)):
+            # A tagged union puts the tag into the location: learner.schedule.cosine.decay_steps.
+            if parts[i - 1] == "schedule" and parts[i] in SCHEDULE_KINDS:
+                kind = f" (learner.schedule.kind = {parts.pop(i)!r})"
+                break
+        key = ".".join(parts) or "<root>"
         key = key.replace("async_", "async")
         shown = "input" in e and e["loc"] and "api_key" not in key  # a key never appears in a message
         # A section's own rule gets the whole section as its input, secrets (tokens) included: not echoed.
         shown = shown and not isinstance(e["input"], dict)
-        lines.append(f"{key}: {e['msg']}" + (f" (got {e['input']!r})" if shown else ""))
+        lines.append(f"{key}: {e['msg']}{kind}" + (f" (got {e['input']!r})" if shown else ""))
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

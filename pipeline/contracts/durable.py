@@ -2,14 +2,16 @@
 
 Imports nothing heavy, so the spool writer (pipeline) and the checkpoint/export code (learner) share it,
 and so do their answers to a full or read-only run directory: which fault it is (`storage_fault_kind`)
-and how long to wait before trying again (`storage_retry_delays`).
+and how a writer lives through it (`RefusedWrites`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -72,8 +74,64 @@ def storage_fault_kind(exc: BaseException, directory: Path) -> str | None:
     return "other" if isinstance(exc, OSError) else None
 
 
-def storage_retry_delays(first_s: float = 0.5, cap_s: float = 10.0) -> Iterator[float]:
-    """Seconds to wait before each retry of a write the storage refused: doubling, capped."""
+@dataclass(frozen=True)
+class Refusal:
+    """One write the storage refused: why (`storage_fault_kind`), and whether it is the first refusal
+    since the storage last took a write of this writer (the one to announce)."""
+
+    kind: str
+    first: bool
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """The storage took a write again after refusing it: the last refusal's kind and the seconds since
+    the first one."""
+
+    kind: str
+    blocked_s: float
+
+
+class RefusedWrites:
+    """One writer's meaning of "the storage refuses my writes": every refusal classified, the first of a
+    run announced once, and the write that goes through again announced once with how long the writer
+    was blocked. The spool writer (async, several writes at once), the learner's checkpoints and exports
+    (sync) and the daemon's step log (no retry: its lines are lost meanwhile) each keep one and write
+    their own loop around it, waiting `retry_delays` between tries."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.kind: str | None = None  # the last refusal's kind while blocked
+        self.blocked_since: float | None = None  # monotonic time of the first refusal of this run
+
+    @property
+    def blocked(self) -> bool:
+        return self.blocked_since is not None
+
+    def refused(self, exc: BaseException) -> Refusal | None:
+        """Classify a failed write: a Refusal when the storage is the cause, None when it is not (a bug:
+        the caller lets it propagate)."""
+        kind = storage_fault_kind(exc, self.directory)
+        if kind is None:
+            return None
+        first = self.blocked_since is None
+        if first:
+            self.blocked_since = time.monotonic()
+        self.kind = kind
+        return Refusal(kind, first)
+
+    def wrote(self) -> Recovered | None:
+        """A write went through: how the writer was blocked before it, None when it was not."""
+        if self.blocked_since is None or self.kind is None:
+            return None
+        recovered = Recovered(self.kind, time.monotonic() - self.blocked_since)
+        self.blocked_since, self.kind = None, None
+        return recovered
+
+
+def retry_delays(first_s: float = 0.5, cap_s: float = 10.0) -> Iterator[float]:
+    """Seconds to wait before each retry (of a write the storage refused, a copy that failed): doubling,
+    capped."""
     delay = first_s
     while True:
         yield delay

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Union, get_type_hints
 class Ready:
     """The learner restored its checkpoint (or starts fresh) and serves `version` from `path`.
 
-    A learner with its own run directory (learner.run_dir) adds `weights_url`, its weight server, where
+    A learner with its own run directory (learner.remote.run_dir) adds `weights_url`, its weight server, where
     the supervisor fetches `version` (`path` is then a path on the learner's machine), and, when it built
     the initial model from the preset itself, `initial_model_digest`
     (pipeline.contracts.run_dir.model_digest),

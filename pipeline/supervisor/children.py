@@ -158,7 +158,9 @@ class Child:
         return code
 
     async def stop(self, grace_s: float) -> int | None:
-        """SIGTERM the child's group, SIGKILL it after `grace_s`. Returns the exit code."""
+        """SIGTERM the child's group, SIGKILL it after `grace_s`. Returns the exit code. Processes the
+        child forked (SGLang's scheduler and detokenizer) that outlive it still hold its group id and
+        are killed with it."""
         if self.proc is None:
             return None
         if self.proc.returncode is None:
@@ -170,7 +172,9 @@ class Child:
                     "%s pid=%d ignored SIGTERM for %.1f s: SIGKILL", self.spec.name, self.pid, grace_s
                 )
                 self._signal(signal.SIGKILL)
-        return await self.wait()
+        code = await self.wait()
+        self._signal(signal.SIGKILL)
+        return code
 
     def kill(self) -> None:
         """SIGKILL at once (synchronous: usable from a signal handler before os._exit)."""

@@ -3,9 +3,9 @@
     start the learner and the engines -> run the scheduler -> on each published version sync the
     engines' weights -> on a stop: drain, checkpoint, stop the children.
 
-The machinery is one call away: the learner child (learner_child.py), the engine fleet
-(engine_fleet.py), config -> components (wiring.py), the run directory's layout (pipeline.contracts.run_dir),
-learner events -> Prometheus (observability.learner_metrics).
+The machinery is one call away: config -> components (wiring.py), the learner child (learner_child.py)
+and what each of its events does (learner_dispatch.py), the version the engines serve and how a
+published one reaches them (lineage.py), the engine fleet (engine_fleet.py, fleet_membership.py).
 
 Resume: `rollwise run --run-dir DIR` on an existing run continues it; the learner restores its latest
 checkpoint and reports its policy version v, the engines start on the version that checkpoint
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -25,37 +24,30 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Coroutine
-from pathlib import Path
 from typing import Any, TypeVar
-
-import aiohttp
 
 from envs.api import Environment
 from pipeline.contracts import events
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
-from pipeline.contracts.durable import storage_fault_kind
-from pipeline.contracts.run_dir import (
-    RunDir,
-    RunDirInUse,
-    checkpointed_version,
-    hold_supervisor_lock,
-    model_digest,
-)
+from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
 from pipeline.supervisor.engine_fleet import EngineFleet
-from pipeline.supervisor.engines.adapters import adapter_name
-from pipeline.supervisor.engines.served_check import Probe, ServedPolicyCheck, Verdict, tolerance_for
+from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
 from pipeline.supervisor.fleet_membership import FleetMembership, scaled_concurrency
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
-from pipeline.supervisor.observability import learner_metrics, metrics
+from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
+from pipeline.supervisor.lineage import Lineage
+from pipeline.supervisor.observability import metrics
+from pipeline.supervisor.observability.loop_lag import measure_loop_lag
 from pipeline.supervisor.progress import (
     Progress,
     RichProgress,
     Totals,
+    log_to_run_dir,
     make_progress,
     status_between,
     stray_stdout_to_log,
@@ -70,15 +62,12 @@ from pipeline.supervisor.wiring import (
     start_openai_endpoint,
 )
 from pipeline.transport.flight import SpoolFlightService
-from pipeline.transport.weights_http import FetchError, WeightServer, fetch_version
+from pipeline.transport.weights_http import WeightServer
 
 log = logging.getLogger("rollwise.supervisor")
 T = TypeVar("T")
 
 STATUS_INTERVAL_S = 5.0
-LOOP_LAG_PERIOD_S = 0.1
-MIRROR_RETRY_FIRST_S = 0.5  # copying a version from a learner with its own run directory: retry delays
-MIRROR_RETRY_MAX_S = 10.0
 
 
 class Supervisor:
@@ -90,25 +79,13 @@ class Supervisor:
         self.progress: Progress = make_progress(cfg.run.log_format, progress_out)
         self.stopping = asyncio.Event()  # set once: stop admitting, drain, stop children, exit
         self.fatal: str | None = None  # why the run cannot go on (then exit code 1)
-        self.learner = LearnerChild(
-            learner_child_spec(self.run_dir, cfg.learner, transport_token=reveal(cfg.transport.token)),
-            stopping=self.stopping,
-            on_event=self.on_learner_event,
-            fail=self.fail,
-            config=config_message(cfg) if cfg.learner.run_dir is not None else None,
-        )
-        # A learner with its own run directory (learner.run_dir): each version it announces is copied from
-        # its weight server into this run directory (mirror) before the engines load it.
-        self.announced_version = 0  # the newest version the learner announced (its current lineage)
-        self.learner_starts = 0  # ready events so far: a new one ends the lineage a mirror was fetching
-        self.mirror_tasks: set[asyncio.Task[None]] = set()  # publishes that copy from the learner first
-        self.initial_model_digest: str | None = None  # this run directory's, once computed
-        self.publish_lock = asyncio.Lock()  # one weight sync at a time, in version order
+        self.scheduler: GroupScheduler | None = None
+        self.evaluator: Evaluator | None = None  # held-out evaluation ([eval]); None when off
         self.engines = EngineFleet(
-            cfg, self.run_dir, self.stopping, served_version=lambda: self.version, fail=self.fail
+            cfg, self.run_dir, self.stopping, served_version=lambda: self.lineage.version, fail=self.fail
         )
         check = cfg.async_.served_check
-        self.served_check = (
+        served_check = (
             ServedPolicyCheck(
                 self.engines.pool,
                 tolerance=tolerance_for(cfg),
@@ -119,12 +96,32 @@ class Supervisor:
             if check.enabled
             else None
         )
+        self.lineage = Lineage(
+            cfg,
+            self.run_dir,
+            self.engines,
+            served_check,
+            self.progress,
+            stopping=self.stopping,
+            fail=self.fail,
+            on_served=self.on_served,
+        )
+        self.learner_events = LearnerEvents(
+            self.lineage, self.progress, StepLog(self.run_dir), request_stop=self.request_stop
+        )
+        self.learner = LearnerChild(
+            learner_child_spec(self.run_dir, cfg.learner, transport_token=reveal(cfg.transport.token)),
+            stopping=self.stopping,
+            on_event=self.learner_events.handle,
+            fail=self.fail,
+            config=config_message(cfg) if cfg.learner.remote.run_dir is not None else None,
+        )
         self.endpoints = HttpEndpoints(
             cfg.metrics.host, cfg.metrics.port, self.not_ready, api_key=reveal(cfg.metrics.api_key)
         )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
         self.membership = FleetMembership(
-            self.engines, self.publish_lock, lambda: self.version, self.on_fleet_capacity
+            self.engines, self.lineage.lock, lambda: self.lineage.version, self.on_fleet_capacity
         )
         self.admin = AdminEndpoint(
             cfg.admin.host,
@@ -133,20 +130,7 @@ class Supervisor:
         )
         self.initial_capacity = 0
         self.flight: SpoolFlightService | None = None
-        self.scheduler: GroupScheduler | None = None
-        self.evaluator: Evaluator | None = None  # held-out evaluation ([eval]); None when off
-        self.version = 0  # the policy version the engines serve
-        self.step = 0
-        self.last_step_time_s: float | None = None
-        self.dropped_seqs: set[int] = set()
-        self.drops_before_scheduler = 0  # dropped groups announced before the scheduler existed
-        self.step_rewards: list[float] = []  # reward_mean of the steps since the last status
-        self.staleness_sum = 0.0  # over trained tokens, for the status line
-        self.staleness_tokens = 0
-        self.spool_depth_groups = 0
         self.started_at = time.monotonic()
-        self.step_log_failing = False
-        self.storage_blocked: set[str] = set()  # learner components waiting for the run directory
 
     async def run(self) -> int:
         """The schedule. Returns the process exit code (0 after a requested stop, 1 after a fatal error)."""
@@ -154,12 +138,12 @@ class Supervisor:
         with hold_supervisor_lock(self.run_dir), stray_stdout_to_log(self.progress, log):
             log_to_run_dir(self.run_dir, quiet_stderr=isinstance(self.progress, RichProgress))
             write_resolved(cfg, self.run_dir.root)
-            await asyncio.to_thread(ensure_initial_model, self.setup)
+            await ensure_initial_model(self.setup)
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
             metrics.init_long_run_label_values()
-            self.step_log = self.run_dir.step_log.open("a", encoding="utf-8")
+            self.learner_events.step_log.open()
             await self.endpoints.start()
             await self.start_fleet_services()
             self.progress.start()
@@ -169,7 +153,7 @@ class Supervisor:
                 # 1. The learner resumes its checkpoint; the engines serve the version it published.
                 ready = await self.until_stopping(self.start_children())
                 if ready is not None and not self.stopping.is_set():
-                    # 2. Actors fill the spool; learner events drive weight syncs (on_learner_event).
+                    # 2. Actors fill the spool; learner events drive weight syncs (learner_dispatch).
                     scheduler = await self.start_scheduler(ready)
                     self.start_evaluator()
                     background = [
@@ -188,13 +172,13 @@ class Supervisor:
             finally:
                 if self.evaluator is not None:
                     await self.evaluator.stop()
-                await cancel_all([*background, *self.mirror_tasks])
+                await cancel_all(background)
+                await self.lineage.stop()
                 await self.learner.stop(grace)
                 await self.engines.stop(grace)
                 await close_env(self.setup.env)
                 self.progress.stop()
-                with contextlib.suppress(OSError):  # its last lines may not fit on a full disk
-                    self.step_log.close()
+                self.learner_events.step_log.close()
                 await self.admin.stop()
                 if self.flight is not None:
                     await asyncio.to_thread(self.flight.stop)
@@ -234,66 +218,35 @@ class Supervisor:
         before any work is admitted."""
         # A learner with its own run directory keeps its checkpoints on its disk: its ready event is the
         # only word on the version, so the engines start on the initial model and then load that one.
-        own_run_dir = self.cfg.learner.run_dir is not None
-        self.version = 0 if own_run_dir else checkpointed_version(self.run_dir)
+        own_run_dir = self.cfg.learner.remote.run_dir is not None
+        self.lineage.version = 0 if own_run_dir else checkpointed_version(self.run_dir)
         ready, _ = await asyncio.gather(self.learner.start(), self.engines.start())
-        if not await self.accept_learner_model(ready):
-            return ready
-        # The learner may already have trained and published a newer version while the engines started;
-        # publish() ignores anything not newer than what the engines serve.
-        if ready.version > self.version:
-            await self.publish(
-                ready.version, ready.path, received_at=time.monotonic(), source=ready.weights_url
-            )
-        metrics.POLICY_VERSION.set(ready.version)
+        if await self.lineage.start(ready):
+            metrics.POLICY_VERSION.set(ready.version)
         return ready
-
-    async def accept_learner_model(self, ready: events.Ready) -> bool:
-        """A learner with its own run directory built the preset itself, from the same model.preset and
-        run.seed: its weights must be this run directory's, or the engines would sample from another
-        policy than the one trained. A mismatch stops the daemon naming both digests."""
-        theirs = ready.initial_model_digest
-        if theirs is None:
-            return True
-        if self.initial_model_digest is None:
-            self.initial_model_digest = await asyncio.to_thread(model_digest, self.run_dir.initial_model)
-        ours = self.initial_model_digest
-        if theirs == ours:
-            log.info("the learner's initial model matches %s (digest %s)", self.run_dir.initial_model, ours)
-            return True
-        m = self.cfg.model
-        self.fail(
-            f"the learner's initial model differs from the supervisor's: preset {m.preset!r} with seed "
-            f"{self.cfg.run.seed} has digest {theirs} in the learner's run directory "
-            f"({self.cfg.learner.run_dir}) and {ours} in {self.run_dir.initial_model}. Both machines build "
-            "it from the same preset and seed, so their torch, transformers or tokenizers versions or their "
-            "environment plugins (the tokenizer's vocabulary) differ, or the learner's directory holds an "
-            "older model: align them, or set model.path to a model directory present on both machines"
-        )
-        return False
 
     async def start_scheduler(self, ready: events.Ready) -> GroupScheduler:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.run_dir.initial_model)
         endpoint = await start_openai_endpoint(self.engines.generator, tokenizer, self.cfg)
-        # No await from here to the assignment: versions published and groups dropped until now are in
-        # self.version and drops_before_scheduler; later ones reach the scheduler via on_learner_event.
+        # No await from here to `attach`: versions published and groups dropped until now are in the
+        # lineage and the unclaimed drops; later ones reach the scheduler through on_served and attach.
         self.scheduler = build_scheduler(
             self.setup,
             engine=self.engines.generator,
             tokenizer=tokenizer,
             agent_endpoint=endpoint,
             ready=ready,
-            served_version=self.version,
-            dropped_already=self.drops_before_scheduler,
+            served_version=self.lineage.version,
+            dropped_already=self.learner_events.drops_unclaimed,
             notify=self.progress.message,
         )
+        self.learner_events.attach(self.scheduler)
         self.initial_capacity = self.membership.capacity
         return self.scheduler
 
     def start_evaluator(self) -> None:
         """Held-out evaluation on the training engines (pipeline.supervisor.eval_schedule); the version the
-        run
-        starts from is the first one evaluated unless `eval.at_start` is off."""
+        run starts from is the first one evaluated unless `eval.at_start` is off."""
         assert self.scheduler is not None
         self.evaluator = build_evaluator(
             self.setup,
@@ -305,271 +258,16 @@ class Supervisor:
         if self.evaluator is None:
             return
         if self.cfg.eval.at_start:
-            self.evaluator.on_version(self.version, self.step)
+            self.evaluator.on_version(self.lineage.version, self.learner_events.book.step)
         else:
-            self.evaluator.skip_start(self.version)
+            self.evaluator.skip_start(self.lineage.version)
 
-    # --- learner events -----------------------------------------------------------------------------
-    async def on_learner_event(self, event: events.LearnerEvent) -> None:
-        if isinstance(event, events.Step):
-            self.on_step(event)
-        elif isinstance(event, events.Published):
-            metrics.PUBLISHED_BYTES.set(event.bytes)
-            self.announced_version = max(self.announced_version, event.version)
-            if event.weights_url is None:
-                probe = Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None
-                await self.publish(event.version, event.path, received_at=time.monotonic(), probe=probe)
-            else:
-                self.publish_in_background(event)
-        elif isinstance(event, events.Dropped):
-            self.on_dropped(event.seq, event.reason)
-        elif isinstance(event, events.Ready):
-            self.step = event.step
-            self.learner_starts += 1
-            self.announced_version = event.version  # a restarted learner's lineage starts here
-            metrics.LEARNER_STEP.set(event.step)
-            # The first ready event is start_children's; later ones are a learner restarted alone.
-            restarted = self.scheduler is not None
-            if restarted and await self.accept_learner_model(event) and event.version != self.version:
-                await self.follow_restarted_learner(event)
-        elif isinstance(event, events.Finished):
-            self.request_stop(f"the learner finished: {event.reason}")
-        elif isinstance(event, events.CheckpointSaved):
-            learner_metrics.record_checkpoint(event)
-        elif isinstance(event, events.StorageFault):
-            self.on_storage_fault(event)
-        elif isinstance(event, events.Quarantined):
-            learner_metrics.record_quarantined(event)
-            self.progress.message(f"spool file quarantined: {event.file}: {event.reason}")
-        elif isinstance(event, events.Error):
-            self.progress.message(f"learner error: {event.message}")
-
-    def on_step(self, event: events.Step) -> None:
-        learner_metrics.record_step(event)
-        self.append_step_log(event)
-        self.step = event.step
-        self.last_step_time_s = event.metric("step_time_s")
-        if (reward := event.metric("reward_mean")) is not None:
-            self.step_rewards.append(reward)
-        self.staleness_sum += sum(lag * tokens for lag, tokens in event.staleness.items())
-        self.staleness_tokens += sum(event.staleness.values())
-        self.spool_depth_groups = event.spool_depth_groups
-        self.progress.on_step(step_line(event))
-
-    def on_storage_fault(self, event: events.StorageFault) -> None:
-        """The learner's checkpoint or weight export was refused by the storage (it holds its work and
-        retries), or goes through again."""
-        component = event.component
-        if event.blocked:
-            metrics.STORAGE_ERRORS.labels(component=component, kind=event.kind).inc()
-            if component not in self.storage_blocked:
-                self.storage_blocked.add(component)
-                metrics.STORAGE_BLOCKED.labels(component=component).set(1)
-                self.progress.message(f"learner {component} write refused ({event.kind}): {event.message}")
-        elif component in self.storage_blocked:
-            self.storage_blocked.discard(component)
-            metrics.STORAGE_BLOCKED.labels(component=component).set(0)
-            self.progress.message(f"learner {component} writable again: {event.message}")
-
-    def append_step_log(self, event: events.Step) -> None:
-        """The run's own learning curve: `rollwise report --run-dir` reads it without Prometheus. A full or
-        read-only run directory costs lines of it (counted), never the learner's events."""
-        try:
-            self.step_log.write(events.encode(event) + "\n")
-            self.step_log.flush()
-        except OSError as exc:
-            kind = storage_fault_kind(exc, self.run_dir.logs) or "other"
-            metrics.STORAGE_ERRORS.labels(component="step_log", kind=kind).inc()
-            if not self.step_log_failing:
-                log.error(
-                    "cannot append to %s (%s: %s); step lines are lost meanwhile",
-                    self.run_dir.step_log,
-                    kind,
-                    exc,
-                )
-            self.step_log_failing = True
-        else:
-            if self.step_log_failing:
-                log.warning("%s takes writes again", self.run_dir.step_log)
-            self.step_log_failing = False
-
-    def on_dropped(self, seq: int, reason: str) -> None:
-        """A written group the learner will never train: admission gets its slot back. Deduplicated by
-        spool sequence number, because a restarted learner re-reads the groups after its checkpoint."""
-        if seq in self.dropped_seqs:
-            return
-        self.dropped_seqs.add(seq)
-        learner_metrics.record_dropped(reason)
-        if self.scheduler is not None:
-            self.scheduler.on_dropped(1)
-        else:
-            self.drops_before_scheduler += 1
-
-    async def follow_restarted_learner(self, ready: events.Ready) -> None:
-        """A learner that restarted alone resumed its last checkpoint, at version `ready.version`. The
-        learner is the authority on the policy: every version the engines received after that checkpoint
-        belongs to a lineage no checkpoint holds (its optimizer state is gone, and the learner trains the
-        groups after the checkpoint again, re-publishing the same version numbers with new weights). So
-        the engines go back to the learner's version and sync each re-published version again; otherwise
-        they would keep sampling for the lost lineage and stamp its version numbers, ahead of the
-        learner's step, on every new group until the learner passed them."""
-        log.warning(
-            "learner restarted at step %d, version %d; engines serve %d: moving them back to %d",
-            ready.step,
-            ready.version,
-            self.version,
-            ready.version,
-        )
-        self.progress.message(
-            f"learner restarted from its checkpoint at step {ready.step} (version {ready.version}); "
-            f"the engines served version {self.version}, which no checkpoint holds: they go back to "
-            f"{ready.version}"
-        )
-        await self.publish(
-            ready.version, ready.path, received_at=time.monotonic(), rollback=True, source=ready.weights_url
-        )
-
-    def publish_in_background(self, event: events.Published) -> None:
-        """A version to copy from a learner with its own run directory first: a copy may take minutes
-        (a large model over the network) or be retried, and meanwhile the learner's other events (steps,
-        dropped groups, newer versions) must still be heard. The publishes still run one at a time in
-        the order the events came (publish_lock is first come, first served); one that finds a newer
-        version announced, or a learner restarted since, is skipped."""
-        starts = self.learner_starts
-        task = asyncio.create_task(
-            self.publish(
-                event.version,
-                event.path,
-                received_at=time.monotonic(),
-                probe=Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None,
-                source=event.weights_url,
-                learner_starts=starts,
-            ),
-            name=f"publish-v{event.version}",
-        )
-        self.mirror_tasks.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            self.mirror_tasks.discard(t)
-            if not t.cancelled() and (exc := t.exception()) is not None:
-                log.error("publishing version %d failed", event.version, exc_info=exc)
-                self.fail(f"publishing version {event.version} failed: {exc!r}")
-
-        task.add_done_callback(done)
-
-    async def publish(
-        self,
-        version: int,
-        path: str,
-        *,
-        received_at: float,
-        probe: Probe | None = None,
-        rollback: bool = False,
-        source: str | None = None,
-        learner_starts: int | None = None,
-    ) -> None:
-        """Load a newly published version into every engine, prove they serve it (the served-policy
-        check, with the learner's `probe`), then let the scheduler admit against it. `rollback` = the
-        learner restarted at an older version (follow_restarted_learner): load it even though the
-        engines serve a higher number. `source` = the weight server of a learner with its own run
-        directory: the version is first copied into this run directory (`mirror`), and from there
-        everything goes on as with a shared one.
-
-        sync_weights sets POLICY_VERSION_SERVED{engine=url} for each engine that loaded it; an engine
-        that failed (down, restarting) catches up when it is ready again (EngineFleet.keep)."""
-        verdicts: list[Verdict] = []
-        async with self.publish_lock:
-            if version == self.version or (version < self.version and not rollback):
-                # Never move the engines backwards otherwise (a late event after a newer publish).
-                log.info("version %d not newer than served version %d: not synced", version, self.version)
-                return
-            if learner_starts is not None and (
-                learner_starts != self.learner_starts or version < self.announced_version
-            ):
-                # Waited behind a copy: a newer version follows in the queue, or this one belongs to a
-                # learner that has restarted since (its lineage is gone).
-                log.info("version %d superseded before it was copied: not synced", version)
-                return
-            mirror_s = None
-            if source is not None:
-                started = time.monotonic()
-                mirrored = await self.mirror(version, source)
-                if mirrored is None:
-                    return
-                path, mirror_s = str(mirrored), time.monotonic() - started
-            timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
-            self.version = version
-            if self.served_check is not None and probe is not None:
-                lora_path = adapter_name(version) if self.engines.adapters is not None else None
-                verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
-        metrics.POLICY_VERSION.set(version)
+    def on_served(self, version: int) -> None:
+        """The engines serve `version` now: admission's staleness budget and held-out evaluation follow."""
         if self.scheduler is not None:
             self.scheduler.on_version(version)
         if self.evaluator is not None:
-            self.evaluator.on_version(version, self.step)
-        log.info("version %d served: %s", version, timings)
-        self.progress.on_sync(
-            {
-                "version": version,
-                "publish_to_served_s": round(time.monotonic() - received_at, 4),
-                "pause_s": round(timings.pause_s, 4),
-                "load_s": round(timings.load_s, 4),
-                "continue_s": round(timings.continue_s, 4),
-                **({"mirror_s": round(mirror_s, 4)} if mirror_s is not None else {}),
-                "ok": timings.ok,
-                **({"errors": timings.errors} if timings.errors else {}),
-                **({"served_check": served_summary(verdicts)} if verdicts else {}),
-            }
-        )
-        for verdict in verdicts:
-            if verdict.status == "mismatch":
-                self.progress.error(
-                    "served_policy_mismatch",
-                    f"engine {verdict.engine} does not serve policy version {version}: {verdict.detail}",
-                    {"engine": verdict.engine, "version": version, "diff": verdict.diff},
-                )
-
-    async def mirror(self, version: int, source: str) -> Path | None:
-        """Copy `version` from the learner's weight server into this run directory's weights/v<n>
-        (pipeline.transport.weights_http.fetch_version: every file checked against the manifest's size
-        and sha256, staged, renamed; the 3 most recently installed kept). Version 0 is the initial
-        model, which is here already (its digest was compared). A failed fetch is retried with a
-        doubling delay until it succeeds, or the learner announces a newer version or restarts (that
-        version is then never needed), or the daemon stops: None."""
-        if version == 0:
-            return self.run_dir.initial_model
-        token = reveal(self.cfg.learner.weights_token)
-        starts = self.learner_starts
-        delay = MIRROR_RETRY_FIRST_S
-        while True:
-            started = time.monotonic()
-            try:
-                path = await fetch_version(source, version, self.run_dir.weights, token=token)
-            except (
-                FetchError,
-                aiohttp.ClientError,
-                TimeoutError,
-                OSError,
-                KeyError,
-                TypeError,
-                ValueError,
-            ) as exc:
-                metrics.WEIGHT_MIRROR_FAILURES.inc()
-                why = f"{type(exc).__name__}: {exc}"
-                log.error("copying version %d from the learner (%s) failed: %s", version, source, why)
-                superseded = self.announced_version > version or self.learner_starts != starts
-                if superseded or self.stopping.is_set():
-                    self.progress.message(f"version {version} not copied from the learner ({why}); skipped")
-                    return None
-                self.progress.message(
-                    f"copying version {version} from the learner failed ({why}); retrying in {delay:.1f} s"
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), delay)
-                delay = min(MIRROR_RETRY_MAX_S, delay * 2)
-                continue
-            metrics.WEIGHT_MIRROR_DURATION.observe(time.monotonic() - started)
-            return path
+            self.evaluator.on_version(version, self.learner_events.book.step)
 
     # --- stopping, signals, status, readiness -----------------------------------------------------------
     def request_stop(self, why: str) -> None:
@@ -638,9 +336,9 @@ class Supervisor:
             at=time.monotonic(),
             episodes=sched.episodes_finished if sched is not None else 0,
             successes=sched.episodes_succeeded if sched is not None else 0,
-            staleness_sum=self.staleness_sum,
-            staleness_count=self.staleness_tokens,
-            spool_depth_groups=self.spool_depth_groups,
+            staleness_sum=self.learner_events.book.staleness_sum,
+            staleness_count=self.learner_events.book.staleness_tokens,
+            spool_depth_groups=self.learner_events.book.spool_depth_groups,
         )
 
     async def report_status(self) -> None:
@@ -648,75 +346,30 @@ class Supervisor:
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
             after = self.totals()
+            book = self.learner_events.book
             status = status_between(
                 before,
                 after,
                 elapsed_s=time.monotonic() - self.started_at,
-                version=self.version,
-                step=self.step,
-                step_time_s=self.last_step_time_s,
-                step_rewards=self.step_rewards,
+                version=self.lineage.version,
+                step=book.step,
+                step_time_s=book.last_step_time_s,
+                step_rewards=book.take_rewards(),
             )
             if self.scheduler is not None:
                 status = dataclasses.replace(
                     status, groups_running=self.scheduler.running, groups_accepted=self.scheduler.accepted
                 )
             self.progress.on_status(status)
-            before, self.step_rewards = after, []
-
-
-def served_summary(verdicts: list[Verdict]) -> dict[str, dict[str, Any]]:
-    """Per engine URL: the check's status, mean |engine - learner| log-prob and (adapters) base gap."""
-    return {
-        v.engine: {
-            "status": v.status,
-            "diff": None if v.diff is None else round(v.diff, 6),
-            **({"base_diff": round(v.base_diff, 6)} if v.base_diff is not None else {}),
-        }
-        for v in verdicts
-    }
-
-
-def step_line(event: events.Step) -> dict[str, Any]:
-    """A step as the progress view shows it: the step's metrics beside its counts, one level deep."""
-    fields = {k: v for k, v in dataclasses.asdict(event).items() if k != "metrics"}
-    fields["staleness"] = {str(k): v for k, v in event.staleness.items()}
-    return {**event.metrics, **fields}
+            before = after
 
 
 # --- machinery --------------------------------------------------------------------------------------------
-def log_to_run_dir(run: RunDir, *, quiet_stderr: bool) -> None:
-    """Supervisor log lines go to logs/supervisor.log; stderr keeps only warnings under a live view."""
-    run.logs.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run.log_file("supervisor"))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.addHandler(handler)
-    if quiet_stderr:
-        for h in root.handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                h.setLevel(logging.WARNING)
-
-
 async def close_env(env: Environment) -> None:
     try:
         await asyncio.wait_for(env.close(), 10.0)
     except Exception as exc:  # a plugin's close must not hide the daemon's exit code
         log.warning("closing the task environment failed: %r", exc)
-
-
-async def measure_loop_lag(stopping: asyncio.Event) -> None:
-    """How late a 100 ms timer fires: a blocked event loop shows up here first. Once a second it also
-    counts the loop's tasks (a leak of tasks is a leak of memory a soak would find hours later)."""
-    loop = asyncio.get_running_loop()
-    ticks = 0
-    while not stopping.is_set():
-        started = loop.time()
-        await asyncio.sleep(LOOP_LAG_PERIOD_S)
-        metrics.EVENT_LOOP_LAG.observe(max(0.0, loop.time() - started - LOOP_LAG_PERIOD_S))
-        ticks += 1
-        if ticks % 10 == 0:
-            metrics.SUPERVISOR_TASKS.set(len(asyncio.all_tasks(loop)))
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Task[Any]]) -> None:

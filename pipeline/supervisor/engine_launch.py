@@ -1,7 +1,7 @@
 """Which engine processes a config asks for, and the command line of each.
 
-- `embedded`: `python -m pipeline.engine.server --model DIR --weight-version V ...` per engine;
-- `sglang`: `python -m sglang.launch_server ...` (pipeline.supervisor.sglang_launch builds the argv);
+- `embedded`: `python -m pipeline.engine --model DIR --weight-version V ...` per engine;
+- `sglang`: `python -m sglang.launch_server ...` (`build_sglang_command`);
 - `external`: nothing to start, only URLs to talk to.
 
 Ports are fixed when the slots are planned (port 0 picks free ones once), so a restarted engine comes
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.contracts.config import Config, reveal
@@ -21,7 +21,6 @@ from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV
 from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.children import ChildSpec
 from pipeline.supervisor.engines.adapters import lora_launch_flags
-from pipeline.supervisor.sglang_launch import SGLangLaunchSpec, build_sglang_command
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,57 @@ class EngineSlot:
     @property
     def url(self) -> str:
         return self.external_url or f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class SGLangLaunchSpec:
+    """How to launch one SGLang server. `python_executable` and `module` exist so tests can substitute
+    a stub; `extra_args` are appended verbatim (any `launch_server` flag)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mem_fraction_static: float = 0.8
+    tp: int = 1
+    dp: int = 1
+    api_key: str | None = field(default=None, repr=False)
+    weight_version: str = "0"
+    extra_args: tuple[str, ...] = ()
+    python_executable: str = sys.executable
+    module: str = "sglang.launch_server"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_sglang_command(spec: SGLangLaunchSpec) -> list[str]:
+    """The argv that launches `spec`. `--weight-version` labels the initial weights (rollwise's policy
+    version 0) so that every response carries a parseable version from the first token on."""
+    cmd = [
+        spec.python_executable,
+        "-m",
+        spec.module,
+        "--model-path",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--mem-fraction-static",
+        str(spec.mem_fraction_static),
+        "--tp-size",
+        str(spec.tp),
+        "--dp-size",
+        str(spec.dp),
+        "--enable-metrics",
+        "--weight-version",
+        spec.weight_version,
+    ]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    cmd += list(spec.extra_args)
+    return cmd
 
 
 def free_port(host: str) -> int:
@@ -91,7 +141,7 @@ def engine_argv(
         return [
             sys.executable,
             "-m",
-            "pipeline.engine.server",
+            "pipeline.engine",
             "--model",
             str(model_dir),
             "--host",

@@ -4,12 +4,12 @@ JSON-line events decoded into typed records (pipeline.contracts.events) and hand
 The daemon learns everything about the learner through `on_event`: `Ready` (also kept here, so the
 daemon can wait for the first one), and every other record as it arrives.
 
-With learner.nproc x learner.nnodes > 1 the child is torchrun (`python -m torch.distributed.run`, c10d
-rendezvous, no restarts of its own): a rank that dies ends it as a whole, and the backoff here restarts it
-from the last checkpoint like a one-process learner. Rank 0 is the one that talks on stdin and stdout.
-`learner.launcher` prefixes the command (srun, ssh) to run the learner on other nodes. With
-`learner.run_dir` the learner keeps its own run directory there: it is started with `--config -` and gets
-the config (and its secrets) as the first line on its stdin.
+With learner.distributed.nproc x learner.distributed.nnodes > 1 the child is torchrun (`python -m
+torch.distributed.run`, c10d rendezvous, no restarts of its own): a rank that dies ends it as a whole, and
+the backoff here restarts it from the last checkpoint like a one-process learner. Rank 0 is the one that
+talks on stdin and stdout. `learner.distributed.launcher` prefixes the command (srun, ssh) to run the learner
+on other nodes. With `learner.remote.run_dir` the learner keeps its own run directory there: it is started
+with `--config -` and gets the config (and its secrets) as the first line on its stdin.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.contracts import events
-from pipeline.contracts.config import Config, LearnerConfig, config_to_toml, get_secret
+from pipeline.contracts.config import Config, config_to_toml, get_secret
+from pipeline.contracts.learner_config import LearnerConfig
 from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.children import Child, ChildSpec, keep_running
 
@@ -35,13 +36,22 @@ TRANSPORT_TOKEN_ENV = "ROLLWISE_TRANSPORT_TOKEN"  # pipeline.contracts.config re
 
 def torchrun_argv(run: RunDir, learner: LearnerConfig) -> list[str]:
     """torchrun's options for the learner's ranks: one node alone rendezvous on a free local port
-    (--standalone); several meet at learner.rdzv_endpoint under an id derived from the run directory."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(learner.nnodes)]
-    argv += ["--nproc-per-node", str(learner.nproc), "--max-restarts", "0"]
-    if learner.rdzv_endpoint is None:
+    (--standalone); several meet at learner.distributed.rdzv_endpoint under an id derived from the run
+    directory."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(learner.distributed.nnodes)]
+    argv += ["--nproc-per-node", str(learner.distributed.nproc), "--max-restarts", "0"]
+    if learner.distributed.rdzv_endpoint is None:
         return [*argv, "--standalone"]
     run_id = "rollwise-" + hashlib.sha256(str(run.root).encode()).hexdigest()[:12]
-    return [*argv, "--rdzv-backend", "c10d", "--rdzv-endpoint", learner.rdzv_endpoint, "--rdzv-id", run_id]
+    return [
+        *argv,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        learner.distributed.rdzv_endpoint,
+        "--rdzv-id",
+        run_id,
+    ]
 
 
 def learner_child_spec(
@@ -49,11 +59,11 @@ def learner_child_spec(
 ) -> ChildSpec:
     """The learner's command line (torchrun's above one rank). `transport_token` (a Flight reader's key)
     travels in the environment: the run directory's config.toml never holds secrets, and argv shows in
-    /proc/<pid>/cmdline. A learner with its own run directory (learner.run_dir) gets `--config -`: its
+    /proc/<pid>/cmdline. A learner with its own run directory (learner.remote.run_dir) gets `--config -`: its
     config and secrets arrive on stdin (`config_message`), which a launcher carries to another machine
     (an environment variable would not cross ssh)."""
-    if learner.run_dir is not None:
-        argv = ["-m", "learner.worker", "--config", "-", "--run-dir", learner.run_dir]
+    if learner.remote.run_dir is not None:
+        argv = ["-m", "learner.worker", "--config", "-", "--run-dir", learner.remote.run_dir]
         transport_token = None  # in the config message instead
     else:
         argv = ["-m", "learner.worker", "--config", str(run.config_file), "--run-dir", str(run.root)]
@@ -64,7 +74,7 @@ def learner_child_spec(
         env[TRANSPORT_TOKEN_ENV] = transport_token
     return ChildSpec(
         name="learner",
-        argv=[*learner.launcher, *command],
+        argv=[*learner.distributed.launcher, *command],
         log_path=run.log_file("learner"),
         env=env,
         events=True,
@@ -73,7 +83,7 @@ def learner_child_spec(
 
 
 # The secrets a learner with its own run directory needs: the Flight reader's and its weight server's.
-LEARNER_SECRETS = ("transport.token", "learner.weights_token")
+LEARNER_SECRETS = ("transport.token", "learner.remote.weights_token")
 
 
 def config_message(cfg: Config) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TextIO
 
+from pipeline.contracts.run_dir import RunDir
+
 
 @dataclass(frozen=True)
 class Totals:
@@ -314,3 +316,16 @@ def stray_stdout_to_log(progress: Progress, log: logging.Logger) -> Iterator[Non
     finally:
         stray.drain()
         sys.stdout = original
+
+
+def log_to_run_dir(run: RunDir, *, quiet_stderr: bool) -> None:
+    """Supervisor log lines go to logs/supervisor.log; stderr keeps only warnings under a live view."""
+    run.logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run.log_file("supervisor"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    if quiet_stderr:
+        for h in root.handlers:
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                h.setLevel(logging.WARNING)

@@ -1,14 +1,17 @@
 """Config -> the daemon's components. Everything a bad config can break is checked in `resolve_config`,
-before anything starts; the rest builds what the schedule in supervisor.py asks for.
+before anything starts; the rest builds what the schedule in daemon.py asks for.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import itertools
 import json
 import logging
+import sys
+from asyncio.subprocess import PIPE
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +77,10 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
             f"env.name: {cfg.env.name} is an agent environment, whose agent gets an openai.AsyncOpenAI "
             "client; install the openai package (pip install 'rollwise[agents]')"
         )
-    if cfg.learner.action_prior_coef > 0.0 and not env.spec.action_hints:
+    if cfg.learner.regularizers.action_prior_coef > 0.0 and not env.spec.action_hints:
         raise ConfigError(
-            f"learner.action_prior_coef: {cfg.learner.action_prior_coef} needs an env that declares "
-            f"action_hints, and {cfg.env.name} declares none (set it to 0)"
+            f"learner.regularizers.action_prior_coef: {cfg.learner.regularizers.action_prior_coef} needs an "
+            f"env that declares action_hints, and {cfg.env.name} declares none (set it to 0)"
         )
     run = RunDir.at(cfg.run.run_dir, cfg.model.path)
     if cfg.model.path is not None and not is_model_dir(run.initial_model):
@@ -86,14 +89,26 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     return RunSetup(cfg, run, factory, env, evaluation)
 
 
-def ensure_initial_model(setup: RunSetup) -> Path:
-    """The initial model directory; creates the preset in run_dir/model (atomically) when needed."""
+async def ensure_initial_model(setup: RunSetup) -> Path:
+    """The initial model directory; creates the preset in run_dir/model (atomically) when needed, in a
+    process of its own (`python -m learner.model_init`): building weights takes torch, which the daemon
+    never imports."""
     target = setup.run.initial_model
     if setup.cfg.model.path is not None or is_model_dir(target):
         return target
-    from learner.model_init import ensure_model
-
-    return ensure_model(target, preset=setup.cfg.model.preset, seed=setup.cfg.run.seed)
+    preset, seed = setup.cfg.model.preset, setup.cfg.run.seed
+    argv = ["--out", str(target), "--preset", preset, "--seed", str(seed), "--keep-existing"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "learner.model_init", *argv, stdout=PIPE, stderr=PIPE
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-20:]
+        raise RuntimeError(
+            f"building the initial model (preset {preset!r}, seed {seed}) in {target} failed with exit "
+            f"code {proc.returncode}:\n" + "\n".join(tail)
+        )
+    return target
 
 
 def load_tokenizer(model_dir: Path) -> Any:

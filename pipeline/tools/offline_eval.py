@@ -113,7 +113,8 @@ async def evaluate_version(
     server = None
     try:
         if engine_url is None:
-            from pipeline.engine.server import ServerConfig, start_server
+            from pipeline.engine.serve import start_server
+            from pipeline.engine.serve_flags import ServerConfig
 
             e = cfg.engine
             server = await start_server(

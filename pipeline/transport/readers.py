@@ -1,5 +1,5 @@
 """Which spool reader a learner uses: the run directory's files, or a supervisor's Flight service
-(`learner.spool_url`). Both have the same interface (poll, drain_quarantined, depth, prune,
+(`learner.remote.spool_url`). Both have the same interface (poll, drain_quarantined, depth, prune,
 take_read_seconds) and the same exactly-once rule (pipeline.transport.flight)."""
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ class GroupReader(Protocol):
 
 def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupReader:
     """The reader `cfg` asks for, positioned after `after_seq` (the checkpoint's consumed sequence)."""
-    if cfg.learner.spool_url is None:
+    if cfg.learner.remote.spool_url is None:
         return SpoolReader(spool_dir, after_seq=after_seq)
     from pipeline.transport.flight import FlightSpoolReader
 
     return FlightSpoolReader(
-        cfg.learner.spool_url,
+        cfg.learner.remote.spool_url,
         after_seq=after_seq,
         token=reveal(cfg.transport.token),
         wait_s=cfg.transport.poll_wait_s,

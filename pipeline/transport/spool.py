@@ -30,7 +30,6 @@ import pyarrow as pa
 
 from pipeline.contracts.durable import fsync_dir
 from pipeline.contracts.schema import check_schema
-from pipeline.supervisor.observability import metrics
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +94,13 @@ def spool_depth(spool_dir: Path, after_seq: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class SpoolEntry:
-    """A group made durable: its sequence number, final path and file size in bytes."""
+    """A group made durable: its sequence number, final path, file size in bytes and how long the durable
+    write took (the writer's caller reports it: this room keeps no metrics of its own)."""
 
     seq: int
     path: Path
     nbytes: int
+    write_s: float = 0.0
 
 
 class SpoolWriter:
@@ -159,9 +160,7 @@ class SpoolWriter:
             # Only a completed write consumes a number; a failed one is retried under the same seq.
             self.next_seq = seq + 1
             nbytes = final.stat().st_size
-        metrics.SPOOL_WRITE_LATENCY.observe(time.perf_counter() - started)
-        metrics.GROUPS_WRITTEN.inc()
-        return SpoolEntry(seq=seq, path=final, nbytes=nbytes)
+        return SpoolEntry(seq=seq, path=final, nbytes=nbytes, write_s=time.perf_counter() - started)
 
 
 @dataclass(frozen=True)

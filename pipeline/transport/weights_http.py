@@ -146,7 +146,7 @@ class WeightServerThread:
     def start(self) -> int:
         """Bind and serve; returns the bound port. ExposedWithoutKey off loopback without a token;
         OSError when the port cannot be bound."""
-        require_key_off_loopback(self.what, self.host, self.token, "learner.weights_token")
+        require_key_off_loopback(self.what, self.host, self.token, "learner.remote.weights_token")
         loop = self._loop = asyncio.new_event_loop()
         bound: list[int] = []
         failed: list[BaseException] = []

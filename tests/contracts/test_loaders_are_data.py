@@ -68,10 +68,11 @@ def test_a_spool_file_with_a_pickled_extension_type_is_quarantined_not_unpickled
 def test_a_checkpoint_whose_trainer_state_is_a_pickle_bomb_is_refused(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore, save_checkpoint
+    from learner.checkpoint import restore, save_checkpoint
+    from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
     from learner.model import load_policy
     from learner.trainer import Trainer
-    from pipeline.contracts.config import LearnerConfig
+    from pipeline.contracts.learner_config import LearnerConfig
 
     model, tokenizer = load_policy(tiny_model_dir)
     trainer = Trainer(model, LearnerConfig(device="cpu"), temperature=1.0, seed=0, device=torch.device("cpu"))
@@ -99,7 +100,7 @@ def test_weights_from_elsewhere_run_no_remote_code_and_no_pickle(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     from learner.model import load_policy
-    from pipeline.engine.server import load_model
+    from pipeline.engine.model_loading import load_model
 
     marker = tmp_path / "ran"
     weights = tmp_path / "v9"

@@ -205,7 +205,7 @@ def test_a_broken_row_is_named_by_the_validator_never_a_crash(
 # --- config overrides ------------------------------------------------------------------------------------
 keys = st.sampled_from(
     [
-        "learner.lr",
+        "learner.optim.lr",
         "learner.batch_groups",
         "env.group_size",
         "async.max_staleness",
@@ -233,7 +233,7 @@ def test_any_override_loads_or_raises_config_error_naming_a_key(key: str, value:
     except ConfigError as exc:
         assert str(exc)
     else:
-        assert cfg.learner.lr > 0 and cfg.learner.batch_groups >= 1
+        assert cfg.learner.optim.lr > 0 and cfg.learner.batch_groups >= 1
 
 
 @FAST

@@ -21,7 +21,7 @@ AGENT = [
     "env.max_context_tokens=1024",
     # A random tiny model rarely earns a reward in two steps; the entropy bonus keeps zero-advantage
     # groups in the batch, so every step updates the weights and a version is published.
-    "learner.entropy_coef=0.01",
+    "learner.regularizers.entropy_coef=0.01",
 ]
 
 

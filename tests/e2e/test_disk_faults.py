@@ -67,7 +67,7 @@ def _worker() -> Any:
 def test_a_refused_checkpoint_is_retried_with_events_until_it_goes_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("learner.worker.storage_retry_delays", lambda: iter([0.01] * 10))
+    monkeypatch.setattr("learner.worker.retry_delays", lambda: iter([0.01] * 10))
     worker = _worker()
     attempts = []
 

@@ -26,7 +26,8 @@ from pipeline.contracts.config import (
     write_resolved,
 )
 from pipeline.contracts.http_guard import DoorLimits, ExposedWithoutKey, is_loopback
-from pipeline.engine.server import RunningServer, ServerConfig, main, start_server
+from pipeline.engine.serve import RunningServer, main, start_server
+from pipeline.engine.serve_flags import ServerConfig
 from pipeline.supervisor.children import Child, ChildSpec, redact_argv
 from pipeline.supervisor.engine_launch import engine_child_spec, plan_engines
 from pipeline.supervisor.http_endpoints import HttpEndpoints

@@ -142,7 +142,7 @@ def test_killed_engine_costs_its_episodes_and_is_restarted(
     run = DaemonRun(run_dir, [*TINY, _model_override(tiny_model)])
     daemons.append(run)
     run.wait_steps(1)
-    engines = [p for p in _child_pids(run.proc.pid) if "pipeline.engine.server" in _cmdline(p)]
+    engines = [p for p in _child_pids(run.proc.pid) if "pipeline.engine" in _cmdline(p)]
     assert len(engines) == 1
     os.kill(engines[0], signal.SIGKILL)
     steps_at_kill = len(run.steps())
@@ -153,7 +153,7 @@ def test_killed_engine_costs_its_episodes_and_is_restarted(
     assert run.metric("rollwise_episodes_total", {"reason": "engine_error"}) >= 1
 
     def new_engines() -> list[int]:
-        return [p for p in _child_pids(run.proc.pid) if "pipeline.engine.server" in _cmdline(p)]
+        return [p for p in _child_pids(run.proc.pid) if "pipeline.engine" in _cmdline(p)]
 
     # /proc can miss a child for a moment (its cmdline is read while the process list is walked).
     run.wait_for(lambda r: len(new_engines()) == 1, 30, "one engine process")
@@ -219,7 +219,7 @@ def test_bad_config_exits_2_naming_the_key_and_creates_nothing(tmp_path: Path) -
             "--run-dir",
             str(run_dir),
             "--set",
-            "learner.clip_low=-1",
+            "learner.loss.clip_low=-1",
         ],
         cwd=REPO,
         capture_output=True,
@@ -227,5 +227,5 @@ def test_bad_config_exits_2_naming_the_key_and_creates_nothing(tmp_path: Path) -
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "learner.clip_low" in proc.stderr
+    assert "learner.loss.clip_low" in proc.stderr
     assert not run_dir.exists()

@@ -53,7 +53,7 @@ def test_daemon_trains_through_the_router_reads_over_flight_and_survives_a_drain
         "engine.drain_timeout_s=5",
         'transport.kind="flight"',
         f"transport.flight_port={flight_port}",
-        f'learner.spool_url="grpc://127.0.0.1:{flight_port}"',
+        f'learner.remote.spool_url="grpc://127.0.0.1:{flight_port}"',
     ]
     run = DaemonRun(tmp_path / "run", overrides, max_steps=4)
     daemons.append(run)

@@ -12,7 +12,7 @@ import pytest
 from tests.e2e.test_run_e2e import TINY, DaemonRun, checkpoint_state, daemons, tiny_model  # noqa: F401
 
 # An optimizer step moves the tiny policy well past the fp32 tolerance (1e-3), so a stale engine shows.
-FAST = ["learner.lr=1e-2", "learner.warmup_steps=0"]
+FAST = ["learner.optim.lr=1e-2", "learner.schedule.warmup_steps=0"]
 LORA = ["learner.lora.enabled=true", "learner.lora.rank=4", "learner.lora.alpha=8"]
 
 
@@ -34,7 +34,13 @@ def test_tiny_lora_run_trains_and_its_served_logprobs_follow_the_adapter_version
 ) -> None:
     run_dir = tmp_path / "run"
     # With a KL term: its reference is the policy's own model with the adapter off (no second base).
-    overrides = [*TINY, *FAST, *LORA, "learner.kl_coef=0.05", f"model.path={json.dumps(str(tiny_model))}"]
+    overrides = [
+        *TINY,
+        *FAST,
+        *LORA,
+        "learner.regularizers.kl_coef=0.05",
+        f"model.path={json.dumps(str(tiny_model))}",
+    ]
     first = DaemonRun(run_dir, overrides, max_steps=3)
     daemons.append(first)
     assert first.wait(timeout_s=180) == 0, first.tail()

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from envs.judge import Judge, JudgeConfig, JudgeError, set_run_endpoint, shared_judge
-from pipeline.engine.server import RunningServer, ServerConfig, start_server
+from pipeline.engine.serve import RunningServer, start_server
+from pipeline.engine.serve_flags import ServerConfig
 from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import RolloutSettings, run_group
 from pipeline.supervisor.engines.client import EngineClient

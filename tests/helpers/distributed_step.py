@@ -22,16 +22,17 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore
+from learner.checkpoint import restore
+from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.distributed import Ranks, join, leave
 from learner.groups import TrainGroup
 from learner.model import load_policy
 from learner.sharded_checkpoint import save_sharded_checkpoint
 from learner.sharding import load_policy_for_ranks
 from learner.trainer import Trainer
-from pipeline.contracts.config import LearnerConfig
-from pipeline.contracts.schema import EpisodeSegment
-from tests.helpers.train_groups import groups_of
+from pipeline.contracts.learner_config import LearnerConfig
+from tests.helpers.configs import learner_cfg
+from tests.helpers.train_groups import groups_of, one_turn_segment
 
 SEED = 7
 
@@ -46,23 +47,14 @@ def batches() -> list[list[TrainGroup]]:
             for member in range(size):
                 prompt = [5, 6, 7, 8 + step, 9 + group]
                 action = [20 + (7 * step + 3 * group + member) % 40, 60 + member, 2]
-                n, k = len(prompt), len(action)
                 rows.append(
-                    EpisodeSegment(
-                        episode_id=f"s{step}g{group}e{member}",
-                        group_id=f"s{step}g{group}",
-                        task_id="t",
-                        env="test-env",
-                        token_ids=prompt + action,
-                        prompt_len=n,
-                        loss_mask=[0] * n + [1] * k,
-                        logprobs=[0.0] * n + [-4.0 - 0.3 * member] * k,
-                        turn_index=[-1] * n + [0] * k,
-                        versions=[-1] * n + [0] * k,
-                        turn_rewards=[0.0],
+                    one_turn_segment(
+                        f"s{step}g{group}e{member}",
+                        f"s{step}g{group}",
+                        prompt,
+                        action,
+                        logprob=-4.0 - 0.3 * member,
                         outcome=float(member == 0),
-                        num_turns=1,
-                        finish_reason="stop",
                     )
                 )
         steps.append(groups_of(rows))
@@ -88,14 +80,14 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def learner_config(case: str) -> LearnerConfig:
-    return LearnerConfig.model_validate({"lr": 1e-4, "warmup_steps": 0, "device": "cpu", **CASES[case]})
+    return learner_cfg(lr=1e-4, warmup_steps=0, device="cpu", **CASES[case])
 
 
 def make_trainer(model_dir: Path, case: str, ranks: Ranks | None) -> Trainer:
     cfg = learner_config(case)
     load = load_policy if ranks is None else functools.partial(load_policy_for_ranks, ranks=ranks)
     model, _ = load(model_dir)
-    reference = load(model_dir)[0] if cfg.kl_coef > 0 else None
+    reference = load(model_dir)[0] if cfg.regularizers.kl_coef > 0 else None
     return Trainer(model, cfg, temperature=1.0, seed=SEED, reference=reference, ranks=ranks)
 
 

@@ -31,6 +31,39 @@ def groups_of(rows: list[EpisodeSegment] | pa.RecordBatch) -> list[TrainGroup]:
     return groups
 
 
+def one_turn_segment(
+    episode_id: str,
+    group_id: str,
+    prompt: list[int],
+    action: list[int],
+    *,
+    logprob: float,
+    outcome: float | None,
+    env: str = "test-env",
+    version: int = 0,
+    finish: str = "stop",
+) -> EpisodeSegment:
+    """A valid one-turn row: `prompt`, then `action` generated at `version`, each of its tokens at
+    `logprob`."""
+    n, k = len(prompt), len(action)
+    return EpisodeSegment(
+        episode_id=episode_id,
+        group_id=group_id,
+        task_id="task",
+        env=env,
+        token_ids=prompt + action,
+        prompt_len=n,
+        loss_mask=[0] * n + [1] * k,
+        logprobs=[0.0] * n + [logprob] * k,
+        turn_index=[-1] * n + [0] * k,
+        versions=[-1] * n + [version] * k,
+        turn_rewards=[0.0],
+        outcome=outcome,
+        num_turns=1,
+        finish_reason=finish,
+    )
+
+
 def one_turn_row(
     group_id: str,
     index: int,

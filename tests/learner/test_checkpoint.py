@@ -12,13 +12,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore, save_checkpoint
+from learner.checkpoint import restore, save_checkpoint
+from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.model import VERSION_FILE, export_weights, load_policy, resolve_device, save_hf
 from learner.model_init import PRESETS, build_model
 from learner.trainer import Trainer
-from pipeline.contracts.config import LearnerConfig
-from pipeline.contracts.schema import EpisodeSegment, segments_to_batch
-from tests.helpers.train_groups import groups_of
+from pipeline.contracts.learner_config import LearnerConfig
+from pipeline.contracts.schema import segments_to_batch
+from tests.helpers.configs import learner_cfg
+from tests.helpers.train_groups import groups_of, one_turn_segment
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,7 +31,7 @@ def model_dir(tiny_model_dir: Path) -> Path:
 
 
 def _cfg() -> LearnerConfig:
-    return LearnerConfig(lr=1e-3, mini_batches=3, warmup_steps=2, device="cpu")
+    return learner_cfg(lr=1e-3, mini_batches=3, warmup_steps=2, device="cpu")
 
 
 def _batches(tokenizer: Any) -> list[pa.RecordBatch]:
@@ -44,23 +46,15 @@ def _batches(tokenizer: Any) -> list[pa.RecordBatch]:
         for group in range(2):
             for member in range(3):
                 action = [*tokenizer.encode(str(1 + (step + group + member) % 16)), end]
-                n, k = len(prompt), len(action)
                 episodes.append(
-                    EpisodeSegment(
-                        episode_id=f"s{step}g{group}e{member}",
-                        group_id=f"s{step}g{group}",
-                        task_id="t",
-                        env="guess-number",
-                        token_ids=prompt + action,
-                        prompt_len=n,
-                        loss_mask=[0] * n + [1] * k,
-                        logprobs=[0.0] * n + [-6.5 - 0.1 * member] * k,
-                        turn_index=[-1] * n + [0] * k,
-                        versions=[-1] * n + [0] * k,
-                        turn_rewards=[0.0],
+                    one_turn_segment(
+                        f"s{step}g{group}e{member}",
+                        f"s{step}g{group}",
+                        prompt,
+                        action,
+                        logprob=-6.5 - 0.1 * member,
                         outcome=float(member == 0),
-                        num_turns=1,
-                        finish_reason="stop",
+                        env="guess-number",
                     )
                 )
         batches.append(segments_to_batch(episodes))
@@ -162,8 +156,8 @@ def test_restore_names_the_key_when_the_embedding_decay_changed(model_dir: Path,
     ckpt = load_latest_checkpoint(tmp_path / "c")
     assert ckpt is not None
     model, _ = load_policy(model_dir)
-    split = LearnerConfig(lr=1e-3, mini_batches=3, warmup_steps=2, device="cpu", embedding_weight_decay=1.0)
-    with pytest.raises(ValueError, match=r"sizes \[\d+\].*learner.embedding_weight_decay"):
+    split = learner_cfg(lr=1e-3, mini_batches=3, warmup_steps=2, device="cpu", embedding_weight_decay=1.0)
+    with pytest.raises(ValueError, match=r"sizes \[\d+\].*learner.optim.embedding_weight_decay"):
         restore(Trainer(model, split, temperature=1.0), ckpt)
 
 

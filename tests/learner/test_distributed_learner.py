@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore, save_checkpoint
+from learner.checkpoint import restore, save_checkpoint
+from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.distributed import join, share
 from learner.trainer import _UpdateStats
 from pipeline.contracts.config import ConfigError, load_config
@@ -98,17 +99,17 @@ def test_the_supervisor_starts_several_ranks_through_torchrun(tmp_path: Path) ->
     run = RunDir.at(tmp_path)
     one = learner_child_spec(run, load_config(None, []).learner)
     assert one.argv[:3] == [sys.executable, "-m", "learner.worker"]
-    local = learner_child_spec(run, load_config(None, ["learner.nproc=2"]).learner).argv
+    local = learner_child_spec(run, load_config(None, ["learner.distributed.nproc=2"]).learner).argv
     assert local[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert local[local.index("--nproc-per-node") + 1] == "2" and "--standalone" in local
     assert local[local.index("--max-restarts") + 1] == "0"  # a dead rank ends it; the supervisor restarts
     assert local[-4:] == ["--config", str(run.config_file), "--run-dir", str(run.root)]
     assert local[local.index("-m", 3) + 1] == "learner.worker"
     overrides = [
-        "learner.nproc=4",
-        "learner.nnodes=2",
-        "learner.rdzv_endpoint='node-b:29400'",
-        "learner.launcher=['srun', '--nodes=2', '--ntasks-per-node=1']",
+        "learner.distributed.nproc=4",
+        "learner.distributed.nnodes=2",
+        "learner.distributed.rdzv_endpoint='node-b:29400'",
+        "learner.distributed.launcher=['srun', '--nodes=2', '--ntasks-per-node=1']",
     ]
     multi = learner_child_spec(run, load_config(None, overrides).learner).argv
     assert multi[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable]
@@ -124,10 +125,13 @@ def test_the_supervisor_starts_several_ranks_through_torchrun(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["learner.nnodes=2"], "learner.rdzv_endpoint .* is needed when learner.nnodes > 1"),
-        (["learner.rdzv_endpoint='node-b'"], "must be host:port, got 'node-b'"),
-        (["learner.rdzv_endpoint='node-b:99999'"], "must be host:port"),
-        (["learner.nproc=0"], "learner.nproc"),
+        (
+            ["learner.distributed.nnodes=2"],
+            "learner.distributed.rdzv_endpoint .* is needed when learner.distributed.nnodes > 1",
+        ),
+        (["learner.distributed.rdzv_endpoint='node-b'"], "must be host:port, got 'node-b'"),
+        (["learner.distributed.rdzv_endpoint='node-b:99999'"], "must be host:port"),
+        (["learner.distributed.nproc=0"], "learner.distributed.nproc"),
     ],
 )
 def test_bad_distributed_settings_name_the_key(overrides: list[str], message: str) -> None:
@@ -279,7 +283,7 @@ def test_a_killed_rank_takes_the_learner_down_and_it_resumes_from_its_checkpoint
     tmp_path: Path, tiny_model: Path, daemons: list[DaemonRun]
 ) -> None:
     run_dir = tmp_path / "run"
-    overrides = [*TINY, f"model.path={json.dumps(str(tiny_model))}", "learner.nproc=2"]
+    overrides = [*TINY, f"model.path={json.dumps(str(tiny_model))}", "learner.distributed.nproc=2"]
     overrides.append(
         "learner.keep_checkpoints=100"
     )  # keep the whole lineage (and its spool) to account for it

@@ -15,9 +15,16 @@ from learner.gspo import gspo_token_loss
 from learner.mismatch import correct
 from learner.model import load_policy
 from learner.trainer import Trainer, lr_factor
-from pipeline.contracts.config import ConfigError, LearnerConfig, load_config
+from pipeline.contracts.config import ConfigError, load_config
+from pipeline.contracts.learner_config import (
+    ConstantSchedule,
+    DecaySchedule,
+    DeprecatedConfigKey,
+    LearnerConfig,
+)
 from pipeline.contracts.schema import EpisodeSegment
 from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from tests.helpers.configs import learner_cfg
 from tests.helpers.train_groups import groups_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -105,7 +112,11 @@ def test_token_weights_scale_each_token_loss_and_gradient() -> None:
         ),
         (["learner.mismatch.reject_band=[1.1, 2.0]"], "reject_band must satisfy"),
         (["learner.mismatch.is_cap=0.5"], r"is_cap"),
-        (["learner.lr_schedule='cosine'"], r"learner\.lr_decay_steps >= 1"),
+        (
+            ["learner.schedule.kind='cosine'"],
+            r"learner\.schedule\.decay_steps: Field required \(learner\.schedule\.kind = 'cosine'\)",
+        ),
+        (["learner.schedule.decay_steps=5"], r"learner\.schedule\.decay_steps: Extra inputs"),
     ],
 )
 def test_bad_learner_options_name_the_key(overrides: list[str], message: str) -> None:
@@ -123,15 +134,11 @@ def test_engine_dtype_reaches_the_engine_command_line(tmp_path: Path) -> None:
 
 # --- learning-rate schedule ---------------------------------------------------------------------------------
 def test_lr_factor_warms_up_then_decays_to_the_floor() -> None:
-    linear = lr_factor(
-        LearnerConfig(warmup_steps=2, lr_schedule="linear", lr_decay_steps=4, lr_min_ratio=0.2)
-    )
+    linear = lr_factor(DecaySchedule(kind="linear", warmup_steps=2, decay_steps=4, min_ratio=0.2))
     assert [round(linear(u), 6) for u in range(8)] == [0.5, 1.0, 1.0, 0.8, 0.6, 0.4, 0.2, 0.2]
-    cosine = lr_factor(
-        LearnerConfig(warmup_steps=0, lr_schedule="cosine", lr_decay_steps=4, lr_min_ratio=0.0)
-    )
+    cosine = lr_factor(DecaySchedule(kind="cosine", warmup_steps=0, decay_steps=4, min_ratio=0.0))
     assert [round(cosine(u), 6) for u in range(6)] == [1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0]
-    constant = lr_factor(LearnerConfig(warmup_steps=4))
+    constant = lr_factor(ConstantSchedule(warmup_steps=4))
     assert [constant(u) for u in (0, 3, 100)] == [0.25, 1.0, 1.0]
 
 
@@ -185,7 +192,7 @@ def _group(
 def _cfg(**kw: Any) -> LearnerConfig:
     """The toy's mechanics: no warm-up, engine log-probs as the old policy unless a test says otherwise."""
     base = {"lr": 1e-3, "mini_batches": 2, "device": "cpu", "warmup_steps": 0}
-    return LearnerConfig(**(base | {"mismatch": {"proximal": "engine", "is_weights": "none"}} | kw))
+    return learner_cfg(**(base | {"mismatch": {"proximal": "engine", "is_weights": "none"}} | kw))
 
 
 def test_learner_proximal_reports_weights_truncation_and_rejection(policy: tuple[Any, Any]) -> None:
@@ -322,9 +329,11 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir: Path) -> Non
 def test_a_run_directory_written_with_dtype_resumes_as_precision(tmp_path: Path) -> None:
     old = tmp_path / "config.toml"
     old.write_text('[learner]\ndtype = "float32"\n')
-    assert load_config(old).learner.precision == "fp32"
+    with pytest.warns(DeprecatedConfigKey, match="learner.dtype is deprecated: use learner.precision"):
+        assert load_config(old).learner.precision == "fp32"
     old.write_text('[learner]\ndtype = "bfloat16"\n')
-    assert load_config(old).learner.precision == "bf16"
+    with pytest.warns(DeprecatedConfigKey):
+        assert load_config(old).learner.precision == "bf16"
 
 
 @pytest.mark.slow
@@ -438,8 +447,10 @@ def test_kl_in_reward_mode_shifts_the_advantages_by_the_estimate(tiny_model_dir:
 
 
 def test_overlong_slope_beyond_the_budget_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"learner\.overlong_slope must be <= learner\.overlong_budget"):
-        load_config(None, ["learner.overlong_budget=8", "learner.overlong_slope=9"])
+    with pytest.raises(
+        ConfigError, match=r"learner\.regularizers: Value error, overlong_slope must be <= overlong_budget"
+    ):
+        load_config(None, ["learner.regularizers.overlong_budget=8", "learner.regularizers.overlong_slope=9"])
 
 
 def test_fused_log_probs_train_like_the_logits_path(tiny_model_dir: Path) -> None:

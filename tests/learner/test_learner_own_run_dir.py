@@ -1,4 +1,4 @@
-"""A learner that does not share the supervisor's disk (`learner.run_dir`): its config over stdin, the
+"""A learner that does not share the supervisor's disk (`learner.remote.run_dir`): its config over stdin, the
 preset built on its side and compared by digest, its published versions fetched from its own weight
 server and mirrored into the run directory (checked against the manifest), its checkpoints on its disk.
 
@@ -49,9 +49,9 @@ def own_run_dir_overrides(learner_dir: Path) -> list[str]:
         *TINY,
         'transport.kind="flight"',
         f"transport.flight_port={flight_port}",
-        f'learner.spool_url="grpc://127.0.0.1:{flight_port}"',
-        f"learner.run_dir={json.dumps(str(learner_dir))}",
-        "learner.weights_port=0",
+        f'learner.remote.spool_url="grpc://127.0.0.1:{flight_port}"',
+        f"learner.remote.run_dir={json.dumps(str(learner_dir))}",
+        "learner.remote.weights_port=0",
     ]
 
 
@@ -69,11 +69,11 @@ def test_the_config_and_the_secrets_reach_the_learner_on_stdin_and_never_its_arg
     cfg = load_config(
         None,
         [
-            f'learner.run_dir="{tmp_path / "learner"}"',
-            'learner.spool_url="grpc://sup:8815"',
+            f'learner.remote.run_dir="{tmp_path / "learner"}"',
+            'learner.remote.spool_url="grpc://sup:8815"',
             f'transport.token="{TOKEN}-flight"',
-            f'learner.weights_token="{TOKEN}"',
-            "learner.lr=3e-3",
+            f'learner.remote.weights_token="{TOKEN}"',
+            "learner.optim.lr=3e-3",
         ],
     )
     spec = learner_child_spec(RunDir.at(tmp_path / "run"), cfg.learner, transport_token=TOKEN + "-flight")
@@ -81,11 +81,11 @@ def test_the_config_and_the_secrets_reach_the_learner_on_stdin_and_never_its_arg
     assert TRANSPORT_TOKEN_ENV not in spec.env and spec.stdin
     message = config_message(cfg)
     assert TOKEN not in message["toml"]  # the config as config.toml holds it
-    assert message["secrets"] == {"transport.token": TOKEN + "-flight", "learner.weights_token": TOKEN}
+    assert message["secrets"] == {"transport.token": TOKEN + "-flight", "learner.remote.weights_token": TOKEN}
 
     received = receive_config(io.StringIO(json.dumps(message) + "\n" + '{"cmd": "stop"}\n'))
     assert received.model_dump(mode="json") == cfg.model_dump(mode="json")
-    assert reveal(received.learner.weights_token) == TOKEN
+    assert reveal(received.learner.remote.weights_token) == TOKEN
     assert reveal(received.transport.token) == TOKEN + "-flight"
     assert config_to_toml(received) == config_to_toml(cfg)
 
@@ -97,8 +97,8 @@ def test_the_config_and_the_secrets_reach_the_learner_on_stdin_and_never_its_arg
         ("not json\n", "not JSON"),
         ('{"cmd": "stop"}\n', "expected a 'config' command first"),
         ('{"cmd": "config", "toml": 3, "secrets": {}}\n', "needs 'toml'"),
-        ('{"cmd": "config", "toml": "[learner]\\nlr = -1\\n", "secrets": {}}\n', r"learner\.lr"),
-        ('{"cmd": "config", "toml": "", "secrets": {"learner.lr": "x"}}\n', "not a secret setting"),
+        ('{"cmd": "config", "toml": "[learner.optim]\\nlr = -1\\n", "secrets": {}}\n', r"learner\.optim\.lr"),
+        ('{"cmd": "config", "toml": "", "secrets": {"learner.optim.lr": "x"}}\n', "not a secret setting"),
     ],
 )
 def test_a_bad_config_line_on_stdin_is_refused_naming_the_problem(first_line: str, message: str) -> None:
@@ -108,24 +108,29 @@ def test_a_bad_config_line_on_stdin_is_refused_naming_the_problem(first_line: st
 
 def test_config_rules_of_a_learner_with_its_own_run_dir(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ROLLWISE_LEARNER_TOKEN", raising=False)
-    with pytest.raises(ConfigError, match=r"learner\.run_dir .* needs learner\.spool_url"):
-        load_config(None, ['learner.run_dir="/data/learner"'])
+    with pytest.raises(ConfigError, match=r"learner\.remote\.run_dir .* needs learner\.remote\.spool_url"):
+        load_config(None, ['learner.remote.run_dir="/data/learner"'])
     with pytest.raises(ConfigError, match="is the run directory itself"):
         load_config(
-            None, ['learner.run_dir="runs/exp/"', 'run.run_dir="runs/exp"', 'learner.spool_url="grpc://s:1"']
+            None,
+            [
+                'learner.remote.run_dir="runs/exp/"',
+                'run.run_dir="runs/exp"',
+                'learner.remote.spool_url="grpc://s:1"',
+            ],
         )
     exposed = [
-        'learner.run_dir="/data/l"',
-        'learner.spool_url="grpc://s:1"',
-        'learner.weights_host="0.0.0.0"',
+        'learner.remote.run_dir="/data/l"',
+        'learner.remote.spool_url="grpc://s:1"',
+        'learner.remote.weights_host="0.0.0.0"',
     ]
-    with pytest.raises(ConfigError, match=r"learner\.weights_token is required"):
+    with pytest.raises(ConfigError, match=r"learner\.remote\.weights_token is required"):
         check_exposed_ports(load_config(None, exposed))
     monkeypatch.setenv("ROLLWISE_LEARNER_TOKEN", TOKEN)
     check_exposed_ports(load_config(None, exposed))
     # A section's rule never echoes the section (it may hold a token).
     with pytest.raises(ConfigError) as refused:
-        load_config(None, [f'learner.weights_token="{TOKEN}"', 'learner.run_dir="/l"'])
+        load_config(None, [f'learner.remote.weights_token="{TOKEN}"', 'learner.remote.run_dir="/l"'])
     assert TOKEN not in str(refused.value)
 
 
@@ -158,7 +163,7 @@ def test_ready_and_published_carry_where_to_fetch_and_older_events_still_decode(
 def test_the_learners_weight_server_wants_its_token_and_a_key_off_loopback(tmp_path: Path) -> None:
     run = RunDir.at(tmp_path / "learner")
     fake_model(run.weights_of(2), b"\x01" * 32)
-    with pytest.raises(ExposedWithoutKey, match=r"learner\.weights_token"):
+    with pytest.raises(ExposedWithoutKey, match=r"learner\.remote\.weights_token"):
         WeightServerThread(run.weights_of, "0.0.0.0", 0, None, what="the learner's weight server").start()
     server = WeightServerThread(run.weights_of, "127.0.0.1", 0, TOKEN, what="the learner's weight server")
     port = server.start()
@@ -239,32 +244,19 @@ async def test_copies_are_kept_by_install_order_so_a_rolled_back_version_survive
 
 
 async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_supersedes_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    from pipeline.supervisor import daemon as supervisor_module
-    from pipeline.supervisor.daemon import Supervisor
-    from pipeline.supervisor.wiring import resolve_config
-    from tests.supervisor.test_supervisor import _ns, _VersionLog
+    from tests.helpers.lineage import lineage_for
 
-    monkeypatch.setattr(supervisor_module, "MIRROR_RETRY_FIRST_S", 0.05)
     learner = RunDir.at(tmp_path / "learner")
     app = web.Application()
     WeightServer(learner.weights_of).add_routes(app)
     runner, source = await _serve(app)
     fake = FakeSGLang()
     await fake.start()
-    overrides = [
-        'engine.kind="external"',
-        f'engine.urls=["{fake.base_url}"]',
-        "metrics.port=0",
-        f'learner.run_dir="{learner.root}"',
-        'learner.spool_url="grpc://127.0.0.1:1"',
-    ]
-    sup = Supervisor(
-        resolve_config(_ns(run_dir=str(tmp_path / "run"), log_format="json", set=overrides)),
-        progress_out=(progress := io.StringIO()),
-    )
-    sup.scheduler = _VersionLog()  # type: ignore[assignment]
+    overrides = [f'learner.remote.run_dir="{learner.root}"', 'learner.remote.spool_url="grpc://127.0.0.1:1"']
+    under = lineage_for([fake.base_url], tmp_path / "run", overrides)
+    lineage = under.lineage
     failures_before = mirror_failures()
     try:
         fake_model(learner.weights_of(1), b"\x11" * 4096)
@@ -273,23 +265,23 @@ async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_s
         (learner.weights_of(1) / "model.safetensors").write_bytes(b"\x11" * 4095 + b"\x00")  # bit rot
         # Events are handled one after the other, as LearnerChild.follow hands them over: the copy runs
         # in the background, so the next event is heard while it is refused and retried.
-        await sup.on_learner_event(events.Published(1, str(learner.weights_of(1)), weights_url=source))
+        await lineage.on_published(events.Published(1, str(learner.weights_of(1)), weights_url=source))
         await until(lambda: mirror_failures() >= failures_before + 2)  # refused, and again on the retry
-        assert len(sup.mirror_tasks) == 1 and fake.update_calls == []
+        assert len(lineage.background) == 1 and fake.update_calls == []
         good = fake_model(learner.weights_of(2), b"\x22" * 4096)
-        await sup.on_learner_event(events.Published(2, str(good), weights_url=source))
-        await asyncio.wait_for(asyncio.gather(*sup.mirror_tasks), 10)
+        await lineage.on_published(events.Published(2, str(good), weights_url=source))
+        await asyncio.wait_for(asyncio.gather(*lineage.background), 10)
     finally:
-        await sup.engines.pool.close()
+        await under.close()
         await fake.stop()
         await runner.cleanup()
     assert [c["weight_version"] for c in fake.update_calls] == ["2"]  # version 1 never reached an engine
-    mirrored = sup.run_dir.weights_of(2)
+    mirrored = under.run_dir.weights_of(2)
     assert fake.update_calls[0]["model_path"] == str(mirrored)
     assert (mirrored / "model.safetensors").read_bytes() == b"\x22" * 4096
-    assert not sup.run_dir.weights_of(1).exists()
-    assert sup.version == 2 and sup.scheduler.versions == [2]  # type: ignore[attr-defined]
-    text = progress.getvalue()
+    assert not under.run_dir.weights_of(1).exists()
+    assert lineage.version == 2 and under.served == [2]
+    text = under.progress.getvalue()
     assert "copying version 1 from the learner failed" in text and "sha256" in text
     assert "version 1 not copied from the learner" in text
 
@@ -325,9 +317,9 @@ def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_n
         *own_run_dir_overrides(learner_dir),
         "learner.keep_checkpoints=1000",
         'engine.weight_transport="http"',
-        'learner.launcher=["env", "-i", "PATH=/usr/bin:/bin"]',
+        'learner.distributed.launcher=["env", "-i", "PATH=/usr/bin:/bin"]',
         f'transport.token="{TOKEN}-flight"',
-        f'learner.weights_token="{TOKEN}"',
+        f'learner.remote.weights_token="{TOKEN}"',
     ]
     run = DaemonRun(sup_dir, overrides)  # the preset is built on both sides: model.path unset
     daemons.append(run)

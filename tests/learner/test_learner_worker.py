@@ -47,10 +47,12 @@ def test_env_action_token_ids_come_from_the_env_spec_only_when_the_prior_is_on(t
     _, tokenizer = load_policy(tiny_model_dir)
     off = load_config(None, [])
     assert env_action_token_ids(off, tokenizer) == []
-    narrow = load_config(None, ["learner.action_prior_coef=0.2", "env.options={low = 1, high = 4}"])
+    narrow = load_config(
+        None, ["learner.regularizers.action_prior_coef=0.2", "env.options={low = 1, high = 4}"]
+    )
     ids = env_action_token_ids(narrow, tokenizer)
     assert sorted(str(tokenizer.decode([t])).strip() for t in ids) == ["1", "1", "2", "2", "3", "3", "4", "4"]
-    no_hints = load_config(None, ["learner.action_prior_coef=0.2", "env.name='word-guess'"])
+    no_hints = load_config(None, ["learner.regularizers.action_prior_coef=0.2", "env.name='word-guess'"])
     with pytest.raises(ValueError, match="declares no action_hints"):
         env_action_token_ids(no_hints, tokenizer)
 
@@ -212,7 +214,7 @@ def event_is(kind: str, **fields: Any) -> Callable[[dict[str, Any]], bool]:
 def test_worker_trains_publishes_checkpoints_and_drops(
     tmp_path: Path, tiny_model: Path, workers: list[Worker]
 ) -> None:
-    from learner.checkpoint import load_latest_checkpoint
+    from learner.checkpoint_state import load_latest_checkpoint
     from learner.model import VERSION_FILE, load_policy
 
     run_dir = make_run_dir(tmp_path, tiny_model, eta=0)

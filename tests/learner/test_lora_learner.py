@@ -13,12 +13,15 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from learner.checkpoint import ConsumedState, load_latest_checkpoint, restore, save_checkpoint
+from learner.checkpoint import restore, save_checkpoint
+from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraPolicy, apply_lora
 from learner.model import VERSION_FILE, load_policy
 from learner.served_probe import probe_ids, probe_logprobs
 from learner.trainer import Trainer
-from pipeline.contracts.config import ConfigError, LearnerConfig, LoraConfig, load_config
+from pipeline.contracts.config import ConfigError, load_config
+from pipeline.contracts.learner_config import LearnerConfig, LoraConfig
+from tests.helpers.configs import learner_cfg
 from tests.helpers.train_groups import groups_of
 from tests.learner.test_checkpoint import _batches
 
@@ -28,7 +31,7 @@ LORA = LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.1, target_modules=["q
 
 
 def _cfg(lora: LoraConfig = LORA) -> LearnerConfig:
-    return LearnerConfig(lr=1e-2, mini_batches=3, warmup_steps=2, device="cpu", lora=lora)
+    return learner_cfg(lr=1e-2, mini_batches=3, warmup_steps=2, device="cpu", lora=lora)
 
 
 def _lora_trainer(model_dir: Path, lora: LoraConfig = LORA) -> tuple[Trainer, LoraPolicy, Any]:
@@ -129,7 +132,7 @@ def test_kl_reference_is_the_policy_with_its_adapter_off_and_matches_a_loaded_ba
 ) -> None:
     """With LoRA, the KL reference is the base the adapter applies to (B starts at zero): the same model
     with the adapter disabled gives the steps a second loaded copy of the base gives, without the copy."""
-    cfg = LearnerConfig(lr=1e-2, mini_batches=1, warmup_steps=2, device="cpu", lora=LORA, kl_coef=0.1)
+    cfg = learner_cfg(lr=1e-2, mini_batches=1, warmup_steps=2, device="cpu", lora=LORA, kl_coef=0.1)
 
     def run(shared: bool) -> tuple[list[dict[str, float]], LoraPolicy, Trainer]:
         torch.manual_seed(0)  # the adapter's dropout draws from the global generator
@@ -231,8 +234,8 @@ def test_probe_logprobs_are_the_teacher_forced_logprobs_with_dropout_off(tiny_mo
         (["learner.lora.target_modules=[]"], "learner.lora.target_modules"),
         (["learner.lora.serving=fused"], "learner.lora.serving"),
         (
-            ["learner.lora.enabled=true", "learner.embedding_weight_decay=0.1"],
-            "learner.embedding_weight_decay",
+            ["learner.lora.enabled=true", "learner.optim.embedding_weight_decay=0.1"],
+            "learner.optim.embedding_weight_decay",
         ),
         (["learner.lora.enabled=true", "engine.kind=sglang", "engine.dp=2"], "engine.dp = 1"),
         (["async.served_check.tolerance=0"], "async.served_check.tolerance"),

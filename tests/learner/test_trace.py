@@ -23,7 +23,7 @@ from learner.trace import (
     write_trace,
 )
 from learner.trainer import Trainer
-from pipeline.contracts.config import LearnerConfig
+from tests.helpers.configs import learner_cfg
 from tests.helpers.train_groups import groups_of, one_turn_row
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,7 +49,7 @@ def _trainer(model_dir: Path, tracer: StepTracer, **cfg: Any) -> Trainer:
     model, _ = load_policy(model_dir)
     base: dict[str, Any] = {"lr": 1e-2, "mini_batches": 2, "device": "cpu", "warmup_steps": 0}
     base.update(cfg)
-    return Trainer(model, LearnerConfig(**base), temperature=1.0, tracer=tracer)
+    return Trainer(model, learner_cfg(**base), temperature=1.0, tracer=tracer)
 
 
 def _groups(n: int) -> list[Any]:

@@ -14,8 +14,9 @@ import learner.trainer as trainer_module
 from learner.batching import TrainSequence, pack_sequences
 from learner.model import load_policy
 from learner.trainer import Trainer, build_step_input
-from pipeline.contracts.config import LearnerConfig
+from pipeline.contracts.learner_config import LearnerConfig
 from pipeline.contracts.schema import TRAJECTORY_SCHEMA, EpisodeSegment, segments_to_batch
+from tests.helpers.configs import learner_cfg
 from tests.helpers.train_groups import groups_of
 
 PAD = 0
@@ -46,7 +47,7 @@ def _cfg(**overrides: Any) -> LearnerConfig:
         "mismatch": {"proximal": "engine", "is_weights": "none"},
     }
     base.update(overrides)
-    return LearnerConfig(**base)
+    return learner_cfg(**base)
 
 
 def _prompt_ids(tokenizer: Any) -> list[int]:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pipeline.supervisor.actors.admission import AdmissionController, is_stale
+from pipeline.contracts.staleness import is_stale
+from pipeline.supervisor.actors.admission import AdmissionController
 
 
 @pytest.mark.parametrize(

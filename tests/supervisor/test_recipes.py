@@ -26,12 +26,12 @@ def test_qwen3_recipe_resolves_and_starts_sglang_with_its_flags(tmp_path: Path) 
         _ns(ROOT / "examples" / "qwen3_calculator.toml", [f"model.path={json.dumps(str(model))}"])
     )
     cfg = setup.cfg
-    assert (cfg.learner.precision, cfg.learner.gradient_checkpointing, cfg.learner.lr) == (
+    assert (cfg.learner.precision, cfg.learner.gradient_checkpointing, cfg.learner.optim.lr) == (
         "bf16-mixed",
         True,
         1e-6,
     )
-    assert (cfg.learner.clip_low, cfg.learner.clip_high) == (3e-4, 4e-4)
+    assert (cfg.learner.loss.clip_low, cfg.learner.loss.clip_high) == (3e-4, 4e-4)
     assert (cfg.learner.mismatch.proximal, cfg.learner.mismatch.is_weights) == ("learner", "token")
     assert setup.env.spec.name == "calculator" and setup.env.spec.tools
     slot = plan_engines(cfg)[0]
@@ -52,16 +52,16 @@ def test_the_defaults_are_a_pretrained_models_and_the_toy_overrides_them() -> No
     builtin = resolve_config(
         argparse.Namespace(config=None, set=[], run_dir=None, max_steps=None, log_format=None)
     ).cfg
-    assert (builtin.learner.lr, builtin.sampling.max_new_tokens, builtin.env.max_context_tokens) == (
+    assert (builtin.learner.optim.lr, builtin.sampling.max_new_tokens, builtin.env.max_context_tokens) == (
         1e-6,
         1024,
         8192,
     )
-    assert (builtin.learner.clip_low, builtin.learner.clip_high) == (3e-4, 4e-4)
+    assert (builtin.learner.loss.clip_low, builtin.learner.loss.clip_high) == (3e-4, 4e-4)
     assert (builtin.learner.mismatch.proximal, builtin.learner.mismatch.is_weights) == ("learner", "token")
     assert builtin.learner.precision == "auto"  # bf16-mixed on CUDA, fp32 on a CPU
-    assert (defaults.learner.lr, defaults.sampling.max_new_tokens) == (3e-3, 1)
-    assert (defaults.learner.mismatch.proximal, defaults.learner.warmup_steps) == ("engine", 0)
+    assert (defaults.learner.optim.lr, defaults.sampling.max_new_tokens) == (3e-3, 1)
+    assert (defaults.learner.mismatch.proximal, defaults.learner.schedule.warmup_steps) == ("engine", 0)
     text = (ROOT / "examples" / "guess_number.toml").read_text()
     for key in ("lr = 3e-3", "warmup_steps = 0", 'proximal = "engine"', "max_new_tokens = 1"):
         # every value that differs from a default carries its reason on the comment lines above it

@@ -1,4 +1,5 @@
-"""SGLang launcher: the exact command line, and the process lifecycle against a stub server script."""
+"""SGLang launcher: the exact command line, and the process lifecycle (the daemon's Child and readiness
+wait, pipeline.supervisor.children and engine_fleet.ready_or_exited) against a stub server script."""
 
 from __future__ import annotations
 
@@ -12,14 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.supervisor.children import Child, ChildSpec
+from pipeline.supervisor.engine_fleet import ready_or_exited
+from pipeline.supervisor.engine_launch import SGLangLaunchSpec, build_sglang_command
 from pipeline.supervisor.engines.client import EngineClient
-from pipeline.supervisor.engines.protocol import EngineUnavailable
-from pipeline.supervisor.sglang_launch import (
-    SGLangLaunchSpec,
-    SGLangServer,
-    build_sglang_command,
-    read_log_tail,
-)
 from tests.fakes.sglang_fake import free_port
 
 STUB = Path(__file__).resolve().parents[1] / "fakes" / "stub_sglang_server.py"
@@ -73,16 +70,9 @@ def test_command_line_defaults_have_no_api_key() -> None:
     assert cmd[-2:] == ["--weight-version", "0"]
 
 
-def test_read_log_tail_returns_the_end_or_nothing(tmp_path: Path) -> None:
-    log = tmp_path / "x.log"
-    assert read_log_tail(log) == ""
-    log.write_text("a" * 100 + "THE END")
-    assert read_log_tail(log, max_bytes=7) == "THE END"
-
-
 def stub_spec(tmp_path: Path, **overrides: object) -> SGLangLaunchSpec:
     # A wrapper in the place of the Python executable: it runs the stub with this interpreter, whatever
-    # the checkout's file modes are. `exec` keeps the stub's PID the one SGLangServer started.
+    # the checkout's file modes are. `exec` keeps the stub's PID the one the Child started.
     wrapper = tmp_path / "python-stub"
     wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STUB}" "$@"\n')
     wrapper.chmod(0o755)
@@ -109,44 +99,50 @@ def assert_gone(pid: int) -> None:
         os.kill(pid, 0)
 
 
+def sglang_child(spec: SGLangLaunchSpec, log: Path, **env: str) -> Child:
+    return Child(ChildSpec("engine0", build_sglang_command(spec), log, env=env))
+
+
 @pytest.mark.integration
 async def test_lifecycle_start_wait_ready_stop_by_sigterm(tmp_path: Path) -> None:
     spec = stub_spec(tmp_path, api_key="s3cret", extra_args=("--random-seed", "7"))
-    server = SGLangServer(spec, env={"STUB_READY_AFTER_S": "0.3"})
-    log = tmp_path / "run" / "logs" / "sglang.log"
-    await server.start(log)
-    pid = server.pid
-    code_while_running = server.returncode
-    assert pid is not None and code_while_running is None
+    log = tmp_path / "run" / "logs" / "engine0.log"
+    child = sglang_child(spec, log, STUB_READY_AFTER_S="0.3")
+    await child.start()
+    pid = child.pid
+    assert pid is not None and child.returncode is None
     try:
-        async with EngineClient(server.base_url) as probe:
+        async with EngineClient(spec.base_url, api_key="s3cret") as client:
             started = time.monotonic()
-            await server.wait_ready(10.0, poll_interval_s=0.05)
+            assert await ready_or_exited(client, child, 10.0)
             waited = time.monotonic() - started
-            assert await probe.health() is True
+            assert await client.health() is True
         assert waited >= 0.15  # it really waited through the 503 phase
     finally:
-        code = await server.stop(grace_s=5.0)
-    assert code == 0 and server.returncode == 0
+        code = await child.stop(grace_s=5.0)
+    assert code == 0 and child.returncode == 0
     assert_gone(pid)
     text = log.read_text()
-    assert text.startswith("# rollwise: launching ")
+    assert text.startswith("--- ") and " start: " in text.splitlines()[0]
     assert "--api-key ***" in text and "s3cret" not in text
     assert "stub sglang: module=sglang.launch_server model=/models/tiny" in text
     assert f"port={spec.port} tp=1 dp=1 weight_version=0 extra=['--random-seed', '7']" in text
     assert "stub sglang: SIGTERM received, shutting down" in text
+    assert text.rstrip().endswith("exit code 0")
 
 
 @pytest.mark.integration
 async def test_stop_escalates_to_sigkill_after_grace(tmp_path: Path) -> None:
-    server = SGLangServer(stub_spec(tmp_path), env={"STUB_MODE": "ignore_sigterm", "STUB_READY_AFTER_S": "0"})
-    log = tmp_path / "sglang.log"
-    await server.start(log)
-    pid = server.pid
+    spec = stub_spec(tmp_path)
+    log = tmp_path / "engine0.log"
+    child = sglang_child(spec, log, STUB_MODE="ignore_sigterm", STUB_READY_AFTER_S="0")
+    await child.start()
+    pid = child.pid
     assert pid is not None
-    await server.wait_ready(10.0, poll_interval_s=0.05)
+    async with EngineClient(spec.base_url) as client:
+        assert await ready_or_exited(client, child, 10.0)
     started = time.monotonic()
-    code = await server.stop(grace_s=0.3)
+    code = await child.stop(grace_s=0.3)
     assert 0.3 <= time.monotonic() - started < 3.0
     assert code == -signal.SIGKILL
     assert_gone(pid)
@@ -155,74 +151,49 @@ async def test_stop_escalates_to_sigkill_after_grace(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 async def test_stop_also_kills_children_left_in_the_process_group(tmp_path: Path) -> None:
-    server = SGLangServer(stub_spec(tmp_path), env={"STUB_MODE": "orphan_child", "STUB_READY_AFTER_S": "0"})
-    log = tmp_path / "sglang.log"
-    await server.start(log)
-    await server.wait_ready(10.0, poll_interval_s=0.05)
+    spec = stub_spec(tmp_path)
+    log = tmp_path / "engine0.log"
+    child = sglang_child(spec, log, STUB_MODE="orphan_child", STUB_READY_AFTER_S="0")
+    await child.start()
+    async with EngineClient(spec.base_url) as client:
+        assert await ready_or_exited(client, child, 10.0)
     match = re.search(r"stub sglang: child pid (\d+)", log.read_text())
     assert match is not None
-    child = int(match.group(1))
-    assert is_running(child)
-    assert await server.stop(grace_s=5.0) == 0
+    orphan = int(match.group(1))
+    assert is_running(orphan)
+    assert await child.stop(grace_s=5.0) == 0
     for _ in range(150):  # SIGKILL is delivered asynchronously; allow up to 3 s
-        if not is_running(child):
+        if not is_running(orphan):
             break
         await asyncio.sleep(0.02)
-    assert not is_running(child)
+    assert not is_running(orphan)
 
 
 @pytest.mark.integration
-async def test_wait_ready_fails_fast_with_log_tail_when_the_server_exits(tmp_path: Path) -> None:
-    server = SGLangServer(stub_spec(tmp_path), env={"STUB_MODE": "crash"})
-    await server.start(tmp_path / "sglang.log")
+async def test_a_server_that_exits_while_starting_is_noticed_at_once_and_its_log_says_why(
+    tmp_path: Path,
+) -> None:
+    spec = stub_spec(tmp_path)
+    log = tmp_path / "engine0.log"
+    child = sglang_child(spec, log, STUB_MODE="crash")
+    await child.start()
     started = time.monotonic()
-    with pytest.raises(EngineUnavailable) as info:
-        await server.wait_ready(30.0)
+    async with EngineClient(spec.base_url) as client:
+        assert not await ready_or_exited(client, child, 30.0)
     assert time.monotonic() - started < 5.0
-    assert "exited with code 3 before becoming ready" in str(info.value)
-    assert "CUDA out of memory (simulated)" in str(info.value)
-    assert await server.stop() == 3
+    assert child.returncode == 3
+    text = log.read_text()
+    assert "CUDA out of memory (simulated)" in text and text.rstrip().endswith("exit code 3")
 
 
 @pytest.mark.integration
-async def test_wait_ready_times_out_while_health_stays_503(tmp_path: Path) -> None:
-    server = SGLangServer(stub_spec(tmp_path), env={"STUB_READY_AFTER_S": "100"})
-    await server.start(tmp_path / "sglang.log")
-    pid = server.pid
+async def test_a_server_whose_health_stays_503_is_not_ready_and_is_killed(tmp_path: Path) -> None:
+    spec = stub_spec(tmp_path)
+    child = sglang_child(spec, tmp_path / "engine0.log", STUB_READY_AFTER_S="100")
+    await child.start()
+    pid = child.pid
     assert pid is not None
-    try:
-        with pytest.raises(
-            EngineUnavailable, match=r"not ready after 0.5 s; log tail:\n# rollwise: launching"
-        ):
-            await server.wait_ready(0.5, poll_interval_s=0.05)
-        assert server.returncode is None
-    finally:
-        await server.stop(grace_s=5.0)
+    async with EngineClient(spec.base_url) as client:
+        assert not await ready_or_exited(client, child, 0.5)
+    assert await child.wait() == -signal.SIGKILL  # a start that never became ready is not left behind
     assert_gone(pid)
-
-
-async def test_wait_ready_and_double_start_need_a_sane_state(tmp_path: Path) -> None:
-    server = SGLangServer(stub_spec(tmp_path), env={"STUB_READY_AFTER_S": "0"})
-    with pytest.raises(RuntimeError, match="not started"):
-        await server.wait_ready(1.0)
-    # Stopping a server that never started is a no-op: no exit code, no process, no log written.
-    assert await server.stop() is None
-    assert (server.pid, server.returncode, server.log_path) == (None, None, None)
-    assert os.listdir(tmp_path) == ["python-stub"]  # the launcher wrapper alone: no log file
-    first_log = tmp_path / "a.log"
-    await server.start(first_log)
-    pid = server.pid
-    assert pid is not None
-    try:
-        await server.wait_ready(10.0, poll_interval_s=0.05)
-        with pytest.raises(RuntimeError, match=rf"already running \(pid {pid}\)"):
-            await server.start(tmp_path / "b.log")
-        # The refused start left the running server alone and opened no second log.
-        assert (server.pid, server.returncode, server.log_path) == (pid, None, first_log)
-        assert not (tmp_path / "b.log").exists()
-    finally:
-        code = await server.stop(grace_s=5.0)
-    assert code == 0 and server.returncode == 0
-    assert_gone(pid)
-    assert first_log.read_text().count("# rollwise: launching ") == 1
-    assert "stub sglang: SIGTERM received, shutting down" in first_log.read_text()

@@ -8,7 +8,6 @@ import io
 import json
 import sys
 import time
-import types
 from pathlib import Path
 
 import aiohttp
@@ -18,13 +17,14 @@ from pipeline.contracts import events
 from pipeline.contracts.config import ConfigError, load_config
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, hold_supervisor_lock
 from pipeline.supervisor.children import Backoff, Child, ChildSpec, keep_running
-from pipeline.supervisor.daemon import main_run, step_line
+from pipeline.supervisor.daemon import main_run
 from pipeline.supervisor.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.http_endpoints import HttpEndpoints
+from pipeline.supervisor.learner_dispatch import step_line
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.learner_metrics import record_step
 from pipeline.supervisor.progress import JsonProgress, Totals, status_between
-from pipeline.supervisor.wiring import initial_accepted, resolve_config, rollout_settings
+from pipeline.supervisor.wiring import initial_accepted, resolve_config
 
 
 def _ns(**kw: object) -> argparse.Namespace:
@@ -150,13 +150,16 @@ def test_run_flags_override_the_config(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["learner.lr=-1"], "learner.lr"),
+        (["learner.optim.lr=-1"], "learner.optim.lr"),
         (["learner.no_such_key=1"], "learner.no_such_key"),
         (["env.name=no-such-env"], "env.name"),
         (["env.options={low = 9, high = 3}"], "env.options"),
         (["model.path='/nonexistent/model'"], "model.path"),
-        (["learner.action_prior_coef=-0.1"], "learner.action_prior_coef"),
-        (["env.name='word-guess'", "learner.action_prior_coef=0.1"], "learner.action_prior_coef"),
+        (["learner.regularizers.action_prior_coef=-0.1"], "learner.regularizers.action_prior_coef"),
+        (
+            ["env.name='word-guess'", "learner.regularizers.action_prior_coef=0.1"],
+            "learner.regularizers.action_prior_coef",
+        ),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:
@@ -192,7 +195,7 @@ def test_embedded_engine_argv_carries_model_version_and_port(tmp_path: Path) -> 
     cfg = load_config(None, ["engine.port=0", "engine.threads=2"])
     slot = plan_engines(cfg)[0]
     argv = engine_argv(cfg, slot, model_dir=tmp_path / "w", version=5)
-    assert argv[1:3] == ["-m", "pipeline.engine.server"]
+    assert argv[1:3] == ["-m", "pipeline.engine"]
     assert argv[-1] == "--enable-metrics"
     flags = dict(zip(argv[3:-1:2], argv[4:-1:2], strict=True))
     assert flags["--model"] == str(tmp_path / "w")
@@ -395,79 +398,48 @@ async def test_a_background_task_that_dies_stops_the_daemon_with_its_error(tmp_p
 
 
 async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tok: object
 ) -> None:
     """A resumed learner trains its unconsumed groups and publishes while the tokenizer loads; the
     scheduler must start from what happened by then, or admission waits forever for a version the
-    engines already serve (seen as a stalled daemon after a kill -9)."""
-    import pipeline.supervisor.daemon as supervisor_module
+    engines already serve (seen as a stalled daemon after a kill -9). The tokenizer's loader is the seam
+    that makes the start slow."""
+    import pipeline.supervisor.daemon as daemon
     from pipeline.supervisor.daemon import Supervisor
+    from tests.fakes.sglang_fake import FakeSGLang
 
-    setup = resolve_config(_ns(run_dir=str(tmp_path), log_format="json", set=["learner.batch_groups=2"]))
-    sup = Supervisor(setup)
+    fake = FakeSGLang()
+    await fake.start()
+    overrides = ['engine.kind="external"', f'engine.urls=["{fake.base_url}"]', "learner.batch_groups=2"]
+    setup = resolve_config(_ns(run_dir=str(tmp_path), log_format="json", set=overrides))
+    sup = Supervisor(setup, progress_out=io.StringIO())
     setup.run.spool.mkdir(parents=True)
     loading = asyncio.Event()
 
     def slow_tokenizer(model_dir: Path) -> object:
         loop.call_soon_threadsafe(loading.set)
         time.sleep(0.3)
-        return object()
+        return tok
 
     async def learner_events_meanwhile() -> None:
         await loading.wait()
-        sup.version = 24  # what publish() leaves behind for versions 23 and 24
-        sup.on_dropped(seq=45, reason="stale")
-
-    async def endpoint(engine: object, tokenizer: object, cfg: object) -> object:
-        return types.SimpleNamespace(settings=rollout_settings(setup.cfg))
+        for v in (23, 24):
+            await sup.learner_events.handle(events.Published(version=v, path=f"/run/weights/v{v}"))
+        await sup.learner_events.handle(events.Dropped(seq=45, group_id="g45", reason="stale"))
 
     loop = asyncio.get_running_loop()
-    monkeypatch.setattr(supervisor_module, "load_tokenizer", slow_tokenizer)
-    monkeypatch.setattr(supervisor_module, "start_openai_endpoint", endpoint)
-    sup.version = 22
+    monkeypatch.setattr(daemon, "load_tokenizer", slow_tokenizer)
     ready = events.Ready(version=22, step=22, consumed_seq=44, path=str(tmp_path))
-    scheduler, _ = await asyncio.gather(sup.start_scheduler(ready), learner_events_meanwhile())
-    assert scheduler is sup.scheduler
-    assert scheduler.version == 24
-    assert scheduler.accepted == 22 * 2 - 1  # v·B, nothing unconsumed in the spool, one drop
-    await sup.engines.pool.close()
-
-
-class _VersionLog:
-    """The scheduler's side of a weight sync: which versions it was told the engines serve."""
-
-    def __init__(self) -> None:
-        self.versions: list[int] = []
-
-    def on_version(self, version: int) -> None:
-        self.versions.append(version)
-
-
-async def test_a_learner_restarted_alone_takes_the_engines_back_to_its_checkpointed_version(
-    tmp_path: Path,
-) -> None:
-    from pipeline.supervisor.daemon import Supervisor
-    from tests.fakes.sglang_fake import FakeSGLang
-
-    fake = FakeSGLang()
-    await fake.start()
-    overrides = ['engine.kind="external"', f'engine.urls=["{fake.base_url}"]', "metrics.port=0"]
-    sup = Supervisor(
-        resolve_config(_ns(run_dir=str(tmp_path / "run"), log_format="json", set=overrides)),
-        progress_out=io.StringIO(),
-    )
-    sup.scheduler = _VersionLog()  # type: ignore[assignment]
+    await sup.learner_events.handle(ready)
+    await sup.lineage.publish(22, str(tmp_path), received_at=time.monotonic())
     try:
-        for v in (1, 2, 3, 4):
-            await sup.on_learner_event(events.Published(version=v, path=f"/run/weights/v{v}"))
-        # The learner dies after its checkpoint at version 2; the restarted one resumes there and trains
-        # the groups after it again, re-publishing version 3 with new weights.
-        await sup.on_learner_event(events.Ready(version=2, step=2, consumed_seq=8, path="/run/weights/v2"))
-        await sup.on_learner_event(events.Published(version=3, path="/run/weights/v3"))
+        scheduler, _ = await asyncio.gather(sup.start_scheduler(ready), learner_events_meanwhile())
+        assert scheduler is sup.scheduler
+        assert scheduler.version == 24
+        assert scheduler.accepted == 22 * 2 - 1  # v·B, nothing unconsumed in the spool, one drop
+        await sup.learner_events.handle(events.Dropped(seq=46, group_id="g46", reason="stale"))
+        assert scheduler.accepted == 22 * 2 - 2  # later drops reach the scheduler directly
     finally:
+        await scheduler.drain(1.0)
         await sup.engines.pool.close()
         await fake.stop()
-    assert [c["weight_version"] for c in fake.update_calls] == ["1", "2", "3", "4", "2", "3"]
-    assert fake.update_calls[-2]["model_path"] == "/run/weights/v2"
-    assert sup.version == 3
-    assert sup.scheduler.versions == [1, 2, 3, 4, 2, 3]  # type: ignore[attr-defined]

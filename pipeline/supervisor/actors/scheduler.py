@@ -57,7 +57,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from envs.api import EnvFactory, Task
-from pipeline.contracts.durable import storage_fault_kind, storage_retry_delays
+from pipeline.contracts.durable import RefusedWrites, retry_delays
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
@@ -124,7 +124,7 @@ class GroupScheduler:
         self._resume_at = 0.0
         self.notify = notify or (lambda text: None)
         self.storage_retry_s = storage_retry_s
-        self.storage_blocked_since: float | None = None  # monotonic time the spool stopped taking writes
+        self.spool_refusals = RefusedWrites(spool.spool_dir)
         # Observability (plain attributes, read by the supervisor and the bench).
         self.started = 0
         self.written = 0
@@ -134,8 +134,6 @@ class GroupScheduler:
         self.episodes_finished = 0  # episodes of every group the runner finished (the status line's count)
         self.episodes_succeeded = 0
         self.actor_idle_s = 0.0
-        self.last_entry: SpoolEntry | None = None
-        self.written_log: list[tuple[str, int]] = []  # (group_id, seq) in write order, for tests
 
     # ------------------------------------------------------------------ counters
     @property
@@ -147,11 +145,12 @@ class GroupScheduler:
         return self._accepted
 
     @property
-    def in_flight_episodes(self) -> int:
-        return self._running * self.group_size
+    def storage_blocked(self) -> bool:
+        """The spool refuses writes (a full or read-only run directory): admission is paused."""
+        return self.spool_refusals.blocked
 
     def capacity(self) -> int:
-        if self.storage_blocked_since is not None:
+        if self.storage_blocked:
             return 0  # finished groups wait for the spool; starting more would only add to them
         return self.admission.capacity(self.version, self._accepted, self._running)
 
@@ -281,31 +280,30 @@ class GroupScheduler:
 
     async def _write_durably(self, batch: pa.RecordBatch, group_id: str) -> SpoolEntry:
         """Write the group, retrying while the storage refuses it (module docstring)."""
-        delays = storage_retry_delays(*self.storage_retry_s)
+        delays = retry_delays(*self.storage_retry_s)
         while True:
             try:
                 entry = await asyncio.to_thread(self.spool.write_group, batch, group_id=group_id)
+                metrics.SPOOL_WRITE_LATENCY.observe(entry.write_s)
+                metrics.GROUPS_WRITTEN.inc()
             except Exception as exc:
-                kind = storage_fault_kind(exc, self.spool.spool_dir)
-                if kind is None:
+                refusal = self.spool_refusals.refused(exc)
+                if refusal is None:
                     raise
-                metrics.STORAGE_ERRORS.labels(component="spool", kind=kind).inc()
-                if self.storage_blocked_since is None:
-                    self.storage_blocked_since = time.monotonic()
+                metrics.STORAGE_ERRORS.labels(component="spool", kind=refusal.kind).inc()
+                if refusal.first:
                     metrics.STORAGE_BLOCKED.labels(component="spool").set(1)
                     text = (
-                        f"spool write refused ({kind}: {exc}); finished groups wait in memory and "
+                        f"spool write refused ({refusal.kind}: {exc}); finished groups wait in memory and "
                         f"admission is paused until {self.spool.spool_dir} takes writes again"
                     )
                     log.error("%s", text)
                     self.notify(text)
                 await asyncio.sleep(next(delays))
                 continue
-            if self.storage_blocked_since is not None:
-                blocked_s = time.monotonic() - self.storage_blocked_since
-                self.storage_blocked_since = None
+            if (recovered := self.spool_refusals.wrote()) is not None:
                 metrics.STORAGE_BLOCKED.labels(component="spool").set(0)
-                text = f"spool writable again after {blocked_s:.1f} s; admission resumes"
+                text = f"spool writable again after {recovered.blocked_s:.1f} s; admission resumes"
                 log.warning("%s", text)
                 self.notify(text)
                 self._wake.set()
@@ -342,11 +340,8 @@ class GroupScheduler:
             self.failed += 1
             log.error("writing group %s to the spool failed; the group is lost: %r", group_id, error)
             return
-        entry = fut.result()
         self._accepted += 1
         self.written += 1
-        self.last_entry = entry
-        self.written_log.append((group_id, entry.seq))
 
     # ------------------------------------------------------------------ shutdown
     async def drain(self, grace_s: float) -> tuple[int, int]:
@@ -368,7 +363,7 @@ class GroupScheduler:
             # A write the storage keeps refusing would hold the shutdown forever: it gets the grace too.
             writes = list(self._writes)
             _, stuck = await asyncio.wait(writes, timeout=grace_s)
-            if stuck and self.storage_blocked_since is not None:
+            if stuck and self.storage_blocked:
                 for w in stuck:
                     w.cancel()
                 log.error(

@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from pipeline.contracts.config import LoraConfig
+from pipeline.contracts.learner_config import LoraConfig
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import GenerateResult, SamplingParams
 

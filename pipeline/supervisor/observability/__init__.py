@@ -1,0 +1,1 @@
+"""The daemon's Prometheus metrics and what feeds them."""

@@ -297,13 +297,14 @@ LEARNER_REJECTED = Gauge(
 )
 LEARNER_KL_REFERENCE = Gauge(
     "rollwise_learner_kl_reference",
-    "Token-mean KL estimate (learner.kl_estimator) of the policy against the initial weights, last step; "
-    "0 while learner.kl_coef is 0.",
+    "Token-mean KL estimate (learner.regularizers.kl_estimator) of the policy against the initial weights, "
+    "last step; 0 while learner.regularizers.kl_coef is 0.",
     registry=REGISTRY,
 )
 LEARNER_OVERLONG = Gauge(
     "rollwise_learner_overlong_turns_ratio",
-    "Fraction of the last step's turns that DAPO's over-long penalty reached (learner.overlong_budget).",
+    "Fraction of the last step's turns that DAPO's over-long penalty reached "
+    "(learner.regularizers.overlong_budget).",
     registry=REGISTRY,
 )
 LEARNER_ENTROPY = Gauge(
@@ -630,11 +631,12 @@ def init_eval_label_values(env: str, modes: tuple[str, ...] | list[str]) -> None
         EVAL_RUNS.labels(env=env, status=status)
 
 
-# --- a learner with its own run directory (learner.run_dir): versions copied from its weight server -------
+# --- a learner with its own run directory (learner.remote.run_dir): versions copied from its weight server
+# -------
 WEIGHT_MIRROR_DURATION = Histogram(
     "rollwise_weight_mirror_duration_seconds",
     "Time to copy one published version from the learner's weight server into the run directory "
-    "(learner.run_dir set), every file checked against the manifest.",
+    "(learner.remote.run_dir set), every file checked against the manifest.",
     buckets=_STEP_BUCKETS,
     registry=REGISTRY,
 )

@@ -36,7 +36,8 @@ from aiohttp import web
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments
-from pipeline.supervisor.actors.admission import AdmissionController, is_stale
+from pipeline.contracts.staleness import is_stale
+from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.client import EngineClient

@@ -22,8 +22,10 @@ import aiohttp
 import torch
 
 from pipeline.engine.batcher import cache_kwarg
+from pipeline.engine.model_loading import load_model
 from pipeline.engine.sampling import RequestSampling, batch_sampling, sample_next_tokens
-from pipeline.engine.server import ServerConfig, load_model, start_server
+from pipeline.engine.serve import start_server
+from pipeline.engine.serve_flags import ServerConfig
 
 
 @dataclass(frozen=True)

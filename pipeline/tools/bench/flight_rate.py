@@ -5,7 +5,7 @@ The spool is written once (`--groups` groups of `--episodes` episodes, `--tokens
 trajectory schema), then each reader drains it from seq 0 `--repeats` times, alternating so that page
 cache and machine load affect both alike: the local `SpoolReader` (open, read, validate each file) and
 `FlightSpoolReader` against a `SpoolFlightService` on 127.0.0.1 (listing + one do_get per group, the
-learner's path with `learner.spool_url`). MB counts the spool files' bytes. Prints one JSON object
+learner's path with `learner.remote.spool_url`). MB counts the spool files' bytes. Prints one JSON object
 whose `flight_over_local` is the ratio of groups/s (median over repeats).
 """
 

@@ -87,7 +87,7 @@ def _measure(
     from learner.model import load_policy
     from learner.precision import resolve_precision
     from learner.trainer import Trainer
-    from pipeline.contracts.config import LearnerConfig
+    from pipeline.contracts.learner_config import LearnerConfig, OptimConfig
 
     ranks = join(nproc, args.device)
     device = ranks.device if ranks is not None else torch.device(args.device)
@@ -99,7 +99,10 @@ def _measure(
 
         model, _ = load_policy_for_ranks(model_dir, ranks, dtype=weights)
     cfg = LearnerConfig(
-        lr=1e-5, mini_batches=args.mini_batches, precision=precision, gradient_checkpointing=checkpointing
+        optim=OptimConfig(lr=1e-5),
+        mini_batches=args.mini_batches,
+        precision=precision,
+        gradient_checkpointing=checkpointing,
     )
     trainer = Trainer(model, cfg, temperature=1.0, device=device, ranks=ranks)
     groups = _groups(model.config.vocab_size, args)

@@ -40,11 +40,13 @@ def _learner_variant(model_dir: Path, variant: str, args: argparse.Namespace) ->
     from learner.lora import apply_lora
     from learner.model import load_policy
     from learner.trainer import Trainer
-    from pipeline.contracts.config import LearnerConfig, LoraConfig
+    from pipeline.contracts.learner_config import LearnerConfig, LoraConfig, OptimConfig
     from pipeline.tools.bench.learner_step import _groups
 
     lora = LoraConfig(enabled=variant == "lora", rank=args.rank, alpha=2 * args.rank)
-    cfg = LearnerConfig(lr=1e-5, mini_batches=args.mini_batches, precision="fp32", lora=lora)
+    cfg = LearnerConfig(
+        optim=OptimConfig(lr=1e-5), mini_batches=args.mini_batches, precision="fp32", lora=lora
+    )
     model, _ = load_policy(model_dir)
     if lora.enabled:
         model = apply_lora(model, lora).model
@@ -167,7 +169,7 @@ def _mixed_batch(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from transformers import DynamicCache
 
     from pipeline.engine.batcher import cache_kwarg
-    from pipeline.engine.server import load_model
+    from pipeline.engine.model_loading import load_model
 
     plain = load_model(str(model_dir), "cpu", "float32")  # an engine without LoRA
     base = load_model(str(model_dir), "cpu", "float32")

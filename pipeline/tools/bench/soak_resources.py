@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _ROLES = (
-    ("pipeline.engine.server", "engine"),
+    ("pipeline.engine", "engine"),
     ("sglang.launch_server", "engine"),
     ("learner.worker", "learner"),
 )

@@ -1,0 +1,1 @@
+"""`rollwise inspect`: a local web page over a run's trajectories, token by token."""

@@ -538,6 +538,24 @@ def reliability() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Engines serving, ejections and rejoins",
+                    "rollwise_engines_serving (members that take work; 0 = admission waits and /readyz is "
+                    "false), increase(rollwise_engine_ejections_total) and "
+                    "increase(rollwise_engine_rejoins_total) by engine.",
+                    "short",
+                    (
+                        q(f"max(rollwise_engines_serving{{{SEL}}})", "serving"),
+                        q(
+                            f"sum by (engine) (increase(rollwise_engine_ejections_total{{{SEL}}}[{RI}]))",
+                            "{{engine}} ejected",
+                        ),
+                        q(
+                            f"sum by (engine) (increase(rollwise_engine_rejoins_total{{{SEL}}}[{RI}]))",
+                            "{{engine}} rejoined",
+                        ),
+                    ),
+                ),
+                PanelSpec(
                     "Process restarts",
                     "increase(rollwise_process_restarts_total) by component.",
                     "short",
@@ -595,8 +613,8 @@ def reliability() -> DashboardSpec:
                 PanelSpec(
                     "Served-policy check: engine vs learner",
                     "rollwise_served_check_logprob_diff_nats (mean |engine - learner| log-prob of the "
-                    "learner's probe after the last sync; above async.served_check.tolerance = another "
-                    "policy) and rollwise_served_check_consecutive_failures by engine.",
+                    "learner's probe after the last sync; an engine's numerical floor is its level at "
+                    "version 0, docs/operations.md) and rollwise_served_check_consecutive_failures.",
                     "none",
                     (
                         q(

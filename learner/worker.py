@@ -250,6 +250,7 @@ class LearnerWorker:
         self.consumed_since_checkpoint: list[str] = []
         self.dropped_since_checkpoint: dict[str, str] = {}
         self.probe: list[int] = []  # the served-policy check's probe (learner.served_probe)
+        self.probe_prev: list[float] = []  # its log-probs under the last published version
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -393,7 +394,9 @@ class LearnerWorker:
         while True:
             command = self.ranks.broadcast(Command("wait"))  # rank 0's replaces it
             if command.kind == "train":
-                self.trainer.step(self.read_groups(command.seqs))
+                groups = self.read_groups(command.seqs)
+                self.prepare_probe(groups)
+                self.trainer.step(groups)
             elif command.kind == "publish":
                 self.probe = list(command.probe)
                 self.publish(announce=bool(self.probe))
@@ -472,6 +475,7 @@ class LearnerWorker:
         groups = [group for _, group in pending.items]
         version_before = self.version
         self.tell(Command("train", tuple(item.seq for item, _ in pending.items)))
+        self.prepare_probe(groups)
         metrics = self.trainer.step(groups)
         updated = self.version != version_before
         self.write_trace(version_before)
@@ -483,10 +487,6 @@ class LearnerWorker:
         self.consumed_seq = pending.last_seq
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
-        if updated and self.cfg.async_.served_check.enabled:
-            from learner.served_probe import probe_ids
-
-            self.probe = probe_ids(groups, self.cfg.async_.served_check.probe_tokens)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
             self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
@@ -557,6 +557,18 @@ class LearnerWorker:
                 )
             return result
 
+    def prepare_probe(self, groups: Sequence[TrainGroup]) -> None:
+        """The first step after a publish picks the served-policy check's probe from its groups (the
+        start of its longest sequence) and scores it with the weights the engines serve now, before the
+        update: the previous version the check compares each engine against. Every rank runs it (under
+        FSDP the forward is a collective), on the same groups."""
+        if not self.cfg.async_.served_check.enabled or self.version != self.last_published or not groups:
+            return
+        from learner.served_probe import probe_ids, probe_logprobs
+
+        self.probe = probe_ids(groups, self.cfg.async_.served_check.probe_tokens)
+        self.probe_prev = probe_logprobs(self.trainer.model, self.probe) if self.probe else []
+
     def publish(self, *, announce: bool = True) -> None:
         """Write `weights/v<version>`: HF weights, or with LoRA the PEFT adapter (serving "adapter") or
         the merged weights (serving "merged"); then announce it with the served-policy probe."""
@@ -601,6 +613,7 @@ class LearnerWorker:
                     bytes=directory_bytes(path),
                     probe_ids=probe if logprobs else [],
                     probe_logprobs=logprobs,
+                    probe_logprobs_prev=self.probe_prev if len(self.probe_prev) == len(logprobs) else [],
                     weights_url=self.weights_url,
                 )
             )

@@ -79,7 +79,9 @@ class EngineConfig(Section):
         None,
         description=(
             "Weights and compute dtype of the engines (None = the engine's default: float32 for the "
-            "embedded engine, SGLang's auto). bfloat16 reproduces a GPU engine's log-prob mismatch."
+            "embedded engine; rollwise launches SGLang with bfloat16, never SGLang's auto, which picks "
+            "float16 for a float32 checkpoint on its CPU backend). bfloat16 reproduces a GPU engine's "
+            "log-prob mismatch."
         ),
     )
     # --- rollout fleet (docs/operations.md, "A fleet across machines") ---
@@ -120,6 +122,15 @@ class EngineConfig(Section):
     )
     drain_timeout_s: float = Field(
         60.0, gt=0, description="Time a drained engine gets to finish its in-flight turns before they move."
+    )
+    unavailable_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "How long the daemon waits while no engine answers (every one ejected: crashed, unreachable) "
+            "before it stops with a message naming them. Meanwhile admission waits and /readyz says "
+            "not ready; an engine that answers again is loaded with the served version first."
+        ),
     )
 
 
@@ -167,8 +178,10 @@ class ServedCheckConfig(Section):
         None,
         gt=0,
         description=(
-            "Largest mean |engine - learner| log-prob over the probe (nats) that counts as the same "
-            "policy. None = from engine.dtype: 1e-3 for float32, 5e-2 for bfloat16 or SGLang's auto."
+            "Mean |engine - learner| log-prob over the probe (nats) within which an engine serves the "
+            "new version outright; beyond it, an engine serves it when it is closer to the new version "
+            "than to the previous one (pipeline/supervisor/engines/served_check.py). None = from "
+            "engine.dtype: 1e-3 for float32, 5e-2 for bfloat16 (SGLang's default here)."
         ),
     )
     max_failures: int = Field(
@@ -181,7 +194,14 @@ class AsyncConfig(Section):
         2, ge=0, description="eta: admitted work stays within eta versions of the policy."
     )
     weight_sync_mode: Literal["in_place", "retract", "abort"] = Field(
-        "in_place", description="How in-flight requests live through a weight update."
+        "abort",
+        description=(
+            "How in-flight requests live through a weight update. abort: they return with their tokens "
+            "and are resubmitted from there (exact per-token versions, the cache flushed; one re-prefill "
+            "each); in_place: they freeze and decode on (no flush: stale prefix KV until evicted; exact "
+            "versions only from engines that report them per token); retract: they are requeued and "
+            "re-prefilled (no flush). docs/operations.md, 'Weight sync'."
+        ),
     )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)

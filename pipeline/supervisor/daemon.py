@@ -26,7 +26,6 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from envs.api import Environment
 from pipeline.contracts import events
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
@@ -56,6 +55,7 @@ from pipeline.supervisor.wiring import (
     RunSetup,
     build_evaluator,
     build_scheduler,
+    close_env,
     ensure_initial_model,
     load_tokenizer,
     resolve_config,
@@ -121,8 +121,9 @@ class Supervisor:
         )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
         self.membership = FleetMembership(
-            self.engines, self.lineage.lock, lambda: self.lineage.version, self.on_fleet_capacity
+            self.engines, self.engines.sync_lock, lambda: self.lineage.version, self.on_fleet_capacity
         )
+        self.engines.progress_message = self.progress.message
         self.admin = AdminEndpoint(
             cfg.admin.host,
             cfg.admin.port,
@@ -156,8 +157,10 @@ class Supervisor:
                     # 2. Actors fill the spool; learner events drive weight syncs (learner_dispatch).
                     scheduler = await self.start_scheduler(ready)
                     self.start_evaluator()
+                    unavailable_s = cfg.engine.unavailable_timeout_s
                     background = [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
+                        self.watch(self.engines.guard_availability(unavailable_s), "engine guard"),
                         self.watch(self.report_status(), "status"),
                         self.watch(measure_loop_lag(self.stopping), "loop-lag"),
                     ]
@@ -239,7 +242,9 @@ class Supervisor:
             served_version=self.lineage.version,
             dropped_already=self.learner_events.drops_unclaimed,
             notify=self.progress.message,
+            engines_up=lambda: self.engines.pool.serving > 0,
         )
+        self.engines.pool.add_listener(self.scheduler.on_engines_changed)
         self.learner_events.attach(self.scheduler)
         self.initial_capacity = self.membership.capacity
         return self.scheduler
@@ -326,6 +331,8 @@ class Supervisor:
     def not_ready(self) -> list[str]:
         reasons = [] if self.learner.ready is not None else ["learner"]
         reasons += self.engines.not_up()
+        if self.engines.pool.serving == 0:
+            reasons.append("engines (none answers)")
         if self.scheduler is None:
             reasons.append("scheduler")
         return reasons
@@ -365,13 +372,6 @@ class Supervisor:
 
 
 # --- machinery --------------------------------------------------------------------------------------------
-async def close_env(env: Environment) -> None:
-    try:
-        await asyncio.wait_for(env.close(), 10.0)
-    except Exception as exc:  # a plugin's close must not hide the daemon's exit code
-        log.warning("closing the task environment failed: %r", exc)
-
-
 async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()

@@ -151,6 +151,7 @@ def build_scheduler(
     served_version: int,
     dropped_already: int,
     notify: Callable[[str], None] | None = None,
+    engines_up: Callable[[], bool] | None = None,
 ) -> GroupScheduler:
     """The actor side: spool writer and staleness control around the engine pool.
 
@@ -185,6 +186,7 @@ def build_scheduler(
         - dropped_already,
         notify=notify,
         agent_endpoint=agent_endpoint,
+        engines_up=engines_up,
     )
 
 
@@ -220,3 +222,10 @@ def build_evaluator(
         progress=progress,
         started_at=started_at,
     )
+
+
+async def close_env(env: Environment) -> None:
+    try:
+        await asyncio.wait_for(env.close(), 10.0)
+    except Exception as exc:  # a plugin's close must not hide the daemon's exit code
+        log.warning("closing the task environment failed: %r", exc)

@@ -30,7 +30,7 @@ from pipeline.supervisor.eval_schedule import (
 )
 from pipeline.supervisor.observability.metrics import REGISTRY
 from pipeline.supervisor.progress import JsonProgress
-from tests.fakes.sglang_fake import FakeSGLang, GenerateCall, Plan
+from pipeline.tools.fake_sglang import FakeSGLang, GenerateCall, Plan
 
 WIN, LOSE = "7", "3"
 

@@ -22,15 +22,15 @@ from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.observability import metrics
 from pipeline.tools.bench.async_speedup import CharTokenizer, CoinEnv
+from pipeline.tools.fake_sglang import FakeSGLang
 from pipeline.transport.spool import SpoolEntry, SpoolReader, SpoolWriter
-from tests.fakes.sglang_fake import FakeSGLang
 
 G = 2
 
 
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeSGLang]:
-    server = FakeSGLang(vocab_size=256, eos_token_id=CharTokenizer.eos_token_id)
+    server = FakeSGLang(vocab_size=CharTokenizer.vocab_size, eos_token_id=CharTokenizer.eos_token_id)
     await server.start()
     yield server
     await server.stop()
@@ -440,3 +440,22 @@ async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path)
     assert sched._failure_streak == 2
     sched._note_outcome("good", any_trainable=True)
     assert sched._failure_streak == 0
+
+
+async def test_admission_waits_while_no_engine_can_serve_and_resumes_when_one_answers(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Issue 29, problem 2: with every engine gone, groups started anyway and each episode ended
+    engine_error at once (2,812 in 60 s); now admission waits for an engine."""
+    up = False
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    sched.engines_up = lambda: up
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await _settle()
+    assert sched.started == 0 and sched.capacity() == 0
+    up = True
+    sched.on_engines_changed()
+    await until(lambda: sched.written == 2)
+    stop.set()
+    await runner

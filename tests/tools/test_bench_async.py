@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.tools.bench.async_speedup import BenchParams, CharTokenizer, LatencyModel, main, run_bench
+from pipeline.tools.bench.async_speedup import BenchParams, CharTokenizer, main, run_bench
+from pipeline.tools.fake_sglang import LatencyModel
 
 
 def test_char_tokenizer_round_trips_template_text() -> None:
@@ -23,9 +24,15 @@ def test_char_tokenizer_round_trips_template_text() -> None:
 
 async def test_eta_zero_trains_only_fresh_tokens_and_eta_two_stays_within_bound(tmp_path: Path) -> None:
     params = BenchParams(
-        seconds=2.5, batch_groups=2, group_size=2, max_new_tokens=40, max_concurrent=6, step_s=0.1
+        seconds=2.5,
+        batch_groups=2,
+        group_size=2,
+        max_new_tokens=40,
+        max_concurrent=6,
+        step_s=0.1,
+        median_tokens=10,
     )
-    model = LatencyModel(per_token_s=0.001, prefill_s=0.005, median_tokens=10, load_s=0.01)
+    model = LatencyModel(per_token_s=0.001, prefill_s=0.005, load_s=0.01)
     sync, overlapped = await run_bench(params, model, [0, 2])
     assert sync.steps >= 2 and overlapped.steps >= 2
     assert (sync.mean_staleness, sync.max_staleness, sync.dropped_stale) == (0.0, 0, 0)

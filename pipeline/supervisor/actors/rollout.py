@@ -36,7 +36,8 @@ Rows of failed episodes are kept for accounting (the learner skips them); an epi
 failed has no tokens and so no row. A failing `env.close()` is counted (kind "close"), not raised.
 With `retry_aborted`, a generation aborted with partial output (SGLang's abort-mode weight sync) is
 resubmitted as prompt + partial ids (AReaL-style partial rollout): the partial tokens keep their
-log-probs and versions, the continuation gets the new version, up to `max_abort_retries` times.
+log-probs and versions, the continuation gets the new version (a turn fails after `max_abort_retries`
+aborts in a row that kept no new token).
 `env.close()` is always awaited, also when the episode is cancelled.
 Metric labels: env = the `env_name` argument; engine = "pool" (the pool hides which member served).
 """
@@ -97,8 +98,9 @@ class RolloutSettings:
     `max_context_tokens` bounds every segment's length (prompt + generated + replies);
     `sampling.stop_token_ids` empty = the tokenizer's eos token; `tool_parser` names an entry of
     envs.toolcalls.PARSERS. `retry_aborted` resubmits a generation the engine aborted (SGLang's
-    abort-mode weight sync) as prompt + partial output, at most `max_abort_retries` times per turn;
-    set it when the weight sync aborts requests, leave it off otherwise (an abort is then an error).
+    abort-mode weight sync) as prompt + partial output, as often as each resubmission makes progress: a
+    turn fails after `max_abort_retries` aborts in a row that kept no new token; set it when the weight
+    sync aborts requests, leave it off otherwise (an abort is then an error).
     """
 
     sampling: SamplingParams
@@ -475,6 +477,7 @@ class _EpisodeRun:
         produced = 0
         engine_s = 0.0
         attempt = 0
+        fruitless = 0  # aborts in a row that kept no new token
         while True:
             budget = self.settings.max_context_tokens - len(chat.input_ids)
             if budget <= 0:
@@ -506,8 +509,15 @@ class _EpisodeRun:
             if result.finish_reason != "abort":
                 finish = "stop" if result.finish_reason == "stop" else "length"
                 break
-            if not self.settings.retry_aborted or attempt >= self.settings.max_abort_retries:
+            if not self.settings.retry_aborted:
                 raise _engine_failure("abort", f"generation {rid} aborted: {result.abort_message}")
+            fruitless = fruitless + 1 if n == 0 else 0
+            if fruitless > self.settings.max_abort_retries:
+                raise _engine_failure(
+                    "abort",
+                    f"generation {rid} aborted {fruitless} times in a row without a new token: "
+                    f"{result.abort_message}",
+                )
             if produced >= max_new:
                 finish = "length"
                 break

@@ -96,6 +96,7 @@ class GroupScheduler:
         notify: Callable[[str], None] | None = None,
         storage_retry_s: tuple[float, float] = (0.5, 10.0),
         agent_endpoint: AgentEndpoint | None = None,
+        engines_up: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         # Runs agent-function episodes (pipeline.supervisor.actors.openai_endpoint); owned: drain() closes it.
@@ -125,6 +126,9 @@ class GroupScheduler:
         self.notify = notify or (lambda text: None)
         self.storage_retry_s = storage_retry_s
         self.spool_refusals = RefusedWrites(spool.spool_dir)
+        # False while no engine can serve (all stopped answering): admission waits instead of running
+        # episodes into engine errors; `on_engines_changed` wakes it.
+        self.engines_up = engines_up or (lambda: True)
         # Observability (plain attributes, read by the supervisor and the bench).
         self.started = 0
         self.written = 0
@@ -152,6 +156,8 @@ class GroupScheduler:
     def capacity(self) -> int:
         if self.storage_blocked:
             return 0  # finished groups wait for the spool; starting more would only add to them
+        if not self.engines_up():
+            return 0  # every episode would end engine_error at once
         return self.admission.capacity(self.version, self._accepted, self._running)
 
     @property
@@ -174,6 +180,10 @@ class GroupScheduler:
     def set_max_concurrent(self, groups: int) -> None:
         """The fleet grew or shrank: allow `groups` to run at once (running ones above it finish)."""
         self.admission = dataclasses.replace(self.admission, max_concurrent=max(1, groups))
+        self._wake.set()
+
+    def on_engines_changed(self) -> None:
+        """An engine stopped answering or answers again: admission looks at the fleet again."""
         self._wake.set()
 
     def on_dropped(self, n: int = 1) -> None:

@@ -477,9 +477,25 @@ class EngineClient:
         body: dict[str, Any] = {"abort_all": True} if abort_all else {"rid": rid}
         await self._call("POST", "/abort_request", body)
 
+    async def load(self) -> int:
+        """Requests the engine holds now, running and queued, summed over its DP ranks: SGLang's
+        `/get_load` (a list of `{dp_rank, num_reqs, num_waiting_reqs, num_tokens, ...}`, num_reqs
+        counting both). Never through sglang-router (it 404s /get_load): ask each engine."""
+        reply = await self._call("GET", "/get_load")
+        loads = _decode_json(reply, self.base_url + "/get_load")
+        if isinstance(loads, dict):  # one rank answered as an object by some versions
+            loads = [loads]
+        if not isinstance(loads, list) or not all(isinstance(x, dict) for x in loads):
+            raise EngineProtocolError(f"/get_load replied {loads!r}, expected a list of objects")
+        try:
+            return sum(int(entry["num_reqs"]) for entry in loads)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineProtocolError(f"/get_load entry without an integer num_reqs: {loads!r}") from exc
+
     async def server_info(self) -> dict[str, Any]:
         """`/server_info` (2026 SGLang), falling back to `/get_server_info`: the server's arguments
-        (`max_running_requests`...) and `internal_states` (`num_running_reqs`, `num_queue_reqs`)."""
+        (`max_running_requests`, `context_length`...) and `internal_states` (per DP rank: server
+        arguments and `effective_max_running_requests_per_dp`; no request counts: see `load`)."""
         try:
             return await self._call_json("GET", "/server_info")
         except EngineHTTPError as exc:

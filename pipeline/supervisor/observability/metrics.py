@@ -610,6 +610,31 @@ FLEET_CHANGES = Counter(
     ["kind"],
     registry=REGISTRY,
 )
+ENGINES_SERVING = Gauge(
+    "rollwise_engines_serving",
+    "Engines that take work now: pool members neither ejected (they stopped answering) nor draining. 0 "
+    "pauses admission; engine.unavailable_timeout_s of 0 stops the daemon.",
+    registry=REGISTRY,
+)
+ENGINE_EJECTIONS = Counter(
+    "rollwise_engine_ejections",
+    "Times an engine was taken out of the pool because it stopped answering (failed requests or health "
+    "checks in a row).",
+    ["engine"],
+    registry=REGISTRY,
+)
+ENGINE_REJOINS = Counter(
+    "rollwise_engine_rejoins",
+    "Times an ejected engine answered again and, loaded with the served version, got work again.",
+    ["engine"],
+    registry=REGISTRY,
+)
+ENGINE_VERSION_AMBIGUOUS_TOKENS = Counter(
+    "rollwise_engine_version_ambiguous_tokens",
+    "Generated tokens of requests that ran across a weight update on an engine that reports one version "
+    "per reply (in_place or retract sync): labelled with the version the request started on.",
+    registry=REGISTRY,
+)
 FLEET_HANDED_BACK = Counter(
     "rollwise_fleet_handed_back_turns",
     "In-flight turns a drained engine handed back (aborted there, sent again to another engine).",

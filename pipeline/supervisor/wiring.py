@@ -131,7 +131,7 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
     return RolloutSettings(
         # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
         # is per request).
-        sampling=SamplingParams(**cfg.sampling.model_dump()),
+        sampling=SamplingParams(**cfg.sampling.model_dump() | {"stop": tuple(cfg.sampling.stop)}),
         max_context_tokens=cfg.env.max_context_tokens,
         tool_parser=cfg.env.tool_parser,
         system_prompt=cfg.env.system_prompt,

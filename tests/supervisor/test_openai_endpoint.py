@@ -302,7 +302,7 @@ async def test_streaming_sends_the_same_completion_as_chunks(
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"stop": ["\n"]}, "stop"),
+        ({"stop": ["", "\n"]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"n": 2}, "n"),
         ({"tool_choice": "required"}, "tool_choice"),

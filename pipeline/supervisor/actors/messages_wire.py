@@ -4,7 +4,8 @@
 What a request may contain: `model`, `max_tokens` (both required), `messages` (roles user and assistant;
 content a string or blocks: `text`, `tool_use` (assistant: `id`, `name`, `input`) and `tool_result`
 (user: `tool_use_id`, `content` as a string or text blocks, `is_error`)), `system` (a string or text
-blocks), `tools` (client tools: `name`, `description`, `input_schema`), `tool_choice` auto or none,
+blocks), `tools` (client tools: `name`, `description`, `input_schema`), `tool_choice` auto, none or
+any (accepted, not enforced: see openai_wire.py),
 `stop_sequences` (the engine stops on them, SGLang's `stop`; the text ends before the sequence and the
 response says which one in `stop_sequence`, as Anthropic's does; every sampled token is recorded),
 `stream`, `temperature`, `top_p`, `top_k` (the run's own win: reported in x-rollwise-clamped), and the
@@ -261,8 +262,8 @@ def parse_messages_request(body: Any) -> MessagesRequest:
         raise _bad("must be a boolean", "stream")
     choice = body.get("tool_choice")
     kind = choice.get("type") if isinstance(choice, dict) else choice
-    if choice is not None and kind not in ("auto", "none"):
-        raise _bad(f"{kind!r} is not supported: only auto and none (no constrained decoding)", "tool_choice")
+    if choice is not None and kind not in ("auto", "none", "any"):
+        raise _bad(f"{kind!r} is not supported: only auto, none and any (not enforced)", "tool_choice")
     thinking = body.get("thinking")
     if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
         raise _bad("only {'type': 'disabled'}: the policy has no thinking budget", "thinking")
@@ -286,6 +287,7 @@ def parse_messages_request(body: Any) -> MessagesRequest:
         temperature=_number(body, "temperature", 0.0, 1.0),
         top_p=top_p,
         stop=stops,
+        unenforced=("tool_choice",) if kind == "any" else (),
     )
     return MessagesRequest(chat=chat, stop_sequences=stops, top_k=top_k)
 

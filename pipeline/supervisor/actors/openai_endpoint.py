@@ -335,7 +335,7 @@ class OpenAIEndpoint:
         run = self.settings.sampling
         asked = {"temperature": (chat.temperature, run.temperature), "top_p": (chat.top_p, run.top_p)}
         names = [name for name, (value, used) in asked.items() if value is not None and value != used]
-        return [*names, "seed"] if chat.seed is not None else names
+        return [*names, *(["seed"] if chat.seed is not None else []), *chat.unenforced]
 
     def _sampling_used(self, chat: ChatRequest, session: AgentSession | None) -> tuple[float, float]:
         """(temperature, top_p) the turn was sampled with (a Responses object reports them)."""

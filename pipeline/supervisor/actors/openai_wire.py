@@ -4,14 +4,17 @@ What rollwise's endpoint accepts (pipeline/supervisor/actors/openai_endpoint.py)
 - `model` (required; the endpoint checks the name), `messages` (required, non-empty; roles system,
   developer (= system), user, assistant, tool; content a string or a list of text parts; assistant
   `tool_calls` with `function.name` and `function.arguments`), `tools` (function tools), `tool_choice`
-  "auto" or "none", `parallel_tool_calls`, `n` = 1, `stream` (+ `stream_options.include_usage`),
-  `logprobs`, `top_logprobs` 0, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
-  `stop` (a string or up to 16 non-empty strings: the engine stops on them, SGLang's `stop`; every token
-  it sampled is recorded, the returned text ends before the stop string, as OpenAI's does), and the inert
-  `user`, `metadata`, `store` (false), `service_tier`, `response_format` {"type": "text"}, `logit_bias`
-  {}, `presence_penalty` 0, `frequency_penalty` 0.
+  "auto", "none" or "required" (accepted, not enforced: the policy samples as it always does, since
+  constrained decoding would change the distribution the trainer recomputes; the reply may hold no tool
+  call, and the header x-rollwise-clamped says so), `parallel_tool_calls`, `n` = 1, `stream`
+  (+ `stream_options.include_usage`), `logprobs`, `top_logprobs` 0, `max_tokens` /
+  `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or up to 16 non-empty
+  strings: the engine stops on them, SGLang's `stop`; every token it sampled is recorded, the returned
+  text ends before the stop string, as OpenAI's does), and the inert `user`, `metadata`, `store` (false),
+  `service_tier`, `response_format` {"type": "text"}, `logit_bias` {}, `presence_penalty` 0,
+  `frequency_penalty` 0.
 - Anything else, or one of those with a value that would change what the model samples in a way the
-  trainer cannot reproduce (penalties, logit bias, JSON mode, forced tool choice, n > 1, top log-probs),
+  trainer cannot reproduce (penalties, logit bias, JSON mode, a named tool choice, n > 1, top log-probs),
   is a 400 naming the parameter.
 Errors have OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
@@ -109,6 +112,7 @@ class ChatRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    unenforced: tuple[str, ...] = ()  # parameters accepted but not honoured (reported, x-rollwise-clamped)
 
 
 MAX_STOP_STRINGS = 16
@@ -297,9 +301,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     _refuse_unless(body.get("store") in (None, False), "store", "nothing is stored", body.get("store"))
     tool_choice = body.get("tool_choice")
     _refuse_unless(
-        tool_choice in (None, "auto", "none"),
+        tool_choice in (None, "auto", "none", "required"),
         "tool_choice",
-        "only 'auto' and 'none' (no constrained decoding)",
+        "only 'auto', 'none' and 'required' (not enforced); no constrained decoding",
         tool_choice,
     )
     for key in ("stream", "logprobs", "parallel_tool_calls"):
@@ -335,6 +339,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         top_p=top_p,
         seed=seed,
         stop=stop,
+        unenforced=("tool_choice",) if tool_choice == "required" else (),
     )
 
 

@@ -7,7 +7,8 @@ What a request may contain, field by field:
   `function_call` items (`call_id`, `name`, `arguments`) and `function_call_output` items (`call_id`,
   `output`)), `instructions` (a system message before the input; not carried over by
   `previous_response_id`, as OpenAI's), function `tools` (`name`, `description`, `parameters`),
-  `tool_choice` "auto" or "none", `max_output_tokens`, `stream` (+ `stream_options`), `store`,
+  `tool_choice` "auto", "none" or "required" (accepted, not enforced: see openai_wire.py),
+  `max_output_tokens`, `stream` (+ `stream_options`), `store`,
   `previous_response_id` (the endpoint keeps an episode's stored responses: the new input continues that
   conversation), `temperature` and `top_p` (the run's own win, as for chat completions), `include`
   ("message.output_text.logprobs" fills the output text's log-probs), and the inert `metadata`, `user`,
@@ -300,8 +301,14 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         raise _bad("input is required", "input")
     added = input_messages(body.get("input") if body.get("input") is not None else [])
     tool_choice = body.get("tool_choice", "auto")
-    if tool_choice not in (None, "auto", "none"):
-        raise _unsupported("tool_choice", tool_choice, "only 'auto' and 'none' (no constrained decoding)")
+    if tool_choice not in (None, "auto", "none", "required"):
+        raise _unsupported(
+            "tool_choice",
+            tool_choice,
+            "only 'auto', 'none' and 'required' (not enforced); no constrained decoding",
+        )
+    if tool_choice == "required":
+        ignored.append("tool_choice")
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise _bad("include must be a list of strings", "include")

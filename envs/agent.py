@@ -201,7 +201,7 @@ class AgentEnvironment(Environment):
     async def play(self, episode: AgentEpisode, task: Task) -> object:
         """One episode's agent run (what the runner awaits): ``agent(episode.client(), task)``. Returns
         what the agent returned (checked by the runner); a subclass may run something else against the
-        same endpoint (envs/agent_process.py runs a command)."""
+        same endpoint (envs/agent_process/process_agent.py runs a command)."""
         return await self.agent(episode.client(), task)
 
     async def reset(self, task: Task) -> list[Message]:

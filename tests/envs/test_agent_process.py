@@ -1,4 +1,4 @@
-"""Agent-process environments: a command in the sandbox and its episode's endpoint (envs/agent_process.py).
+"""Agent-process environments (envs/agent_process/): a command in the sandbox and its episode's endpoint.
 
 The agents here are small programs in other forms than a Python function: a stdlib-only Python script
 that speaks HTTP itself, and shell one-liners. The SGLang fake answers with scripted tokens (decoded by the

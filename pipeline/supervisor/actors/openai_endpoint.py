@@ -14,7 +14,7 @@ pool; an API's errors come in that API's shape. The key travels as `Authorizatio
   never mix. Requests are recorded token by token (pipeline/supervisor/actors/agent_session.py) and the
   episode becomes trajectory rows like a native one. The agent runs as the environment says
   (`AgentEnvironment.play`: the agent function in this event loop, or in a worker process of
-  `agent_workers` (agent_workers.py), or a command in the sandbox (envs/agent_process.py)).
+  `agent_workers` (agent_workers.py), or a command in the sandbox (envs/agent_process/)).
   Sampling is the run's: `temperature`, `top_p` (and `top_k`, `min_p`) always come from the `[sampling]`
   config, since the learner reproduces the engine's log-probs at that temperature and the trainer owns
   the behaviour policy; `max_tokens` is capped by `sampling.max_new_tokens` and the context budget;

@@ -22,12 +22,12 @@ processes, output; ``sandbox`` option, defaults below) with:
 No network but the endpoint. Under bubblewrap the sandbox has its own network namespace, where loopback
 is all there is: the host's 127.0.0.1 (the endpoint's TCP port included) and every other address are
 out of reach. The endpoint also listens on a Unix socket, which is bind-mounted read-only into the
-sandbox, and the episode's first program (envs/agent_relay.py) relays the sandbox's own 127.0.0.1:
-``RELAY_PORT`` to it: that relay is the base URL the agent gets. A per-episode network namespace with a
-veth pair would need root or CAP_NET_ADMIN; the socket needs neither and can carry nothing but HTTP to
-the endpoint, where only a running episode's key is answered. With rlimits only (``sandbox.require =
-"rlimits"``, for machines without user namespaces) there is no namespace: the agent gets the endpoint's
-TCP address, and the network is NOT restricted (envs/sandbox/isolation.py says so in its description).
+sandbox, and the episode's first program (agent_relay.py, beside this file) relays the sandbox's own
+127.0.0.1:``RELAY_PORT`` to it: that relay is the base URL the agent gets. A per-episode network
+namespace with a veth pair would need root or CAP_NET_ADMIN; the socket needs neither and carries
+nothing but HTTP to the endpoint, where only a running episode's key is answered. With rlimits only
+(``sandbox.require = "rlimits"``, for machines without user namespaces) there is no namespace: the
+agent gets the endpoint's TCP address, and the network is NOT restricted (envs/sandbox/isolation.py).
 
 Every failure costs its episode, counted, never a silent 0: a non-zero exit or a signal (``exit``,
 ``signal``), the wall-time limit (``wall_time``, finish "timeout"), the CPU or output limit

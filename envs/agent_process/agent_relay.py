@@ -1,5 +1,5 @@
-"""The first program of an agent-process episode, inside the sandbox (envs/agent_process.py sends this
-file's source as the sandbox's main.py): it relays 127.0.0.1:<port> to the endpoint's Unix socket, runs
+"""The first program of an agent-process episode, inside the sandbox (process_agent.py sends this file's
+source as the sandbox's main.py): it relays 127.0.0.1:<port> to the endpoint's Unix socket, runs
 the agent's command, and reports how it ended as ONE JSON line on its stdout.
 
 Why a relay: under bubblewrap the sandbox has its own network namespace (loopback only), so neither the

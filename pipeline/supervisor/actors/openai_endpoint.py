@@ -109,6 +109,8 @@ class AgentPool(Protocol):
 
     async def run(self, env: AgentEnvironment, episode: AgentEpisode, task: Task) -> object: ...
 
+    async def close(self) -> None: ...
+
 
 class OpenAIEndpoint:
     """The endpoint (module docstring). `await start()` before use, `await close()` at the end."""
@@ -184,6 +186,9 @@ class OpenAIEndpoint:
         if self._unix_dir is not None:
             shutil.rmtree(self._unix_dir, ignore_errors=True)
             self._unix_dir = None
+        if self.agent_pool is not None:  # owned: its workers' episodes are over
+            pool, self.agent_pool = self.agent_pool, None
+            await pool.close()
 
     # ------------------------------------------------------------------ agent episodes
     def _client_for(self, session: AgentSession) -> Any:

@@ -21,6 +21,10 @@ echo agent that sends T chat completions through the in-process OpenAI endpoint,
 recorded and generated like a native turn. Two agents: one calls `client.chat.completions.create` (the
 openai SDK: its request building and response models run on the same core), one posts the same JSON with
 aiohttp to the episode's base URL (what the endpoint itself costs). Goal: agent turns/s >= 0.5x native.
+Then the SDK agent again in 1 and 2 agent worker processes (`[env] agent_workers`,
+pipeline/supervisor/actors/agent_workers.py; `--agent-workers`): the agent and its openai client run
+there, on any core, and reach the endpoint over HTTP; the actor's side keeps the endpoint's work. With 2
+cores, the instant server and the actor pinned one to each, the workers share both.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 
 GOAL_RATIO = 0.5
 AGENT_CLIENTS = ("sdk", "http", "none")  # agent_side's `client`
+WORKER_AGENT = "pipeline.tools.bench.runner_overhead:sdk_echo_agent"
 ECHO_PROMPT = "Repeat after me: hello there."
 MODEL_TEXT = "hello there 12"
 LOGPROB = -0.5  # every token the instant server "generates" gets this log-prob
@@ -259,20 +264,47 @@ async def runner_side(
     return _runner_result(eps, seconds, cpu_seconds, payload_sizes=sizes[:turns])
 
 
+async def sdk_echo_agent(api: Any, task: Task) -> float:
+    """The echo agent with the openai SDK, importable by an agent worker: `task.data["turns"]` turns."""
+    from envs.agent import POLICY_MODEL
+
+    messages = [{"role": "user", "content": ECHO_PROMPT}]
+    for _ in range(task.data["turns"]):
+        response = await api.chat.completions.create(model=POLICY_MODEL, messages=messages)
+        text = str(response.choices[0].message.content)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": text}]
+    return 1.0
+
+
 async def agent_side(
-    url: str, tokenizer: Any, episodes: int, turns: int, group_size: int, connections: int, *, client: str
+    url: str,
+    tokenizer: Any,
+    episodes: int,
+    turns: int,
+    group_size: int,
+    connections: int,
+    *,
+    client: str,
+    workers: int = 0,
+    worker_cpus: set[int] | None = None,
 ) -> RunnerResult:
     """`episodes` echo-agent episodes (groups of `group_size`) through the OpenAI endpoint; `client` is
     "sdk" (the openai.AsyncOpenAI the episode is given: answered in-process), "http" (aiohttp posts to the
     episode's base URL over the socket) or "none" (the request's JSON handed to the endpoint directly: the
-    endpoint's own cost, no client library and no transport)."""
+    endpoint's own cost, no client library and no transport). `workers` > 0: the SDK agent runs in that many
+    agent worker processes (on `worker_cpus`), started before the clock."""
     from envs.agent import POLICY_MODEL, AgentEnvironment
+    from pipeline.supervisor.actors.agent_workers import AgentWorkerPool
     from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.actors.rollout import GroupOutcome, run_group
 
     settings = _echo_settings(tokenizer)
     pool = _bench_pool(url, connections)
-    endpoint = OpenAIEndpoint(engine=pool, tokenizer=tokenizer, settings=settings)
+    agent_pool = None
+    if workers > 0:
+        agent_pool = AgentWorkerPool(workers, cpus=worker_cpus)
+        await agent_pool.start()
+    endpoint = OpenAIEndpoint(engine=pool, tokenizer=tokenizer, settings=settings, agent_pool=agent_pool)
     await endpoint.start()
     http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=connections, limit_per_host=0),
@@ -305,14 +337,15 @@ async def agent_side(
         while True:
             yield Task(id="echo-0", seed=0, data={})
 
-    task = Task(id="echo-0", seed=0, data={})
+    task = Task(id="echo-0", seed=0, data={"turns": turns})
     sizes = _group_sizes(episodes, group_size)
+    agent = WORKER_AGENT if workers > 0 else echo_agent
 
     async def group(index: int) -> GroupOutcome:
         outcome = await run_group(
             pool,
             tokenizer,
-            lambda: AgentEnvironment(echo_agent, tasks, max_turns=turns, episode_timeout_s=600.0),
+            lambda: AgentEnvironment(agent, tasks, max_turns=turns, episode_timeout_s=600.0),
             task,
             settings,
             group_size=sizes[index],
@@ -491,19 +524,30 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
     each side reports its best round."""
     # Warm-up: connections, template compilation, the SDK's first-use costs.
     await runner_side(url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections)
-    for kind in AGENT_CLIENTS:
+    sides = [(kind, kind, 0) for kind in AGENT_CLIENTS]
+    sides += [(f"sdk_{n}w", "sdk", n) for n in args.agent_workers]
+    for _, kind, workers in sides:
         await agent_side(
-            url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections, client=kind
-        )
-    rounds: dict[str, list[RunnerResult]] = {"native": [], **{kind: [] for kind in AGENT_CLIENTS}}
+            url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections,
+            client=kind, workers=workers, worker_cpus=args.all_cpus,
+        )  # fmt: skip
+    rounds: dict[str, list[RunnerResult]] = {"native": [], **{name: [] for name, _, _ in sides}}
     for _ in range(args.repeats):
         rounds["native"].append(
             await runner_side(url, tokenizer, args.episodes, args.turns, args.group_size, args.connections)
         )
-        for kind in AGENT_CLIENTS:
-            rounds[kind].append(
+        for name, kind, workers in sides:
+            rounds[name].append(
                 await agent_side(
-                    url, tokenizer, args.episodes, args.turns, args.group_size, args.connections, client=kind
+                    url,
+                    tokenizer,
+                    args.episodes,
+                    args.turns,
+                    args.group_size,
+                    args.connections,
+                    client=kind,
+                    workers=workers,
+                    worker_cpus=args.all_cpus,
                 )
             )
     best = {side: max(results, key=lambda r: r.turns_per_s) for side, results in rounds.items()}
@@ -524,9 +568,10 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
             "turns_per_s": result.turns_per_s,
             "cpu_us_per_turn": result.cpu_us_per_turn,
         }
-    for side in AGENT_CLIENTS:
+    for side, _, _ in sides:
         report[f"ratio_{side}"] = best[side].turns_per_s / best["native"].turns_per_s
         report[f"cpu_ratio_{side}"] = best["native"].cpu_us_per_turn / best[side].cpu_us_per_turn
+    report["agent_workers"] = list(args.agent_workers)
     await sdk_alone_cpu_us(args.turns, 2)  # warm-up
     report["sdk_alone_cpu_us_per_request"] = min(
         [await sdk_alone_cpu_us(args.turns, max(1, args.episodes // 8)) for _ in range(args.repeats)]
@@ -551,6 +596,8 @@ def format_agent_report(report: dict[str, Any]) -> str:
         "http": "agent, aiohttp client",
         "none": "agent, no client",
     }
+    for workers in report.get("agent_workers", []):
+        names[f"sdk_{workers}w"] = f"agent, SDK, {workers} worker{'s' if workers > 1 else ''}"
     for side, name in names.items():
         r = report[side]
         lines.append(
@@ -566,6 +613,19 @@ def format_agent_report(report: dict[str, Any]) -> str:
         f" aiohttp over the socket {report['ratio_http']:.2f}",
         f"CPU-bound ratios (native CPU/turn / agent CPU/turn): endpoint alone {report['cpu_ratio_none']:.2f},"
         f" openai SDK {report['cpu_ratio_sdk']:.2f}, aiohttp {report['cpu_ratio_http']:.2f}",
+        *(
+            [
+                "SDK agent in agent worker processes, turns/s against native: "
+                + ", ".join(
+                    f"{n} worker{'s' if n > 1 else ''} {report[f'ratio_sdk_{n}w']:.2f}"
+                    for n in report["agent_workers"]
+                )
+                + f" (in the actor's own loop: {report['ratio_sdk']:.2f}); the actor's CPU per turn"
+                " excludes the workers'"
+            ]
+            if report.get("agent_workers")
+            else []
+        ),
         f"the openai SDK alone (same conversations, a transport that answers at once, no endpoint):"
         f" {report['sdk_alone_cpu_us_per_request']:.0f} CPU us per request",
         "sdk: the client each episode is given (answered in-process); http: posts to the episode's base URL;"
@@ -619,7 +679,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="native runner vs agent-function episodes through the OpenAI endpoint",
     )
+    parser.add_argument(
+        "--agent-workers",
+        default="1,2",
+        help="with --agent: also the SDK agent in this many agent worker processes (comma list; '' = none)",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.agent_workers = [int(n) for n in args.agent_workers.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--agent-workers must be a comma list of integers, got {args.agent_workers!r}")
+    if any(n < 1 for n in args.agent_workers):
+        parser.error("--agent-workers counts must be >= 1")
+    args.all_cpus = set(os.sched_getaffinity(0))
     if min(args.episodes, args.turns, args.group_size, args.repeats, args.connections) < 1:
         parser.error("--episodes, --turns, --group-size, --repeats and --connections must be >= 1")
     tokenizer = load_tokenizer(args.model)

@@ -554,6 +554,16 @@ COMPONENTS = ("engine", "learner")
 OPENAI_ROUTES = ("episode", "service")
 OPENAI_STATUSES = ("ok", "rejected", "engine_error")
 OPENAI_APIS = ("chat", "responses", "messages")
+AGENT_FAILURE_REASONS = (
+    "exit",
+    "signal",
+    "wall_time",
+    "cpu_time",
+    "output_limit",
+    "bad_output",
+    "sandbox",
+    "worker",
+)
 JUDGE_STATUSES = ("ok", "timeout", "connection", "http", "parse")
 
 
@@ -608,6 +618,8 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
                 OPENAI_REQUESTS.labels(route=route, api=api, status=status)
     for env in envs:
         AGENT_SEGMENTS.labels(env=env)
+        for reason in AGENT_FAILURE_REASONS:
+            AGENT_FAILURES.labels(env=env, reason=reason)
 
 
 # --- rollout fleet (pipeline/supervisor/fleet_membership.py) ---------------------------------------------

@@ -67,3 +67,16 @@ def test_the_defaults_are_a_pretrained_models_and_the_toy_overrides_them() -> No
         # every value that differs from a default carries its reason on the comment lines above it
         before = text.split(key)[0].rstrip().splitlines()[-1]
         assert before.startswith("#"), key
+
+
+def test_agent_workers_need_an_importable_agent_function(tmp_path: Path) -> None:
+    import pytest
+
+    from pipeline.contracts.config import ConfigError
+
+    react = ROOT / "examples" / "react_agent.toml"
+    run_dir = f"run.run_dir={json.dumps(str(tmp_path / 'run'))}"
+    setup = resolve_config(_ns(react, [run_dir, "env.agent_workers=2"]))
+    assert setup.cfg.env.agent_workers == 2
+    with pytest.raises(ConfigError, match=r"env\.agent_workers"):
+        resolve_config(_ns(ROOT / "examples" / "guess_number.toml", [run_dir, "env.agent_workers=1"]))

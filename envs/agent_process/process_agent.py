@@ -31,7 +31,8 @@ agent gets the endpoint's TCP address, and the network is NOT restricted (envs/s
 
 Every failure costs its episode, counted, never a silent 0: a non-zero exit or a signal (``exit``,
 ``signal``), the wall-time limit (``wall_time``, finish "timeout"), the CPU or output limit
-(``cpu_time``, ``output_limit``), no valid outcome (``bad_output``), a sandbox that could not run it
+(``cpu_time``, ``output_limit``: the sandbox's, or the agent's own process killed by SIGXCPU or
+SIGXFSZ), no valid outcome (``bad_output``), a sandbox that could not run it
 (``sandbox``): rollwise_agent_failures_total{reason} and rollwise_env_errors_total.
 """
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -175,7 +177,11 @@ class AgentProcessEnvironment(AgentEnvironment):
             raise AgentFailure(f"{problem}; stderr: {stderr}", reason="sandbox" if report is None else "exit")
         code = report.get("exit")
         if code != 0:
-            reason = "signal" if isinstance(code, int) and code < 0 else "exit"
+            # The rlimits act on the agent's own processes: its CPU limit is SIGXCPU, its file-size limit
+            # (its stdout is a file) SIGXFSZ, while the relay above it exits normally.
+            reason = "exit"
+            if isinstance(code, int) and code < 0:
+                reason = {-signal.SIGXCPU: "cpu_time", -signal.SIGXFSZ: "output_limit"}.get(code, "signal")
             raise AgentFailure(f"the agent exited with {code}; stderr: {stderr}", reason=reason)
         return _outcome(report)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -179,27 +180,67 @@ async def test_the_sandboxed_agent_sees_only_the_relay(
 
 
 @pytest.mark.parametrize(
-    ("command", "reason", "finish"),
+    ("command", "reason", "finish", "sandbox", "says"),
     [
-        ("echo 'went wrong' >&2; exit 3", "exit", "env_error"),
-        ("kill -9 $$", "signal", "env_error"),
-        ("echo 'no json here'", "bad_output", "env_error"),
-        ('echo \'{"outcome": "high"}\'', "bad_output", "env_error"),
-        ("sleep 30", "wall_time", "timeout"),
+        ("echo 'went wrong' >&2; exit 3", "exit", "env_error", {}, "went wrong"),
+        ("kill -9 $$", "signal", "env_error", {}, ""),
+        ("echo 'no json here'", "bad_output", "env_error", {}, "not JSON"),
+        ('echo \'{"outcome": "high"}\'', "bad_output", "env_error", {}, "expected a number"),
+        ("sleep 30", "wall_time", "timeout", {}, ""),
+        # The memory limit: the agent's allocation fails (RLIMIT_AS), Python exits 1 with MemoryError.
+        (
+            'python3 -c "bytearray(600 << 20)"',
+            "exit",
+            "env_error",
+            {"memory_bytes": 256 << 20},
+            "MemoryError",
+        ),
+        ("while :; do :; done", "cpu_time", "env_error", {"cpu_time_s": 1.0}, "-24"),
+        # Its stdout is a file in the sandbox: the file-size limit stops an endless writer.
+        (["yes"], "output_limit", "env_error", {"max_file_bytes": 1 << 20}, "-25"),
     ],
+    ids=["exit", "signal", "not-json", "bad-outcome", "wall-time", "memory", "cpu-time", "file-size"],
 )
 async def test_every_failure_costs_the_episode_counted_with_its_reason(
-    endpoint: OpenAIEndpoint, command: str, reason: str, finish: str
+    endpoint: OpenAIEndpoint,
+    command: str | list[str],
+    reason: str,
+    finish: str,
+    sandbox: dict[str, Any],
+    says: str,
 ) -> None:
     bwrap_sandbox()
     before = counter("rollwise_agent_failures_total", env=ENV_NAME, reason=reason)
     timeout = 3.0 if reason == "wall_time" else 30.0
-    env = AgentProcessEnvironment(command, tasks, episode_timeout_s=timeout)
+    env = AgentProcessEnvironment(command, tasks, episode_timeout_s=timeout, sandbox=sandbox)
     result = await play(endpoint, env)
     assert result.finish_reason == finish and result.outcome is None, result.error
     assert counter("rollwise_agent_failures_total", env=ENV_NAME, reason=reason) == before + 1
-    if reason == "exit":
-        assert "went wrong" in (result.error or "")
+    assert says in (result.error or "")
+
+
+# A shell agent that retries a request the endpoint refuses (n=3), for ever.
+LOOPING = (
+    'while :; do curl -s -o /dev/null -H "authorization: Bearer $OPENAI_API_KEY" '
+    '-H "content-type: application/json" -d \'{"model": "policy", "n": 3, "messages": '
+    '[{"role": "user", "content": "hi"}]}\' "$OPENAI_BASE_URL/chat/completions"; done'
+)
+
+
+async def test_a_process_agent_looping_on_refused_requests_is_stopped_and_counted(
+    endpoint: OpenAIEndpoint, fake: FakeSGLang
+) -> None:
+    bwrap_sandbox()
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    before = counter("rollwise_env_errors_total", env=ENV_NAME, kind="refused")
+    env = AgentProcessEnvironment(LOOPING, tasks, episode_timeout_s=60.0, max_refused_requests=4)
+    result = await play(endpoint, env)
+    # Stopped at the fourth refusal: the process is killed, the episode ends well before its timeout.
+    assert result.finish_reason == "env_error" and "refused" in (result.error or ""), result.error
+    assert result.duration_s < 15.0 and result.num_turns == 0
+    assert counter("rollwise_env_errors_total", env=ENV_NAME, kind="refused") == before + 1
+    assert fake.generate_requests() == []
 
 
 async def test_the_outcome_file_wins_over_stdout_and_a_run_without_a_request_is_invalid(

@@ -66,6 +66,9 @@ def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(
         assert report[f"ratio_{side}"] == pytest.approx(
             report[side]["turns_per_s"] / report["native"]["turns_per_s"]
         )
+    # The workers ran the agents: they used CPU in the measured window (the in-loop side has no workers).
+    assert report["sdk_1w"]["worker_cpu_us_per_turn"] > 0 and report["sdk_2w"]["worker_cpu_us_per_turn"] > 0
+    assert report["sdk"]["worker_cpu_us_per_turn"] == 0
     assert report["meets_goal"] == (report["ratio_none"] >= 0.5)
     assert report["sdk_alone_cpu_us_per_request"] > 0
     text = actors.format_agent_report(report)

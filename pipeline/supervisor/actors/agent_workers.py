@@ -77,6 +77,11 @@ class AgentWorkerPool:
         worker.reader = asyncio.ensure_future(self._read(worker))
         return worker
 
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (for CPU accounting)."""
+        return [worker.proc.pid for worker in self._workers]
+
     def accepts(self, env: AgentEnvironment) -> bool:
         """An agent function the workers can import (not a subclass that runs something else)."""
         return type(env).play is AgentEnvironment.play and env.agent_ref is not None

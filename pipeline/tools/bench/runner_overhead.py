@@ -220,6 +220,11 @@ class RunnerResult(SideResult):
     overhead_p99_us: float
     engine_p50_us: float
     payload_sizes: list[int]
+    worker_cpu_seconds: float = 0.0  # the agent worker processes' CPU over the measured window
+
+    @property
+    def worker_cpu_us_per_turn(self) -> float:
+        return 1e6 * self.worker_cpu_seconds / self.turns
 
 
 async def runner_side(
@@ -356,10 +361,12 @@ async def agent_side(
         outcome.to_record_batch()
         return outcome
 
+    pids = agent_pool.pids if agent_pool is not None else []
     try:
-        cpu, start = time.process_time(), time.perf_counter()
+        cpu, start, worker_cpu = time.process_time(), time.perf_counter(), _processes_cpu_seconds(pids)
         outcomes = await asyncio.gather(*(group(i) for i in range(len(sizes))))
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        worker_cpu = _processes_cpu_seconds(pids) - worker_cpu
     finally:
         await http.close()
         await endpoint.close()
@@ -369,7 +376,20 @@ async def agent_side(
     if bad:
         first = f"{bad[0].finish_reason} ({bad[0].num_segments} segments): {bad[0].error}"
         raise RuntimeError(f"{len(bad)} agent bench episodes were not one clean trajectory; first: {first}")
-    return _runner_result(eps, seconds, cpu_seconds, payload_sizes=[])
+    result = _runner_result(eps, seconds, cpu_seconds, payload_sizes=[])
+    result.worker_cpu_seconds = worker_cpu
+    return result
+
+
+def _processes_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes `pids` have used so far (/proc/<pid>/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
 
 
 async def sdk_alone_cpu_us(turns: int, conversations: int) -> float:
@@ -567,6 +587,7 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
         report[side] = asdict(result) | {
             "turns_per_s": result.turns_per_s,
             "cpu_us_per_turn": result.cpu_us_per_turn,
+            "worker_cpu_us_per_turn": result.worker_cpu_us_per_turn,
         }
     for side, _, _ in sides:
         report[f"ratio_{side}"] = best[side].turns_per_s / best["native"].turns_per_s
@@ -588,7 +609,8 @@ def format_agent_report(report: dict[str, Any]) -> str:
         f" x {report['turns_per_episode']} turns, groups of {report['group_size']}, instant fake SGLang"
         f" (server core {report.get('server_core')}, actor core {report.get('actor_core')})",
         "",
-        f"{'side':<26}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}{'ovh p50 us':>12}",
+        f"{'side':<26}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}{'ovh p50 us':>12}"
+        f"{'workers CPU us/turn':>21}",
     ]
     names = {
         "native": "native runner",
@@ -603,6 +625,7 @@ def format_agent_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{name:<26}{r['turns']:>9}{r['seconds']:>10.2f}{r['turns_per_s']:>11.0f}{r['cpu_us_per_turn']:>13.0f}"
             f"{r['overhead_p50_us']:>12.0f}"
+            + (f"{r['worker_cpu_us_per_turn']:>21.0f}" if side.endswith("w") else f"{'-':>21}")
         )
     lines += [
         "",
@@ -620,8 +643,8 @@ def format_agent_report(report: dict[str, Any]) -> str:
                     f"{n} worker{'s' if n > 1 else ''} {report[f'ratio_sdk_{n}w']:.2f}"
                     for n in report["agent_workers"]
                 )
-                + f" (in the actor's own loop: {report['ratio_sdk']:.2f}); the actor's CPU per turn"
-                " excludes the workers'"
+                + f" (in the actor's own loop: {report['ratio_sdk']:.2f}); CPU us/turn is the actor's own,"
+                " the workers' is beside it"
             ]
             if report.get("agent_workers")
             else []

@@ -203,6 +203,15 @@ class AsyncConfig(Section):
             "re-prefilled (no flush). docs/operations.md, 'Weight sync'."
         ),
     )
+    straggler_patience: float = Field(
+        3.0,
+        ge=0,
+        description=(
+            "Admission holds back groups that would overtake a group still running from an older version "
+            "(so that it is trained before it goes stale) for at most this many median group durations; "
+            "0 = never (long groups may then be dropped as stale)."
+        ),
+    )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)
 

@@ -187,6 +187,7 @@ def build_scheduler(
         notify=notify,
         agent_endpoint=agent_endpoint,
         engines_up=engines_up,
+        straggler_patience=cfg.async_.straggler_patience,
     )
 
 

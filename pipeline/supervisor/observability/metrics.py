@@ -103,6 +103,12 @@ GROUPS_QUEUED = Gauge(
     "(rollout.max_concurrent_groups); > 0 means rollout capacity, not the learner, is the bottleneck.",
     registry=REGISTRY,
 )
+ADMISSION_FLOOR_LAG = Gauge(
+    "rollwise_admission_floor_lag_versions",
+    "How many versions below the served one admission budgets from, to protect a group still running "
+    "from an older version (async.straggler_patience); 0 = no straggler protected.",
+    registry=REGISTRY,
+)
 ACTOR_IDLE = Counter(
     "rollwise_actor_idle_seconds",
     "Time the scheduler had capacity but staleness control held work back.",

@@ -2,7 +2,8 @@
 
 One episode: `env.reset(task)` -> messages; the chat template renders the first prompt once
 (pipeline.supervisor.actors.chat.ChatBuffer); then per turn k = 0, 1, ...: `/generate` with the buffer's ids
-(rid `"{episode_id}-t{k}"`, affinity key = episode id so every turn hits the same server), the
+(rid `"{episode_id}-t{k}"`, affinity key = the group id, so every turn of the group's episodes hits the
+same server, whose prefix cache holds their shared first prompt and each episode's history), the
 output ids are appended verbatim, the decoded text is parsed into an Action (envs.toolcalls),
 `env.step(action)` answers, and only the reply's new tokens are appended.
 
@@ -358,8 +359,10 @@ class _EpisodeRun:
         episode_id: str,
         env_name: str,
         record_metrics: bool = True,
+        affinity_key: str | None = None,
     ) -> None:
         self.engine = engine
+        self.affinity_key = affinity_key or episode_id
         self.tokenizer = tokenizer
         self.env = env
         self.settings = settings
@@ -490,7 +493,7 @@ class _EpisodeRun:
             started = time.perf_counter()
             try:
                 result = await self.engine.generate(
-                    chat.input_ids, sampling, rid, affinity_key=self.episode_id
+                    chat.input_ids, sampling, rid, affinity_key=self.affinity_key
                 )
                 versions = self._versions(result.token_versions)
             except EngineError as exc:
@@ -610,7 +613,9 @@ async def run_episode(
         in_flight.inc()
     error: str | None = None
     try:
-        episode = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name, record_metrics)
+        episode = _EpisodeRun(
+            engine, tokenizer, env, settings, episode_id, env_name, record_metrics, affinity_key=group_id
+        )
         try:
             async with asyncio.timeout(env.spec.episode_timeout_s):
                 finish_reason = await episode.play(task)

@@ -36,6 +36,7 @@ from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
 from pipeline.supervisor.fleet_membership import FleetMembership, scaled_concurrency
+from pipeline.supervisor.heap import freeze_startup_heap
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
 from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
@@ -157,6 +158,7 @@ class Supervisor:
                     # 2. Actors fill the spool; learner events drive weight syncs (learner_dispatch).
                     scheduler = await self.start_scheduler(ready)
                     self.start_evaluator()
+                    log.info("start-up heap frozen: %d objects", freeze_startup_heap())
                     unavailable_s = cfg.engine.unavailable_timeout_s
                     background = [
                         self.watch(scheduler.run(self.stopping), "scheduler"),

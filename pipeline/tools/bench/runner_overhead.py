@@ -53,6 +53,7 @@ import aiohttp
 from aiohttp import web
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
+from pipeline.supervisor.heap import freeze_startup_heap
 
 GOAL_RATIO = 0.6  # the runner against the bare loop
 GOAL_AGENT_RATIO = 0.5  # agent episodes through the endpoint against the native runner
@@ -504,6 +505,7 @@ async def _measure(args: argparse.Namespace, url: str, tokenizer: Any) -> dict[s
     best round (least disturbed)."""
     # Warm-up: connections, template compilation, metric children.
     await runner_side(url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections)
+    freeze_startup_heap()  # as the daemon does once it has started
     report: dict[str, Any] = {
         "episodes": args.episodes,
         "turns_per_episode": args.turns,
@@ -562,6 +564,7 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
         await agent_side(
             url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections, client=kind
         )
+    freeze_startup_heap()  # as the daemon does once it has started
     rounds: dict[str, list[RunnerResult]] = {"native": [], **{kind: [] for kind in AGENT_CLIENTS}}
     for _ in range(args.repeats):
         rounds["native"].append(

@@ -204,12 +204,14 @@ class AsyncConfig(Section):
         ),
     )
     straggler_patience: float = Field(
-        3.0,
+        0.0,
         ge=0,
         description=(
             "Admission holds back groups that would overtake a group still running from an older version "
             "(so that it is trained before it goes stale) for at most this many median group durations; "
-            "0 = never (long groups may then be dropped as stale)."
+            "0 = never (long groups may then be dropped as stale). Costs learner time while it holds: "
+            "worth it when generation is the bottleneck and rollwise_groups_dropped_total{reason=\"stale\"} "
+            "is high (docs/operations.md, 'Stale groups')."
         ),
     )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")

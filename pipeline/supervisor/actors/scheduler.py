@@ -110,7 +110,7 @@ class GroupScheduler:
         storage_retry_s: tuple[float, float] = (0.5, 10.0),
         agent_endpoint: AgentEndpoint | None = None,
         engines_up: Callable[[], bool] | None = None,
-        straggler_patience: float = 3.0,
+        straggler_patience: float = 0.0,
     ) -> None:
         self.engine = engine
         # Runs agent-function episodes (pipeline.supervisor.actors.openai_endpoint); owned: drain() closes it.

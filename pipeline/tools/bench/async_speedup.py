@@ -123,7 +123,7 @@ class BenchParams:
     seed: int = 0
     median_tokens: float = 40.0  # response lengths ~ lognormal(median, sigma), capped by max_new_tokens
     sigma: float = 1.0
-    straggler_patience: float = 3.0  # async.straggler_patience (0 = no straggler protection)
+    straggler_patience: float = 0.0  # async.straggler_patience (0 = no straggler protection)
 
 
 @dataclass

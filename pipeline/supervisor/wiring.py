@@ -28,7 +28,13 @@ from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.protocol import SamplingParams
-from pipeline.supervisor.eval_schedule import EvalSetup, Evaluator, resolve_eval, training_holdout
+from pipeline.supervisor.eval_schedule import (
+    EvalSetup,
+    Evaluator,
+    evaluates_training_env,
+    resolve_eval,
+    training_holdout,
+)
 from pipeline.supervisor.progress import Progress
 from pipeline.transport.spool import SpoolWriter, spool_depth
 
@@ -207,10 +213,16 @@ async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Con
 
 
 def build_evaluator(
-    setup: RunSetup, *, engine: Any, tokenizer: Any, progress: Progress, started_at: float
+    setup: RunSetup,
+    *,
+    engine: Any,
+    tokenizer: Any,
+    progress: Progress,
+    started_at: float,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> Evaluator | None:
     """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
-    off."""
+    off. `on_result` receives each evaluation's row (the experiment trackers)."""
     if setup.evaluation is None:
         return None
     return Evaluator(
@@ -222,6 +234,8 @@ def build_evaluator(
         log_path=setup.run.eval_log,
         progress=progress,
         started_at=started_at,
+        training_env=setup.cfg.env.name if evaluates_training_env(setup.cfg) else None,
+        on_result=on_result,
     )
 
 

@@ -357,7 +357,7 @@ class TracingConfig(Section):
     enabled: bool = Field(
         False,
         description=(
-            "Trace episodes (turns, engine requests, env steps), learner steps, publishes, weight syncs and "
+            "Trace episodes (turns, engine requests), learner steps, publishes, weight syncs and "
             "served-policy checks, and export the spans over OTLP."
         ),
     )
@@ -380,7 +380,7 @@ class TracingConfig(Section):
         le=1.0,
         description=(
             "Share of traces kept (episodes, learner steps), decided at each trace's root; spans in a kept "
-            "trace are all kept, across processes."
+            "trace are all kept, across processes. A kept episode costs the actors ~100 us of CPU per turn."
         ),
     )
     export_timeout_s: float = Field(

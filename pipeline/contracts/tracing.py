@@ -9,9 +9,10 @@ step: the batch queue drops spans when full, and a failed export is logged once 
 `on_error` (the supervisor counts it in rollwise_tracker_errors_total{tracker="otlp"}).
 
 What becomes a span (attribute names `rollwise.*`, token counts as `gen_ai.usage.*`):
-- supervisor: `episode` (one trace per episode; its id is stored with the episode's rows), `turn`,
-  `engine.generate` (rid, policy version, tokens, finish reason, latency), `env.step`; `publish` of a
-  version, with `weight_sync` and `served_check` inside it;
+- supervisor: `episode` (one trace per native episode; its id is stored with the episode's rows), `turn`
+  (reward, done), `engine.generate` (rid, policy version, tokens, finish reason, latency); `publish` of a
+  version, with `weight_sync` and `served_check` inside it. An episode whose trace is not sampled opens
+  no child spans at all;
 - learner: `learner.step` and `learner.publish`. The `Published` event carries the publish span's W3C
   `traceparent`, so the supervisor's `publish` span continues the learner's trace across the process
   boundary, and each episode span links to the trace of the policy version it sampled from.
@@ -92,22 +93,33 @@ def configure(
     if not cfg.enabled:
         return
     shutdown()  # a second configure replaces the first
-    from opentelemetry import trace as api
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    try:
+        from opentelemetry import trace as api
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        otlp = None if exporter is not None else _CountingExporter(_otlp_exporter(cfg), on_error)
+    except ImportError as exc:
+        # `rollwise run` refuses this config before starting; a learner on another machine may still
+        # lack the package: it trains untraced rather than not at all.
+        log.warning(
+            "tracing is on but cannot start in the %s (%s): pip install 'rollwise[tracing]'", process, exc
+        )
+        if on_error is not None:
+            on_error()
+        return
 
     service = cfg.service_name if process == "supervisor" else f"{cfg.service_name}-{process}"
     provider = TracerProvider(
         resource=Resource.create({"service.name": service, "rollwise.process": process}),
         sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
     )
-    if exporter is not None:
+    if otlp is None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
-        otlp = _CountingExporter(_otlp_exporter(cfg), on_error)
         provider.add_span_processor(BatchSpanProcessor(otlp, max_queue_size=8192))
         # The SDK logs every failed export (and each retry): ours is logged once, then counted.
         for name in ("opentelemetry.exporter", "opentelemetry.sdk.trace.export"):

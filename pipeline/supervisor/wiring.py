@@ -68,6 +68,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
+    check_observer_libraries(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:
@@ -93,6 +94,31 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
     evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
     return RunSetup(cfg, run, factory, env, evaluation)
+
+
+def check_observer_libraries(cfg: Config) -> None:
+    """[tracing] and [trackers] name libraries that are optional extras: a missing one is a ConfigError
+    naming the key before anything starts (found without importing them)."""
+    wanted = {
+        "tracing.enabled": (cfg.tracing.enabled, "opentelemetry.sdk", "tracing"),
+        "tracing.protocol": (
+            cfg.tracing.enabled,
+            "opentelemetry.exporter.otlp.proto." + ("grpc" if cfg.tracing.protocol == "grpc" else "http"),
+            "tracing",
+        ),
+        "trackers.wandb": (cfg.trackers.wandb, "wandb", "trackers"),
+        "trackers.mlflow": (cfg.trackers.mlflow, "mlflow", "trackers"),
+        "trackers.tensorboard": (cfg.trackers.tensorboard, "tensorboard", "trackers"),
+    }
+    for key, (on, module, extra) in wanted.items():
+        if not on:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"{key}: needs the {module} package (pip install 'rollwise[{extra}]')")
 
 
 async def ensure_initial_model(setup: RunSetup) -> Path:

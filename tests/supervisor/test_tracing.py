@@ -77,15 +77,17 @@ async def test_an_episode_is_a_trace_of_turns_engine_requests_and_env_steps(span
     outcome = await play(tok, [GOOD_CALL, "done"])
     found = by_name(spans.get_finished_spans())
     [episode] = found["episode"]
-    turns, requests, steps = found["turn"], found["engine.generate"], found["env.step"]
-    assert (len(turns), len(requests), len(steps)) == (2, 2, 2)
+    turns, requests = found["turn"], found["engine.generate"]
+    assert (len(turns), len(requests), set(found)) == (2, 2, {"episode", "turn", "engine.generate"})
     assert episode.parent is None
     trace = episode.context.trace_id
-    assert {s.context.trace_id for s in turns + requests + steps} == {trace}
+    assert {s.context.trace_id for s in turns + requests} == {trace}
     assert all(t.parent.span_id == episode.context.span_id for t in turns)
-    turn_ids = [t.context.span_id for t in turns]
-    assert [r.parent.span_id for r in requests] == turn_ids and [s.parent.span_id for s in steps] == turn_ids
-    assert [t.attributes["rollwise.turn"] for t in turns] == [0, 1]
+    assert [r.parent.span_id for r in requests] == [t.context.span_id for t in turns]
+    assert [(t.attributes["rollwise.turn"], t.attributes["rollwise.done"]) for t in turns] == [
+        (0, False),
+        (1, True),
+    ]
     first = requests[0].attributes
     assert first["rollwise.rid"] == "e-7-t0" and first["rollwise.policy_version"] == 1
     assert first["rollwise.finish_reason"] == "stop" and first["gen_ai.usage.output_tokens"] > 1
@@ -186,3 +188,16 @@ def test_an_exporter_that_raises_is_counted_not_propagated() -> None:
     assert counting.export([object()]) is export.SpanExportResult.FAILURE
     assert counting.export([object()]) is export.SpanExportResult.FAILURE
     assert failures == [1, 1]
+
+
+def test_a_process_without_the_sdk_runs_untraced_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`rollwise run` refuses [tracing] without the SDK; a learner on a machine without it trains anyway."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.resources", None)  # its import now fails
+    failures: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="rollwise.tracing"):
+        tracing.configure(ON, process="learner", on_error=lambda: failures.append(1))
+    assert not tracing.enabled() and failures == [1]
+    assert "tracing is on but cannot start in the learner" in caplog.text
+    assert tracing.span("learner.step") is tracing.NO_SPAN

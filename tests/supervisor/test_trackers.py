@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import re
 import struct
 import threading
 import time
@@ -242,3 +243,32 @@ def test_a_slow_tracker_never_blocks_the_caller_and_an_overflow_is_dropped_and_c
 
 def test_trackers_are_imported_only_when_turned_on() -> None:
     assert not any(name in trackers_module.__dict__ for name in ("wandb", "mlflow", "tensorboard"))
+
+
+@pytest.mark.parametrize(
+    ("key", "module"),
+    [
+        ("tracing.enabled", "opentelemetry.sdk"),
+        ("trackers.wandb", "wandb"),
+        ("trackers.mlflow", "mlflow"),
+        ("trackers.tensorboard", "tensorboard"),
+    ],
+)
+def test_a_library_that_is_not_installed_is_a_config_error_naming_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, module: str
+) -> None:
+    import importlib.util
+
+    from pipeline.contracts.config import ConfigError
+    from pipeline.supervisor.wiring import check_observer_libraries
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return None if name == module else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    cfg = load_config(None, [f"{key}=true"])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: needs the {re.escape(module)} package"):
+        check_observer_libraries(cfg)
+    check_observer_libraries(load_config(None, []))  # all off: nothing is looked for

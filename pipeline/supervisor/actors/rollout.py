@@ -419,14 +419,17 @@ class _EpisodeRun:
             raise self._invalid(f"the chat template cannot render env.reset's messages: {exc!r}") from exc
         chat = self.chat
         for turn in range(spec.max_turns):
-            with tracing.span("turn", {"rollwise.turn": turn}):
-                finish = await self._turn(chat, turn)
+            # An unsampled or untraced episode opens no child spans: they would cost time, record nothing.
+            span = tracing.span("turn", {"rollwise.turn": turn}) if self.trace_id else tracing.NO_SPAN
+            with span as current:
+                finish = await self._turn(chat, turn, current)
             if finish is not None:
                 return finish
         return "truncated"
 
-    async def _turn(self, chat: ChatBuffer, turn: int) -> str | None:
-        """Turn `turn`: generate, parse, step, extend the buffer; how the episode ends, None to go on."""
+    async def _turn(self, chat: ChatBuffer, turn: int, span: Any) -> str | None:
+        """Turn `turn`: generate, parse, step, extend the buffer; how the episode ends, None to go on.
+        `span`: the turn's span (the no-op one unless the episode is traced)."""
         started = time.perf_counter()
         engine_finish = await self._generate_turn(chat, turn)
         action = self.parser(chat.finish_turn())
@@ -438,6 +441,10 @@ class _EpisodeRun:
         if len(self.turn_rewards) == turn:
             self.turn_rewards.append(0.0)
         step = await self._step(action)
+        if span.is_recording():
+            span.set_attributes(
+                {"rollwise.reward": step.reward, "rollwise.done": bool(step.done or step.truncated)}
+            )
         self.turn_rewards[turn] = step.reward
         self.metrics.turn_reward.observe(step.reward)
         if step.outcome is not None:
@@ -458,10 +465,7 @@ class _EpisodeRun:
 
     async def _step(self, action: Any) -> StepResult:
         started = time.perf_counter()
-        with tracing.span("env.step") as span:
-            step = await self._call_env("step", self.env.step(action))
-            if span.is_recording() and isinstance(step, StepResult):
-                span.set_attributes({"rollwise.reward": float(step.reward), "rollwise.done": bool(step.done)})
+        step = await self._call_env("step", self.env.step(action))
         self.metrics.step_latency.observe(time.perf_counter() - started)
         if not isinstance(step, StepResult):
             raise self._invalid(f"env.step returned {type(step).__name__}, expected StepResult")
@@ -519,7 +523,9 @@ class _EpisodeRun:
             sampling = self._sampling(min(max_new - produced, budget))
             rid = f"{self.episode_id}-t{turn}" + (f"-r{attempt}" if attempt else "")
             started = time.perf_counter()
-            span = tracing.span("engine.generate", {"rollwise.rid": rid})
+            span = (
+                tracing.span("engine.generate", {"rollwise.rid": rid}) if self.trace_id else tracing.NO_SPAN
+            )
             try:
                 with span as current:
                     result = await self.engine.generate(

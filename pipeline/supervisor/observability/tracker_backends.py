@@ -56,7 +56,12 @@ class WandbTracker:
 
     def close(self) -> None:
         if self.run is not None:
+            import wandb
+
             self.run.finish()
+            # finish() may return before W&B's service process has written the run's last records to its
+            # file; teardown waits for it (nothing else in the supervisor uses W&B).
+            wandb.teardown()
 
 
 class MlflowTracker:

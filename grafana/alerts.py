@@ -160,18 +160,27 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "RollwiseEngineDown",
-        f'max by (instance) (rollwise_engines_not_up) > 0\nor up{{job="{ENGINE_JOB}"}} == 0',
+        "max by (instance) (rollwise_engines_not_up) > 0\n"
+        "or max by (instance) (rollwise_engines_serving) == 0\n"
+        f'or up{{job="{ENGINE_JOB}"}} == 0',
         "3m",
         "critical",
         "an inference engine of {{ $labels.instance }} is down",
-        "An engine process rollwise started (or its router) is not up, or an engine's /metrics cannot be "
-        "scraped: rollout runs on fewer engines, or not at all.",
+        "An engine process rollwise started (or its router) is not up, no engine of the pool answers "
+        "(admission waits; `engine.unavailable_timeout_s` may stop the daemon), or an engine's /metrics "
+        "cannot be scraped: rollout runs on fewer engines, or not at all.",
         "`rollwise engines list`; `logs/engine<i>.log`; `rollwise_process_restarts_total"
         '{component="engine"}` shows restarts. An engine that keeps dying: memory, CUDA, a bad flag.',
         (
             Case(
                 "a child not up",
                 {f"rollwise_engines_not_up{{{D}}}": "0 1x10"},
+                "6m",
+                ({"instance": "d:9400"},),
+            ),
+            Case(
+                "no engine answers",
+                {f"rollwise_engines_serving{{{D}}}": "1 0x10", f"rollwise_engines_not_up{{{D}}}": "0x11"},
                 "6m",
                 ({"instance": "d:9400"},),
             ),
@@ -185,6 +194,7 @@ ALERTS: tuple[Alert, ...] = (
                 "restarted within a minute",
                 {
                     f"rollwise_engines_not_up{{{D}}}": "0 1 0x10",
+                    f"rollwise_engines_serving{{{D}}}": "1 0 1x10",
                     f'up{{instance="e:30000", job="{ENGINE_JOB}"}}': "1 0 1x10",
                 },
                 "6m",

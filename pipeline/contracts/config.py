@@ -210,7 +210,7 @@ class AsyncConfig(Section):
             "Admission holds back groups that would overtake a group still running from an older version "
             "(so that it is trained before it goes stale) for at most this many median group durations; "
             "0 = never (long groups may then be dropped as stale). Costs learner time while it holds: "
-            "worth it when generation is the bottleneck and rollwise_groups_dropped_total{reason=\"stale\"} "
+            'worth it when generation is the bottleneck and rollwise_groups_dropped_total{reason="stale"} '
             "is high (docs/operations.md, 'Stale groups')."
         ),
     )

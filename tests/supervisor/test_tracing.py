@@ -23,7 +23,7 @@ from pipeline.supervisor.actors.rollout import RolloutSettings, run_episode
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
 from pipeline.supervisor.progress import JsonProgress
-from tests.fakes.sglang_fake import FakeSGLang
+from pipeline.tools.fake_sglang import FakeSGLang
 from tests.helpers.lineage import lineage_for
 from tests.supervisor.test_silent_failures import GOOD_CALL, TASK, TextEngine, TurnsEnv
 

@@ -351,7 +351,8 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[str]:
     """The embedded engine serving the tiny preset, as the daemon starts it (its own process)."""
     port = free_port()
     argv = [sys.executable, "-m", "pipeline.engine", "--model", str(tiny_model_dir), "--port", str(port)]
-    argv += ["--threads", "1", "--seed", "0", "--context-length", str(TINY_CONTEXT)]
+    # float32: the recorded log-probs are checked against an fp32 teacher-forced forward (auto may pick bf16).
+    argv += ["--threads", "1", "--seed", "0", "--context-length", str(TINY_CONTEXT), "--dtype", "float32"]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"

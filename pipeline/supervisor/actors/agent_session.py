@@ -79,13 +79,15 @@ class AgentSession:
         env: AgentEnvironment,
         episode_id: str,
         env_name: str,
+        group_id: str | None = None,
     ) -> None:
         self.env = env
         self.env_name = env_name
         self.episode_id = episode_id
         self.key = secrets.token_urlsafe(18)
         self.model = env.model
-        self.run = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name)
+        # Affinity by group, as native episodes: the group's shared first prompt stays in one prefix cache.
+        self.run = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name, affinity_key=group_id)
         self.tokenizer = tokenizer
         self.settings = settings
         self.parser = get_parser(settings.tool_parser)

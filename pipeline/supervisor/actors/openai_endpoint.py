@@ -240,6 +240,7 @@ class OpenAIEndpoint:
             env=env,
             episode_id=episode_id,
             env_name=env_name,
+            group_id=group_id,
         )
         self._sessions[session.key] = session
         result: AgentResult | None = None

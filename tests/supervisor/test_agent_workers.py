@@ -41,6 +41,27 @@ async def two_turn_agent(client: openai.AsyncOpenAI, task: Task) -> AgentResult:
     )
 
 
+async def three_apis_agent(client: openai.AsyncOpenAI, task: Task) -> float:
+    """The client the worker gives (its requests over the worker's pipe): a streamed chat completion
+    and a Responses call; then a client of its own from the base URL (over HTTP): an Anthropic message.
+    Non-ASCII text both ways: the bytes must arrive as sent."""
+    import anthropic
+
+    question = task.data["question"] + " — é, 五"
+    stream = await client.chat.completions.create(
+        model=POLICY_MODEL, messages=[{"role": "user", "content": question}], stream=True
+    )
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    response = await client.responses.create(model=POLICY_MODEL, input=question, store=False)
+    base = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    async with anthropic.AsyncAnthropic(base_url=base, api_key=client.api_key, max_retries=0) as own:
+        message = await own.messages.create(
+            model=POLICY_MODEL, max_tokens=8, messages=[{"role": "user", "content": question}]
+        )
+    answers = [text, response.output_text, message.content[0].text]  # type: ignore[union-attr]
+    return 1.0 if answers == ["5", "5", "5"] else 0.0
+
+
 async def failing_agent(client: openai.AsyncOpenAI, task: Task) -> float:
     await client.chat.completions.create(model=POLICY_MODEL, messages=[{"role": "user", "content": "hi"}])
     raise ValueError("the agent's own bug")
@@ -99,6 +120,17 @@ async def test_episodes_run_in_the_workers_and_are_recorded(
         [row] = result.rows
         assert [lp for lp, m in zip(row.logprobs, row.loss_mask, strict=True) if m] == [-0.3] * 4
     assert len(fake.generate_requests()) == 12
+
+
+async def test_a_workers_given_client_and_its_own_http_client_both_reach_the_endpoint(
+    endpoint: OpenAIEndpoint, fake: FakeSGLang, tok: Any
+) -> None:
+    pytest.importorskip("anthropic")
+    result = await play(endpoint, f"{__name__}:three_apis_agent", "apis")
+    assert (result.finish_reason, result.error, result.outcome) == ("stop", None, 1.0)
+    assert result.num_turns == 3  # three requests, three APIs, each one recorded turn
+    prompts = [tok.decode(call["input_ids"]) for call in fake.generate_requests()]
+    assert len(prompts) == 3 and all("— é, 五" in prompt for prompt in prompts)
 
 
 async def test_an_agent_error_in_a_worker_costs_its_episode(endpoint: OpenAIEndpoint) -> None:

@@ -5,13 +5,20 @@ An agent function's own client (the openai SDK builds and parses every request i
 per turn than the endpoint's work for that turn (docs/benchmarks.md, `bench actors --agent`): in the
 supervisor's loop it bounds the whole run's agent turns/s to one core. In a worker the agent runs as it
 would anywhere: `agent(openai.AsyncOpenAI(base_url=<the episode's base URL>, api_key=<its key>), task)`,
-its requests reaching the endpoint over HTTP on 127.0.0.1, where they are recorded as always.
+and its requests are recorded as always. The client the worker gives it sends the requests to the
+endpoint's own address over the worker's pipe (the parent answers them with `OpenAIEndpoint.handle`, the
+in-process route: no HTTP to build or parse on either side, and a real HTTP transport would cost the
+worker more CPU than the SDK itself); any client the agent builds from the base URL (`str(client.base_url)`,
+a framework's own) reaches the same endpoint over HTTP on 127.0.0.1.
 
 Protocol (one JSON object per line; the worker's stdout is the protocol, its fd 1 is pointed at stderr so
 an agent's prints cannot break it): parent -> worker `{"op": "run", "id", "agent": "module:attr" or
 "file.py:attr", "task": {"id", "seed", "data"}, "base_url", "api_key", "timeout_s"}` and `{"op": "cancel",
 "id"}`; worker -> parent `{"id", "ok": true, "value": <a number or {"outcome", "turn_rewards", "info"}>}`
-or `{"id", "ok": false, "error": "<repr of what the agent raised>"}`. Closing the worker's stdin ends it.
+or `{"id", "ok": false, "error": "<repr of what the agent raised>"}`; a request of the worker's client:
+worker -> parent `{"op": "http", "id", "method", "path", "headers", "body"}`, parent -> worker `{"op":
+"reply", "id", "status", "headers", "body"}` (bodies as latin-1 text: bytes kept exactly). Closing the
+worker's stdin ends it.
 
 A worker that dies fails its episodes (AgentFailure reason "worker", counted) and is started again for
 the next ones. Episodes go to the worker with the fewest in flight.
@@ -26,14 +33,28 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from envs.agent import AgentEnvironment, AgentEpisode, AgentFailure, AgentResult
 from envs.api import Task
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 10.0
+
+
+class HTTPReply(Protocol):
+    """What the endpoint answers a request with (openai_endpoint.Reply)."""
+
+    status: int
+    body: bytes
+    content_type: str
+    headers: dict[str, str]
+
+
+# (method, path, lower-case headers, body) -> the reply: OpenAIEndpoint.handle.
+RequestHandler = Callable[[str, str, Mapping[str, str], bytes], Awaitable[HTTPReply]]
 
 
 class RemoteAgentError(Exception):
@@ -62,6 +83,12 @@ class AgentWorkerPool:
         self._workers: list[_Worker] = []
         self._ids = itertools.count()
         self._closing = False
+        self._handler: RequestHandler | None = None
+        self._answering: set[asyncio.Future[None]] = set()
+
+    def bind(self, handler: RequestHandler) -> None:
+        """Answer the workers' client requests with `handler` (the endpoint's, set when it is made)."""
+        self._handler = handler
 
     async def start(self) -> None:
         self._workers = [await self._spawn(i) for i in range(self.size)]
@@ -131,8 +158,13 @@ class AgentWorkerPool:
                 break
             try:
                 reply = json.loads(line)
+                if reply.get("op") == "http":
+                    answering = asyncio.ensure_future(self._answer(worker, reply))
+                    self._answering.add(answering)
+                    answering.add_done_callback(self._answering.discard)
+                    continue
                 future = worker.pending.get(reply["id"])
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("agent worker %d wrote a line outside the protocol: %.200r", worker.index, line)
                 continue
             if future is not None and not future.done():
@@ -148,6 +180,35 @@ class AgentWorkerPool:
             replacement = await self._spawn(worker.index)
             self._workers[self._workers.index(worker)] = replacement
 
+    async def _answer(self, worker: _Worker, request: dict[str, Any]) -> None:
+        """A request of a worker's client, answered by the endpoint; the reply goes back over the pipe."""
+        try:
+            if self._handler is None:
+                raise RuntimeError("the worker pool is not bound to an endpoint")
+            headers = {str(k).lower(): str(v) for k, v in dict(request["headers"]).items()}
+            body = str(request["body"]).encode("latin-1")
+            answer = await self._handler(str(request["method"]), str(request["path"]), headers, body)
+            message = {
+                "op": "reply",
+                "id": request["id"],
+                "status": answer.status,
+                "headers": {"content-type": answer.content_type, **answer.headers},
+                "body": answer.body.decode("latin-1"),
+            }
+        except Exception as exc:  # never leave the agent's request without an answer
+            log.warning("agent worker %d: a request failed in the parent: %r", worker.index, exc)
+            error = {"error": {"message": f"rollwise: {exc!r}", "type": "server_error"}}
+            message = {
+                "op": "reply",
+                "id": request.get("id"),
+                "status": 500,
+                "headers": {"content-type": "application/json"},
+                "body": json.dumps(error),
+            }
+        if worker.proc.returncode is None:
+            with contextlib.suppress(Exception):  # the worker died meanwhile: its episodes already failed
+                self._send(worker, message)
+
     async def close(self) -> None:
         """End every worker (closing its stdin ends it; killed after STOP_WAIT_S)."""
         self._closing = True
@@ -162,6 +223,8 @@ class AgentWorkerPool:
                 await worker.proc.wait()
             if worker.reader is not None:
                 await asyncio.gather(worker.reader, return_exceptions=True)
+        for answering in list(self._answering):
+            answering.cancel()
         self._workers = []
 
 
@@ -183,6 +246,7 @@ def _encode(value: object) -> object:
 
 
 async def _serve(protocol_fd: int) -> None:
+    import httpx2
     import openai
 
     from envs.agent import _load
@@ -191,17 +255,53 @@ async def _serve(protocol_fd: int) -> None:
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     out = os.fdopen(protocol_fd, "wb", buffering=0)
-    http = openai.DefaultAsyncHttpxClient()  # one connection pool for every episode of this worker
+    agents: dict[str, Any] = {}
+    running: dict[int, asyncio.Task[None]] = {}
+    waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}  # this worker's requests, by id
+    request_ids = itertools.count()
+
+    def reply(message: dict[str, Any]) -> None:
+        out.write((json.dumps(message, ensure_ascii=False, default=str) + "\n").encode())
+
+    class ViaParent(httpx2.AsyncBaseTransport):
+        """Requests to the endpoint's address: over the pipe, answered by the parent's endpoint."""
+
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            request_id = next(request_ids)
+            waiting[request_id] = future = loop.create_future()
+            headers = {k: request.headers[k] for k in ("authorization", "x-api-key") if k in request.headers}
+            try:
+                reply(
+                    {
+                        "op": "http",
+                        "id": request_id,
+                        "method": request.method,
+                        "path": request.url.path,
+                        "headers": headers,
+                        "body": (await request.aread()).decode("latin-1"),
+                    }
+                )
+                answer = await future
+            finally:
+                waiting.pop(request_id, None)
+            return httpx2.Response(
+                answer["status"],
+                headers=answer["headers"],
+                content=answer["body"].encode("latin-1"),
+                request=request,
+            )
+
+    https: dict[str, Any] = {}  # the endpoint's origin -> one client for every episode of this worker
+
+    def http_for(base_url: str) -> Any:
+        origin = str(httpx2.URL(base_url).copy_with(path="/", query=None)).rstrip("/")
+        if origin not in https:
+            https[origin] = openai.DefaultAsyncHttpxClient(mounts={origin: ViaParent()})
+        return https[origin]
 
     class Shared(openai.AsyncOpenAI):
         async def close(self) -> None:  # an agent closing its client must not close the pool
             return None
-
-    agents: dict[str, Any] = {}
-    running: dict[int, asyncio.Task[None]] = {}
-
-    def reply(message: dict[str, Any]) -> None:
-        out.write((json.dumps(message, ensure_ascii=False, default=str) + "\n").encode())
 
     async def run(message: dict[str, Any]) -> None:
         request_id = message["id"]
@@ -214,7 +314,7 @@ async def _serve(protocol_fd: int) -> None:
                 api_key=message["api_key"],
                 max_retries=0,
                 timeout=message["timeout_s"],
-                http_client=http,
+                http_client=http_for(message["base_url"]),
             )
             data = message["task"]
             value = await agent(client, Task(id=data["id"], seed=data["seed"], data=data["data"]))
@@ -228,14 +328,19 @@ async def _serve(protocol_fd: int) -> None:
 
     while line := await reader.readline():
         message = json.loads(line)
-        if message["op"] == "run":
+        if message["op"] == "reply":
+            future = waiting.get(message["id"])
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif message["op"] == "run":
             running[message["id"]] = asyncio.ensure_future(run(message))
         elif message["op"] == "cancel" and message["id"] in running:
             running[message["id"]].cancel()
     for task in list(running.values()):
         task.cancel()
     await asyncio.gather(*running.values(), return_exceptions=True)
-    await http.aclose()
+    for http in https.values():
+        await http.aclose()
 
 
 def main(argv: list[str]) -> None:

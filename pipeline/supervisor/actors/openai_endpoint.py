@@ -42,7 +42,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -105,6 +105,8 @@ STOP_GRACE_S = 5.0  # how long a stopped agent gets to finish its cleanup
 class AgentPool(Protocol):
     """Runs agent functions off this process (pipeline.supervisor.actors.agent_workers.AgentWorkerPool)."""
 
+    def bind(self, handler: Callable[[str, str, Mapping[str, str], bytes], Awaitable[Reply]]) -> None: ...
+
     def accepts(self, env: AgentEnvironment) -> bool: ...
 
     async def run(self, env: AgentEnvironment, episode: AgentEpisode, task: Task) -> object: ...
@@ -127,6 +129,8 @@ class OpenAIEndpoint:
     ) -> None:
         self.engine = engine
         self.agent_pool = agent_pool
+        if agent_pool is not None:  # its workers' clients send their requests through `handle`
+            agent_pool.bind(self.handle)
         self.tokenizer = tokenizer
         self.settings = settings
         self.host = host
@@ -451,6 +455,20 @@ class OpenAIEndpoint:
             raise OpenAIRequestError(401, "unknown API key", code="invalid_api_key")
         return session
 
+    async def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        """A request to the endpoint's own address that reached it without HTTP (the in-process client,
+        an agent worker's client): routed as the server routes it. `headers`: lower-case names."""
+        match = _ROUTE.fullmatch(path)
+        authorization = headers.get("authorization", "")
+        api_key = headers.get("x-api-key", "")
+        if match is None or method != ("GET" if match["what"] == "models" else "POST"):
+            status, problem = (404, "no route") if match is None else (405, "method not allowed:")
+            refused = OpenAIRequestError(status, f"{problem} {method} {path}")
+            return Reply.json(refused.body(), status=status)
+        if match["what"] == "models":
+            return self.answer_models(match["key"], authorization, api_key)
+        return await self.answer(_ROUTE_APIS[match["what"]], match["key"], authorization, body, api_key)
+
     def answer_models(self, path_key: str | None, authorization: str, api_key: str = "") -> Reply:
         """GET [/e/<key>]/v1/models."""
         try:
@@ -686,20 +704,9 @@ def _shared_http_client(endpoint: OpenAIEndpoint) -> Any:
 
     class InProcess(httpx2.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-            match = _ROUTE.fullmatch(request.url.path)
-            authorization = request.headers.get("authorization", "")
-            api_key = request.headers.get("x-api-key", "")
-            if match is None or request.method != ("GET" if match["what"] == "models" else "POST"):
-                status, problem = (404, "no route") if match is None else (405, "method not allowed:")
-                refused = OpenAIRequestError(status, f"{problem} {request.method} {request.url.path}")
-                reply = Reply.json(refused.body(), status=status)
-            elif match["what"] == "models":
-                reply = endpoint.answer_models(match["key"], authorization, api_key)
-            else:
-                api = _ROUTE_APIS[match["what"]]
-                reply = await endpoint.answer(
-                    api, match["key"], authorization, await request.aread(), api_key
-                )
+            reply = await endpoint.handle(
+                request.method, request.url.path, request.headers, await request.aread()
+            )
             headers = {"content-type": reply.content_type, **reply.headers}
             return httpx2.Response(reply.status, headers=headers, content=reply.body, request=request)
 

@@ -254,7 +254,9 @@ async def _serve(protocol_fd: int) -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    out = os.fdopen(protocol_fd, "wb", buffering=0)
+    # A non-blocking pipe transport: a blocking write would stall every episode of this worker whenever
+    # the parent is slow to read (a full pipe buffer is ~30 requests).
+    out, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(protocol_fd, "wb", buffering=0))
     agents: dict[str, Any] = {}
     running: dict[int, asyncio.Task[None]] = {}
     waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}  # this worker's requests, by id

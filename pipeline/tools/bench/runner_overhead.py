@@ -31,8 +31,9 @@ openai SDK: its request building and response models run on the same core), one 
 aiohttp to the episode's base URL (what the endpoint itself costs). Goal: agent turns/s >= 0.5x native.
 Then the SDK agent again in 1 and 2 agent worker processes (`[env] agent_workers`,
 pipeline/supervisor/actors/agent_workers.py; `--agent-workers`): the agent and its openai client run
-there, on any core, and reach the endpoint over HTTP; the actor's side keeps the endpoint's work. With 2
-cores, the instant server and the actor pinned one to each, the workers share both.
+there, on any core, and reach the endpoint over the worker's pipe; the actor's side keeps the endpoint's
+work. With 2 cores, the instant server and the actor pinned one to each, the workers share both. The
+workers' own CPU per turn (from /proc) is reported beside the actor's.
 """
 
 from __future__ import annotations

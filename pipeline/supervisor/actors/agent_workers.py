@@ -250,6 +250,7 @@ async def _serve(protocol_fd: int) -> None:
     import openai
 
     from envs.agent import _load
+    from pipeline.supervisor.heap import freeze_startup_heap
 
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)
@@ -311,6 +312,9 @@ async def _serve(protocol_fd: int) -> None:
             agent = agents.get(message["agent"])
             if agent is None:
                 agent = agents[message["agent"]] = _load(message["agent"], "agent")
+                # What the agent's module imported lives as long as the worker: out of full collections,
+                # as the supervisor does with its own start-up heap.
+                freeze_startup_heap()
             client = Shared(
                 base_url=message["base_url"],
                 api_key=message["api_key"],

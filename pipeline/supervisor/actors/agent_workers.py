@@ -45,12 +45,16 @@ STOP_WAIT_S = 10.0
 
 
 class HTTPReply(Protocol):
-    """What the endpoint answers a request with (openai_endpoint.Reply)."""
+    """What the endpoint answers a request with (openai_endpoint.Reply, frozen: read-only here too)."""
 
-    status: int
-    body: bytes
-    content_type: str
-    headers: dict[str, str]
+    @property
+    def status(self) -> int: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
 
 
 # (method, path, lower-case headers, body) -> the reply: OpenAIEndpoint.handle.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -254,7 +255,6 @@ async def _serve(protocol_fd: int) -> None:
     import openai
 
     from envs.agent import _load
-    from pipeline.supervisor.heap import freeze_startup_heap
 
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)
@@ -317,8 +317,9 @@ async def _serve(protocol_fd: int) -> None:
             if agent is None:
                 agent = agents[message["agent"]] = _load(message["agent"], "agent")
                 # What the agent's module imported lives as long as the worker: out of full collections,
-                # as the supervisor does with its own start-up heap.
-                freeze_startup_heap()
+                # as the supervisor does with its own start-up heap (pipeline/supervisor/heap.py).
+                gc.collect()
+                gc.freeze()
             client = Shared(
                 base_url=message["base_url"],
                 api_key=message["api_key"],

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
-from pipeline.contracts import events
+from pipeline.contracts import events, memory_trace
 from pipeline.contracts.config import (
     Config,
     ConfigError,
@@ -775,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         follow_launcher()
     if rank != 0:
         quiet_stdout()
+    memory_trace.start_from_env(name)
     out = EventStream(sys.stdout)
     stop = StopFlag()
 

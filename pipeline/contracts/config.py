@@ -50,7 +50,13 @@ class EngineConfig(Section):
     urls: list[str] = Field(default_factory=list, description="Server URLs when kind = external.")
     host: str = Field("127.0.0.1", description="Bind address of engines rollwise starts.")
     port: int = Field(
-        30000, ge=0, le=65535, description="First port of engines rollwise starts (0 = pick free)."
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "First port of engines rollwise starts (0 = free ports, picked at start: nothing outside the "
+            "daemon needs them in advance, and a second daemon on the host does not collide)."
+        ),
     )
     num_engines: int = Field(1, ge=1, le=64, description="Engines to start (embedded or sglang).")
     mem_fraction_static: float = Field(0.8, gt=0, le=1, description="SGLang --mem-fraction-static.")

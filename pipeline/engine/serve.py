@@ -8,18 +8,23 @@ the model; `serve` wraps it with signal handling and the process exit code; `mai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from aiohttp import web
 
+from pipeline.contracts import memory_trace
 from pipeline.contracts.http_guard import (
     ENGINE_API_KEY_ENV,
+    CannotListen,
     ExposedWithoutKey,
     bind_notice,
+    listen,
     require_key_off_loopback,
     runner_options,
 )
@@ -59,9 +64,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
     runner = web.AppRunner(app, access_log=None, **runner_options(config.limits))
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await listen(site, "the engine", config.host, config.port, "--port")
+    except CannotListen:
+        await runner.cleanup()
+        raise
     port = int(runner.addresses[0][1]) if runner.addresses else config.port
     log.info("%s", bind_notice("engine", config.host, port, config.api_key, OPEN_PATHS))
+    app[STATE].config = dataclasses.replace(config, port=port)  # /server_info tells the bound port
     running = RunningServer(app=app, runner=runner, port=port)
     try:
         await running.state.start()
@@ -85,6 +95,10 @@ async def serve(config: ServerConfig) -> int:
         except ExposedWithoutKey as exc:
             log.error("%s", exc)
             return 2
+        except CannotListen as exc:
+            log.error("%s", exc)
+            print(f"rollwise engine: {exc}", file=sys.stderr, flush=True)
+            return 1
         except Exception:
             log.exception("engine failed to start with model %s", config.model)
             return 1
@@ -109,4 +123,5 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight update would flood the engine's log
+    memory_trace.start_from_env("engine")
     return asyncio.run(serve(config))

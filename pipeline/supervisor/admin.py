@@ -28,7 +28,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pipeline.contracts.http_guard import BadBody, DoorLimits, api_key_middleware, read_json, runner_options
+from pipeline.contracts.http_guard import (
+    BadBody,
+    DoorLimits,
+    api_key_middleware,
+    listen,
+    read_json,
+    runner_options,
+)
 from pipeline.supervisor.fleet_membership import FleetMembership, MembershipError
 from pipeline.transport.weights_http import WeightServer
 
@@ -106,7 +113,7 @@ class AdminEndpoint:
     async def start(self) -> None:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        await listen(site, "the admin endpoint", self.host, self.port, "admin.port")
         if self._runner.addresses:
             self.port = int(self._runner.addresses[0][1])
 

@@ -26,8 +26,9 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from pipeline.contracts import events
+from pipeline.contracts import events, memory_trace
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
+from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
@@ -139,14 +140,15 @@ class Supervisor:
         with hold_supervisor_lock(self.run_dir), stray_stdout_to_log(self.progress, log):
             log_to_run_dir(self.run_dir, quiet_stderr=isinstance(self.progress, RichProgress))
             write_resolved(cfg, self.run_dir.root)
+            # The ports first: a taken one (another daemon on this host) is one line before any work.
+            await self.endpoints.start()
+            await self.start_fleet_services()
             await ensure_initial_model(self.setup)
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
             metrics.init_long_run_label_values()
             self.learner_events.step_log.open()
-            await self.endpoints.start()
-            await self.start_fleet_services()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
             background: list[asyncio.Task[None]] = []
@@ -389,8 +391,9 @@ def main_run(ns: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    memory_trace.start_from_env("supervisor")
     try:
         return asyncio.run(Supervisor(setup).run())
-    except RunDirInUse as exc:
+    except (RunDirInUse, CannotListen) as exc:
         print(f"rollwise: {exc}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ from pipeline.contracts.http_guard import (
     DoorLimits,
     api_key_middleware,
     bind_notice,
+    listen,
     require_key_off_loopback,
     runner_options,
 )
@@ -77,7 +78,7 @@ class HttpEndpoints:
         require_key_off_loopback("the metrics endpoint", self.host, self.api_key, "metrics.api_key")
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        await listen(site, "the metrics endpoint", self.host, self.port, "metrics.port")
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         if sockets:

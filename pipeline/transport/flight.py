@@ -35,6 +35,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from pipeline.contracts.http_guard import CannotListen, check_port_free
 from pipeline.transport.spool import (
     QuarantinedFile,
     SpoolItem,
@@ -149,7 +150,15 @@ class SpoolFlightService:
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
-        self._server = _SpoolServer(self.spool_dir, f"grpc+tcp://{host}:{port}", token)
+        # gRPC reports a failed bind as "Server did not start properly": the probe names the cause.
+        check_port_free("the Flight spool service", host, port, "transport.flight_port")
+        try:
+            self._server = _SpoolServer(self.spool_dir, f"grpc+tcp://{host}:{port}", token)
+        except pa.ArrowException as exc:
+            raise CannotListen(
+                f"the Flight spool service cannot listen on {host}:{port}: {exc}; check "
+                "transport.flight_host and transport.flight_port"
+            ) from None
         self.port = int(self._server.port)
         self._thread: threading.Thread | None = None
 

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,12 @@ import aiohttp
 from aiohttp import web
 
 from pipeline.contracts.http_guard import (
+    CannotListen,
     DoorLimits,
     api_key_middleware,
     bind_notice,
+    check_port_free,
+    listen,
     require_key_off_loopback,
     runner_options,
 )
@@ -184,7 +188,7 @@ class WeightServerThread:
         self._runner = web.AppRunner(app, access_log=None, **runner_options(self.LIMITS))
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        await listen(site, self.what, self.host, self.port, "learner.remote.weights_port")
         return int(self._runner.addresses[0][1])
 
     async def _close_runner(self) -> None:
@@ -385,5 +389,10 @@ def main(argv: list[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     app = web.Application()
     add_fetch_route(app, root)
+    try:
+        check_port_free("the fetch agent", args.host, args.port, "--port")
+    except CannotListen as exc:
+        print(f"rollwise engine fetch-agent: {exc}", file=sys.stderr)
+        return 1
     web.run_app(app, host=args.host, port=args.port, print=None)
     return 0

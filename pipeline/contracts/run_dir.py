@@ -110,6 +110,21 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+# The context length of rollwise's presets (learner.model_init builds them with it): known before the
+# preset exists, so the config check can use it.
+PRESET_CONTEXT_TOKENS = 1024
+
+
+def model_context_length(model_dir: Path) -> int | None:
+    """`max_position_embeddings` of an HF model directory's config.json; None when it does not say."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def is_published_dir(path: Path) -> bool:
     """A complete published version: an HF model directory, or a PEFT adapter directory (LoRA served as
     adapters: adapter_config.json; both are renamed into place whole)."""

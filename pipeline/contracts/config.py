@@ -345,6 +345,21 @@ class MetricsConfig(Section):
     )
 
 
+class LogsConfig(Section):
+    """The run directory's logs under a size cap (pipeline/supervisor/log_rotation.py)."""
+
+    max_bytes: int = Field(
+        64 * 2**20,
+        ge=64 * 1024,
+        description=(
+            "A log (logs/*.log, steps.jsonl, eval.jsonl; not the ledger consumed.jsonl) larger than this is "
+            "rotated: copied to <name>.1 and truncated (logrotate's copytruncate)."
+        ),
+    )
+    keep: int = Field(3, ge=1, le=100, description="Rotated copies kept per log (<name>.1 newest).")
+    check_every_s: float = Field(30.0, gt=0, le=3600, description="How often the log sizes are checked.")
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -359,6 +374,7 @@ class Config(Section):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    logs: LogsConfig = Field(default_factory=LogsConfig)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

@@ -41,6 +41,7 @@ from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
 from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
 from pipeline.supervisor.lineage import Lineage
+from pipeline.supervisor.log_rotation import keep_logs_small
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.loop_lag import measure_loop_lag
 from pipeline.supervisor.progress import (
@@ -151,7 +152,15 @@ class Supervisor:
             self.learner_events.step_log.open()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
-            background: list[asyncio.Task[None]] = []
+            logs = cfg.logs
+            background: list[asyncio.Task[None]] = [
+                asyncio.create_task(
+                    keep_logs_small(
+                        self.run_dir.logs, logs.max_bytes, logs.keep, self.stopping, logs.check_every_s
+                    ),
+                    name="log rotation",
+                )
+            ]
             try:
                 # 1. The learner resumes its checkpoint; the engines serve the version it published.
                 ready = await self.until_stopping(self.start_children())
@@ -160,7 +169,7 @@ class Supervisor:
                     scheduler = await self.start_scheduler(ready)
                     self.start_evaluator()
                     unavailable_s = cfg.engine.unavailable_timeout_s
-                    background = [
+                    background += [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
                         self.watch(self.engines.guard_availability(unavailable_s), "engine guard"),
                         self.watch(self.report_status(), "status"),

@@ -64,6 +64,7 @@ class SoakOptions:
     restart_delay_s: float
     seed: int
     tracemalloc_every_s: float | None = None  # None: no tracing
+    tracemalloc_frames: int = 8  # 0: the native figures only (no Python tracing, no slowdown)
 
 
 class Daemon:
@@ -180,6 +181,7 @@ class Soak:
             memory_trace.TRACE_ENV: str((self.opts.out / "tracemalloc").resolve()),
             memory_trace.EVERY_ENV: str(self.opts.tracemalloc_every_s),
             memory_trace.WARMUP_ENV: str(self.opts.warmup_s),
+            memory_trace.FRAMES_ENV: str(self.opts.tracemalloc_frames),
         }
 
     def start_daemon(self) -> None:
@@ -476,8 +478,15 @@ def parse_args(argv: list[str]) -> SoakOptions:
         "--tracemalloc",
         type=float,
         metavar="EVERY_S",
-        help="trace Python allocations in every process; after the warm-up, write the sites that grew "
-        "since then every EVERY_S seconds to OUT/tracemalloc/<role>-<pid>.txt (slows the run)",
+        help="every EVERY_S seconds after the warm-up, each process writes its native memory figures "
+        "(RSS, malloc in use / free but held, Arrow) and the Python allocation sites that grew since then "
+        "to OUT/tracemalloc/<role>-<pid>.txt",
+    )
+    p.add_argument(
+        "--tracemalloc-frames",
+        type=int,
+        default=8,
+        help="frames per traced Python allocation (0: native figures only, no slowdown; default 8)",
     )
     a = p.parse_args(argv)
     if a.minutes <= 0 or a.sample_s <= 0 or a.kill_every_s <= 0 or a.warmup_minutes < 0:
@@ -508,6 +517,7 @@ def parse_args(argv: list[str]) -> SoakOptions:
         restart_delay_s=a.restart_delay_s,
         seed=a.seed,
         tracemalloc_every_s=a.tracemalloc,
+        tracemalloc_frames=a.tracemalloc_frames,
     )
 
 

@@ -735,6 +735,8 @@ class OwnRunDir:
     @staticmethod
     def open(cfg: Config, run: RunDir) -> OwnRunDir:
         from learner.model_init import ensure_model
+        from pipeline.contracts.config import learner_tls
+        from pipeline.contracts.tls import check_files, context_for
         from pipeline.transport.weights_http import WeightServerThread, advertised_url
 
         write_resolved(cfg, run.root)  # what this learner runs with, secrets left out
@@ -743,15 +745,20 @@ class OwnRunDir:
             ensure_model(run.initial_model, preset=cfg.model.preset, seed=cfg.run.seed)
             digest = model_digest(run.initial_model)
         remote = cfg.learner.remote
+        tls = learner_tls(cfg)
+        check_files(tls, "learner.remote.tls (or tls)")  # paths on this machine: checked here
+        context = context_for(remote.weights_host, tls)
         server = WeightServerThread(
             run.weights_of,
             remote.weights_host,
             remote.weights_port,
             reveal(remote.weights_token),
             what="the learner's weight server",
+            ssl_context=context,
         )
         port = server.start()
-        url = remote.weights_url or advertised_url(remote.weights_host, port)
+        scheme = "https" if context is not None else "http"
+        url = remote.weights_url or advertised_url(remote.weights_host, port, scheme)
         log.info("own run directory %s; published weights served at %s", run.root, url)
         return OwnRunDir(server, url, digest)
 

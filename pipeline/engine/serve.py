@@ -28,6 +28,13 @@ from pipeline.contracts.http_guard import (
     require_key_off_loopback,
     runner_options,
 )
+from pipeline.contracts.tls import (
+    PlaintextRefused,
+    TlsFileError,
+    check_files,
+    require_tls_off_loopback,
+    server_context,
+)
 from pipeline.engine.engine_state import STATE, EngineState
 from pipeline.engine.routes import OPEN_PATHS, build_app
 from pipeline.engine.serve_flags import ServerConfig, parse_args
@@ -49,7 +56,8 @@ class RunningServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.state.config.host}:{self.port}"
+        config = self.state.config
+        return f"{'https' if config.tls.serves else 'http'}://{config.host}:{self.port}"
 
     async def close(self) -> None:
         await self.state.stop()
@@ -60,10 +68,13 @@ async def start_server(config: ServerConfig) -> RunningServer:
     """Bind the HTTP port (so /health answers 503 at once), then load and warm the model. Raises
     ExposedWithoutKey for a non-loopback host without an API key (before binding anything)."""
     require_key_off_loopback("the engine", config.host, config.api_key, f"--api-key or {ENGINE_API_KEY_ENV}")
+    how = "--ssl-certfile, --ssl-keyfile"
+    require_tls_off_loopback("the engine", config.host, config.tls.serves, config.allow_plaintext, how)
+    check_files(config.tls, "engine")
     app = build_app(config)
     runner = web.AppRunner(app, access_log=None, **runner_options(config.limits))
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=server_context(config.tls))
     try:
         await listen(site, "the engine", config.host, config.port, "--port")
     except CannotListen:
@@ -92,7 +103,7 @@ async def serve(config: ServerConfig) -> int:
     try:
         try:
             running = await start_server(config)
-        except ExposedWithoutKey as exc:
+        except (ExposedWithoutKey, PlaintextRefused, TlsFileError) as exc:
             log.error("%s", exc)
             return 2
         except CannotListen as exc:

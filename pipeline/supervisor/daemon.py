@@ -30,6 +30,7 @@ from pipeline.contracts import events, memory_trace
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
+from pipeline.contracts.tls import context_for, pem_pair
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
@@ -118,8 +119,13 @@ class Supervisor:
             fail=self.fail,
             config=config_message(cfg) if cfg.learner.remote.run_dir is not None else None,
         )
+        tls = cfg.tls.files()
         self.endpoints = HttpEndpoints(
-            cfg.metrics.host, cfg.metrics.port, self.not_ready, api_key=reveal(cfg.metrics.api_key)
+            cfg.metrics.host,
+            cfg.metrics.port,
+            self.not_ready,
+            api_key=reveal(cfg.metrics.api_key),
+            ssl_context=context_for(cfg.metrics.host, tls),
         )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
         self.membership = FleetMembership(
@@ -130,6 +136,7 @@ class Supervisor:
             cfg.admin.host,
             cfg.admin.port,
             make_admin_app(self.membership, WeightServer(self.run_dir.weights_of), reveal(cfg.admin.token)),
+            ssl_context=context_for(cfg.admin.host, tls),
         )
         self.initial_capacity = 0
         self.flight: SpoolFlightService | None = None
@@ -211,8 +218,10 @@ class Supervisor:
         self.engines.weight_token = reveal(cfg.admin.token)
         if cfg.transport.kind == "flight":
             t = cfg.transport
+            tls = cfg.tls.files()
+            pem = pem_pair(tls) if context_for(t.flight_host, tls) is not None else None
             self.flight = SpoolFlightService(
-                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=reveal(t.token)
+                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=reveal(t.token), tls=pem
             )
             self.flight.start()
             self.progress.message(f"spool served over Arrow Flight at {self.flight.url}")

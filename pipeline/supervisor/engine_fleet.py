@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.run_dir import RunDir
+from pipeline.contracts.tls import client_context, scheme_of
 from pipeline.supervisor.actors.rollout import GenerateEngine
 from pipeline.supervisor.children import Child, ChildSpec, keep_running
 from pipeline.supervisor.engine_launch import EngineSlot, engine_child_spec, free_port, plan_engines
@@ -69,6 +70,8 @@ class EngineFleet:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        # What this machine's clients trust (engines, fetchers and the router over https).
+        self.client_tls = client_context(self.cfg.tls.files())
         self.slots: list[EngineSlot] = plan_engines(self.cfg)
         self.up: dict[str, bool] = {s.name: False for s in self.slots}
         self._up_events = {s.name: asyncio.Event() for s in self.slots}
@@ -91,11 +94,11 @@ class EngineFleet:
         if e.router == "sglang-router":
             port = e.router_port or free_port(e.router_host)
             self._router_prometheus_port = free_port(e.router_host)
-            self.router_url = f"http://{e.router_host}:{port}"
+            self.router_url = f"{scheme_of(e.router_host, self.cfg.tls.files())}://{e.router_host}:{port}"
             self.router_metrics_url = f"http://{e.router_host}:{self._router_prometheus_port}/metrics"
             self._router_port = port
             router_client = self.make_client(self.router_url)
-            self.router_admin = RouterAdmin(self.router_url)
+            self.router_admin = RouterAdmin(self.router_url, ssl_context=self.client_tls)
         self.pool = EnginePool(self.clients, router=router_client)
         lora = self.cfg.learner.lora
         self.adapters: AdapterRegistry | None = None
@@ -113,7 +116,9 @@ class EngineFleet:
 
     def make_client(self, url: str) -> EngineClient:
         e = self.cfg.engine
-        return EngineClient(url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s)
+        return EngineClient(
+            url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s, ssl_context=self.client_tls
+        )
 
     async def sync(self, path: str, version: int, mode: SyncMode) -> SyncTimings:
         """Load published `version` (at `path`) on every engine: its weights (each engine's own copy when
@@ -234,7 +239,14 @@ class EngineFleet:
         if self.weight_source is None:
             raise RuntimeError("weights over HTTP need the admin endpoint, which is not started")
         source, token = self.weight_source, self.weight_token
-        return await request_fetch(fetcher, source=source, version=version, token=token)
+        return await request_fetch(
+            fetcher,
+            source=source,
+            version=version,
+            token=token,
+            ssl_context=self.client_tls,
+            api_key=reveal(self.cfg.engine.api_key),
+        )
 
     async def stage(self, version: int, published_path: str) -> dict[str, str]:
         """Each engine's path for `version`, fetched in parallel where needed (before any pause)."""
@@ -321,6 +333,7 @@ class EngineFleet:
                 prometheus_port=self._router_prometheus_port,
                 api_key=reveal(e.api_key),
                 extra_args=e.router_args,
+                tls=self.cfg.tls.files(),
             ),
             log_path=self.run_dir.log_file("router"),
         )

@@ -21,7 +21,7 @@ from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
 from envs.task_split import training_tasks
 from pipeline.contracts import events
-from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, load_config
+from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, check_tls_files, load_config
 from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS, RunDir, is_model_dir, model_context_length
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
@@ -62,6 +62,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
+    check_tls_files(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:

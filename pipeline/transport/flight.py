@@ -24,6 +24,7 @@ Auth: with `token`, every call needs the header `authorization: Bearer <token>`.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -63,15 +64,18 @@ class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
     def start_call(self, info: Any, headers: dict[str, list[str]]) -> None:
         given = headers.get("authorization", [""])
-        if not given or given[0] != self._expected:
+        if not given or not hmac.compare_digest(given[0].encode(), self._expected.encode()):
             raise flight.FlightUnauthenticatedError("missing or wrong token (authorization: Bearer ...)")
         return None
 
 
 class _SpoolServer(flight.FlightServerBase):
-    def __init__(self, spool_dir: Path, location: str, token: str | None) -> None:
+    def __init__(
+        self, spool_dir: Path, location: str, token: str | None, tls: tuple[bytes, bytes] | None
+    ) -> None:
         middleware = {"token": _TokenMiddlewareFactory(token)} if token else {}
-        super().__init__(location, middleware=middleware)
+        certificates = [flight.CertKeyPair(*tls)] if tls is not None else []
+        super().__init__(location, middleware=middleware, tls_certificates=certificates)
         self.spool_dir = spool_dir
         self._quarantine_lock = threading.Lock()  # do_get calls run on gRPC's thread pool
 
@@ -144,16 +148,27 @@ def _quarantine(spool_dir: Path, seq: int, path: Path, kind: str, reason: str) -
 
 
 class SpoolFlightService:
-    """The Flight service over `spool_dir`, served from its own threads (`start`, `stop`)."""
+    """The Flight service over `spool_dir`, served from its own threads (`start`, `stop`). With `tls`
+    (PEM certificate, PEM key) it speaks gRPC over TLS (grpc+tls://)."""
 
-    def __init__(self, spool_dir: str | Path, *, host: str, port: int, token: str | None = None) -> None:
+    def __init__(
+        self,
+        spool_dir: str | Path,
+        *,
+        host: str,
+        port: int,
+        token: str | None = None,
+        tls: tuple[bytes, bytes] | None = None,
+    ) -> None:
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
+        self.scheme = "grpc+tls" if tls is not None else "grpc"
         # gRPC reports a failed bind as "Server did not start properly": the probe names the cause.
         check_port_free("the Flight spool service", host, port, "transport.flight_port")
+        location = f"{'grpc+tls' if tls is not None else 'grpc+tcp'}://{host}:{port}"
         try:
-            self._server = _SpoolServer(self.spool_dir, f"grpc+tcp://{host}:{port}", token)
+            self._server = _SpoolServer(self.spool_dir, location, token, tls)
         except pa.ArrowException as exc:
             raise CannotListen(
                 f"the Flight spool service cannot listen on {host}:{port}: {exc}; check "
@@ -164,7 +179,7 @@ class SpoolFlightService:
 
     @property
     def url(self) -> str:
-        return f"grpc://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._server.serve, name="spool-flight", daemon=True)
@@ -190,8 +205,10 @@ class FlightSpoolReader:
         wait_s: float = 1.0,
         timeout_s: float = 60.0,
         clock: Callable[[], float] = time.perf_counter,
+        tls_root_certs: bytes | None = None,
     ) -> None:
         self.url = url
+        self._tls_root_certs = tls_root_certs  # the CA bundle a grpc+tls:// service is checked against
         self.after_seq = after_seq
         self.wait_s = wait_s
         self.quarantined: list[QuarantinedFile] = []
@@ -204,7 +221,9 @@ class FlightSpoolReader:
 
     def _connection(self) -> flight.FlightClient:
         if self._client is None:
-            self._client = flight.FlightClient(self.url.replace("grpc://", "grpc+tcp://", 1))
+            location = self.url.replace("grpc://", "grpc+tcp://", 1)
+            roots = {"tls_root_certs": self._tls_root_certs} if self._tls_root_certs is not None else {}
+            self._client = flight.FlightClient(location, **roots)
         return self._client
 
     def close(self) -> None:

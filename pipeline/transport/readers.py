@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.config import Config, learner_tls, reveal
+from pipeline.contracts.tls import ca_bytes
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader
 
 
@@ -36,4 +37,5 @@ def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupR
         after_seq=after_seq,
         token=reveal(cfg.transport.token),
         wait_s=cfg.transport.poll_wait_s,
+        tls_root_certs=ca_bytes(learner_tls(cfg)),
     )

@@ -32,7 +32,7 @@ def test_a_childs_inherited_log_is_capped_while_it_writes(tmp_path: Path) -> Non
     """The children write to the file the supervisor opened for them (their stderr): rotated under them."""
     path = tmp_path / "engine0.log"
     # One write per line, as logging's handlers write a record (print() may write the newline apart).
-    code = "import sys\nfor i in range(4000):\n    sys.stderr.write('x' * 99 + '\\n')\n    sys.stderr.flush()\n"
+    code = "import sys\nfor i in range(4000):\n    sys.stderr.write('x' * 99 + '\\n')\n    sys.stderr.flush()"
     with open(path, "a") as log_file:
         child = subprocess.Popen([sys.executable, "-c", code], stderr=log_file)
         while child.poll() is None:

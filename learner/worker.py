@@ -423,6 +423,8 @@ class LearnerWorker:
     def next_item(self) -> SpoolItem | None:
         if not self.queue:
             items = self.reader.poll(limit=self.batch_groups)
+            for blocked, message in self.reader.drain_reachability():  # once per outage, once per recovery
+                self.out.emit(events.Unreachable(what="spool", blocked=blocked, message=message))
             for bad in self.reader.drain_quarantined():  # they precede `items` in sequence order
                 self.report_quarantined(bad)
             self.queue.extend(items)

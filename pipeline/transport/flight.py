@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 QUARANTINED_KEY = b"rollwise.quarantined"
 MISSING_KEY = b"rollwise.missing"
 LIST_POLL_S = 0.02
+LIST_GRACE_S = 10.0
+# gRPC keepalive: a connection whose peer vanished (a partition) fails its calls within about
+# KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS instead of waiting for each call's timeout.
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 5_000
 _EMPTY = pa.schema([])
 _CONNECTION_ERRORS = (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightCancelledError)
 
@@ -214,16 +218,27 @@ class FlightSpoolReader:
         self.quarantined: list[QuarantinedFile] = []
         self.read_seconds = 0.0
         self.reconnects = 0
+        self.unreachable_since: float | None = None  # monotonic time of the first failed poll in a row
+        self._reachability: list[tuple[bool, str]] = []  # (blocked, message), for drain_reachability
         self._clock = clock
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(timeout=timeout_s + wait_s, headers=headers)
+        # A listing that the server answers within wait_s: past LIST_GRACE_S more, the network is gone (a
+        # partition drops packets without a word), and the learner should say so, not hang a minute.
+        self._list_options = flight.FlightCallOptions(
+            timeout=wait_s + min(timeout_s, LIST_GRACE_S), headers=headers
+        )
         self._client: flight.FlightClient | None = None
 
     def _connection(self) -> flight.FlightClient:
         if self._client is None:
             location = self.url.replace("grpc://", "grpc+tcp://", 1)
             roots = {"tls_root_certs": self._tls_root_certs} if self._tls_root_certs is not None else {}
-            self._client = flight.FlightClient(location, **roots)
+            keepalive = [
+                ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ]
+            self._client = flight.FlightClient(location, generic_options=keepalive, **roots)
         return self._client
 
     def close(self) -> None:
@@ -250,18 +265,45 @@ class FlightSpoolReader:
             log.warning(
                 "spool service %s unreachable (%s); resuming after seq %d", self.url, exc, self.after_seq
             )
+            self._lost(exc)
             self.close()
             time.sleep(min(1.0, 0.1 * self.reconnects))
         except (flight.FlightInternalError, OSError) as exc:
             self.reconnects += 1
             log.warning("spool service %s: %s; resuming after seq %d", self.url, exc, self.after_seq)
+            self._lost(exc)
             self.close()
+        else:
+            if self.unreachable_since is not None:
+                lasted = time.monotonic() - self.unreachable_since
+                self.unreachable_since = None
+                self._reachability.append(
+                    (False, f"the spool service {self.url} answers again after {lasted:.1f} s")
+                )
         return items
+
+    def _lost(self, exc: Exception) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._reachability.append(
+                (
+                    True,
+                    f"the spool service {self.url} is unreachable ({first_line}); the learner retries and "
+                    f"resumes after seq {self.after_seq}",
+                )
+            )
+
+    def drain_reachability(self) -> list[tuple[bool, str]]:
+        """Changes of reachability since the last call: (blocked, message), one per outage and recovery."""
+        out, self._reachability = self._reachability, []
+        return out
 
     def _poll(self, limit: int | None, items: list[SpoolItem]) -> None:
         client = self._connection()
         command = {"after_seq": self.after_seq, "limit": limit or 64, "wait_s": self.wait_s}
-        info = client.get_flight_info(flight.FlightDescriptor.for_command(json.dumps(command)), self._options)
+        descriptor = flight.FlightDescriptor.for_command(json.dumps(command))
+        info = client.get_flight_info(descriptor, self._list_options)
         started = self._clock()
         try:
             for endpoint in info.endpoints:

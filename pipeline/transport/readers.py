@@ -1,6 +1,6 @@
 """Which spool reader a learner uses: the run directory's files, or a supervisor's Flight service
-(`learner.remote.spool_url`). Both have the same interface (poll, drain_quarantined, depth, prune,
-take_read_seconds) and the same exactly-once rule (pipeline.transport.flight)."""
+(`learner.remote.spool_url`). Both have the same interface (poll, drain_quarantined, drain_reachability,
+depth, prune, take_read_seconds) and the same exactly-once rule (pipeline.transport.flight)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class GroupReader(Protocol):
     def prune(self, through_seq: int) -> int: ...
 
     def take_read_seconds(self) -> float: ...
+
+    def drain_reachability(self) -> list[tuple[bool, str]]: ...
 
 
 def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupReader:

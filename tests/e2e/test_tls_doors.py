@@ -36,23 +36,24 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import EngineUnavailable, SamplingParams
 from pipeline.supervisor.engines.router import router_argv
 from pipeline.supervisor.http_endpoints import HttpEndpoints
+from pipeline.tools.hosts.private_ca import PrivateCA
 from pipeline.transport.flight import FlightSpoolReader, SpoolFlightService
 from pipeline.transport.spool import SpoolWriter
 from pipeline.transport.weights_http import WeightServerThread, fetch_version, request_fetch
 from tests.e2e.test_run_e2e import REPO
-from tests.helpers.tls_ca import TestCA, needs_openssl
+from tests.helpers.tls_ca import needs_openssl
 
 pytestmark = needs_openssl
 KEY = "door-key-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
-    return TestCA.create(tmp_path_factory.mktemp("ca"))
+def ca(tmp_path_factory: pytest.TempPathFactory) -> PrivateCA:
+    return PrivateCA.create(tmp_path_factory.mktemp("ca"))
 
 
 @pytest.fixture(scope="module")
-def host(ca: TestCA) -> TlsFiles:
+def host(ca: PrivateCA) -> TlsFiles:
     """A certificate for this machine's 127.0.0.1, and the CA beside it."""
     return ca.issue("host", ["127.0.0.1"])
 
@@ -60,7 +61,7 @@ def host(ca: TestCA) -> TlsFiles:
 @pytest.fixture(scope="module")
 def stranger(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     """A certificate of another CA: a server the clients must not trust."""
-    other = TestCA.create(tmp_path_factory.mktemp("other-ca"), name="someone-else")
+    other = PrivateCA.create(tmp_path_factory.mktemp("other-ca"), name="someone-else")
     return other.issue("impostor", ["127.0.0.1"])
 
 
@@ -178,6 +179,7 @@ async def test_metrics_endpoint_over_tls_trusts_only_its_ca(host: TlsFiles, stra
 
 async def test_admin_endpoint_and_rollwise_engines_over_tls(host: TlsFiles) -> None:
     app = web.Application()
+
     async def engines(request: web.Request) -> web.Response:
         return web.json_response([{"url": "https://a:1"}])
 

@@ -35,6 +35,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.run_dir import RunDir
 from pipeline.contracts.tls import client_context, scheme_of
@@ -48,12 +50,16 @@ from pipeline.supervisor.engines.protocol import EngineError
 from pipeline.supervisor.engines.router import RouterAdmin, RouterError, router_argv
 from pipeline.supervisor.engines.weightsync import SyncMode, SyncTimings, sync_weights
 from pipeline.supervisor.observability import metrics
-from pipeline.transport.weights_http import request_fetch
+from pipeline.transport.weights_http import FetchError, request_fetch
 
 log = logging.getLogger("rollwise.engine_fleet")
 
 MAX_FAILED_STARTS = 3
 ROUTER_READY_TIMEOUT_S = 60.0
+# A fetcher that cannot be reached, or whose connection breaks, is asked again after these delays; then
+# its engine sits this sync out (it keeps its version until the next one) rather than fail the run.
+FETCH_RETRY_S = (0.5, 2.0)
+_FETCH_FAILURES = (FetchError, aiohttp.ClientError, TimeoutError, OSError)
 HEALTH_WATCH_S = 5.0  # /health of every engine in service this often (an idle fleet's deaths)
 
 
@@ -248,10 +254,36 @@ class EngineFleet:
             api_key=reveal(self.cfg.engine.api_key),
         )
 
-    async def stage(self, version: int, published_path: str) -> dict[str, str]:
-        """Each engine's path for `version`, fetched in parallel where needed (before any pause)."""
+    async def stage(self, version: int, published_path: str) -> dict[str, str | None]:
+        """Each engine's path for `version`, fetched in parallel where needed (before any pause); None for
+        an engine whose fetcher failed FETCH_RETRY_S tries over (the network between here and it): that
+        engine sits this sync out, counted as its error, and loads the next version."""
+
+        async def fetched(url: str) -> str | None:
+            for delay in (*FETCH_RETRY_S, None):
+                try:
+                    return await self.weights_for(url, version, published_path)
+                except _FETCH_FAILURES as exc:
+                    why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    if delay is None:
+                        log.error("engine %s: its fetcher could not fetch version %d: %s", url, version, why)
+                        self.progress_message(
+                            f"engine {url} could not fetch version {version} ({why}); it serves its current "
+                            "version until the next sync"
+                        )
+                        return None
+                    log.warning(
+                        "engine %s: fetching version %d failed (%s); again in %.1f s",
+                        url,
+                        version,
+                        why,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+            return None
+
         urls = [c.base_url for c in self.pool.members]
-        paths = await asyncio.gather(*(self.weights_for(u, version, published_path) for u in urls))
+        paths = await asyncio.gather(*(fetched(u) for u in urls))
         return dict(zip(urls, paths, strict=True))
 
     @staticmethod

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.tools.bench import hostile_network
 from pipeline.tools.hosts.namespaces import sweep_stale, unavailable
 from pipeline.tools.hosts.private_ca import OPENSSL
 from pipeline.tools.hosts.three_hosts import SECRETS, FleetOnHosts
@@ -63,4 +64,27 @@ def test_three_hosts_train_over_tls_add_and_drain_an_engine_and_no_secret_crosse
     assert_books_hold(fleet)
     for route in ("eng1", "eng2", "flight", "weights"):
         assert fleet.proxy.routes[route].bytes_forwarded > 0, route
+    assert {name: fleet.proxy.seen(secret) for name, secret in SECRETS.items()} == dict.fromkeys(SECRETS, 0)
+
+
+@pytest.mark.slow
+def test_a_hostile_network_costs_time_but_loses_nothing_and_the_run_resumes_by_itself(
+    fleet: FleetOnHosts,
+) -> None:
+    """`rollwise bench hosts`'s faults one after the other on one run: latency, drops and resets, a
+    throttled weight link, the learner's host and then the engine's host partitioned for 35 s."""
+    args = hostile_network.parse(["--steps", "3", "--partition-s", "35"])
+    outcomes = {name: hostile_network.run_scenario(fleet, name, args) for name in hostile_network.SCENARIOS}
+    for outcome in outcomes.values():
+        assert outcome.resume_s is not None and outcome.resume_s < 30.0, outcome
+    for name in ("latency", "drops", "throttle"):  # slower, never stalled
+        assert outcomes[name].steps_during >= 3 and outcomes[name].longest_gap_s < 60.0, outcomes[name]
+    # A partition stops the training while it lasts, and says so once, and once more when it is over.
+    learner_said = " | ".join(outcomes["learner-cut"].messages)
+    assert "the spool service" in learner_said and "is unreachable" in learner_said, learner_said
+    assert "answers again after" in learner_said, learner_said
+    engine_said = " | ".join(outcomes["engine-cut"].messages)
+    assert "no engine answers" in engine_said and "engines serve again" in engine_said, engine_said
+    assert fleet.stop() == 0, fleet.tail()
+    assert_books_hold(fleet)
     assert {name: fleet.proxy.seen(secret) for name, secret in SECRETS.items()} == dict.fromkeys(SECRETS, 0)

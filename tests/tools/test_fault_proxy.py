@@ -76,12 +76,13 @@ def test_latency_delays_each_chunk_within_its_range(proxy: FaultProxy) -> None:
 
 def test_dropped_and_reset_connections(proxy: FaultProxy) -> None:
     proxy.set("echo", drop=1.0)
-    # closed before a byte was forwarded: an EOF, or a reset when the request was still unread
-    with contextlib.suppress(ConnectionResetError):
+    # closed before a byte was forwarded: an EOF, or (the request still unread) a reset or a socket the
+    # peer already left
+    with contextlib.suppress(OSError):
         assert roundtrip(proxy, b"ping") == b""
     assert proxy.routes["echo"].dropped == 1
     proxy.set("echo", reset=1.0)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(OSError):  # a reset, seen by whichever call of the client comes next
         for _ in range(50):
             roundtrip(proxy, b"ping" * 1000)
     assert proxy.routes["echo"].resets >= 1

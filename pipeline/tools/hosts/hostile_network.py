@@ -3,7 +3,7 @@ namespaces, pipeline.tools.hosts.three_hosts), trained through a hostile network
 other on the same run:
 
 - `latency`: every route delays each chunk by 50-200 ms;
-- `drops`: every route closes 10 % of new connections at once and resets 1 % of connections per chunk;
+- `drops`: every route closes 30 % of new connections at once and resets a connection after 2 % of chunks;
 - `throttle`: the learner -> supervisor weight link at `--throttle-kbps`;
 - `learner-cut`: the learner's host partitioned (its link down) for `--partition-s` seconds;
 - `engine-cut`: the engine's host partitioned for `--partition-s` seconds.
@@ -45,6 +45,8 @@ class Outcome:
     s_per_step_during: float | None
     longest_gap_s: float
     resume_s: float | None
+    dropped: int = 0  # connections the proxy closed at once while the fault lasted
+    resets: int = 0  # connections it reset
     messages: list[str] = field(default_factory=list)
 
 
@@ -63,7 +65,7 @@ def _faults(
     """name -> (start the fault, its fixed duration in seconds or None: until --steps steps)."""
     return {
         "latency": (lambda: fleet.proxy.set(None, latency_s=(0.05, 0.2)), None),
-        "drops": (lambda: fleet.proxy.set(None, drop=0.1, reset=0.01), None),
+        "drops": (lambda: fleet.proxy.set(None, drop=0.3, reset=0.02), None),
         "throttle": (lambda: fleet.proxy.set("weights", rate_bps=args.throttle_kbps * 1000.0), None),
         "learner-cut": (lambda: fleet.net.cut("learner"), args.partition_s),
         "engine-cut": (lambda: fleet.net.cut("eng1"), args.partition_s),
@@ -82,6 +84,7 @@ def run_scenario(fleet: FleetOnHosts, name: str, args: argparse.Namespace) -> Ou
     calm = [t for t, _ in fleet.steps()][-(args.steps + 1) :]
     start_fault, fixed_s = _faults(fleet, args)[name]
     began = fleet.now()
+    counted = _dropped_and_reset(fleet)
     start_fault()
     try:
         if fixed_s is None:
@@ -91,6 +94,7 @@ def run_scenario(fleet: FleetOnHosts, name: str, args: argparse.Namespace) -> Ou
     finally:
         _heal(fleet)
     healed = fleet.now()
+    dropped, resets = (b - a for a, b in zip(counted, _dropped_and_reset(fleet), strict=True))
     during = [t for t, _ in fleet.steps() if began <= t <= healed]
     fleet.wait_steps(args.steps, timeout_s=args.step_timeout_s)
     after = [t for t, _ in fleet.steps() if t > healed]
@@ -104,8 +108,15 @@ def run_scenario(fleet: FleetOnHosts, name: str, args: argparse.Namespace) -> Ou
         s_per_step_during=_round(_per_step(during)),
         longest_gap_s=round(_longest_gap(during, began, healed), 1),
         resume_s=round(after[0] - healed, 1) if after else None,
+        dropped=dropped,
+        resets=resets,
         messages=list(dict.fromkeys(said)),
     )
+
+
+def _dropped_and_reset(fleet: FleetOnHosts) -> tuple[int, int]:
+    routes = fleet.proxy.routes.values()
+    return sum(r.dropped for r in routes), sum(r.resets for r in routes)
 
 
 def _round(x: float | None) -> float | None:

@@ -40,6 +40,7 @@ import os
 import re
 import secrets
 import shutil
+import ssl
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -58,6 +59,7 @@ from envs.agent import (
 )
 from envs.api import Task, ToolCall
 from envs.toolcalls import get_parser, text_without_calls
+from pipeline.contracts.tls import require_tls_off_loopback
 from pipeline.supervisor.actors.agent_session import AgentSession
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.messages_wire import (
@@ -126,6 +128,8 @@ class OpenAIEndpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         agent_pool: AgentPool | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        allow_plaintext: bool = False,
     ) -> None:
         self.engine = engine
         self.agent_pool = agent_pool
@@ -135,6 +139,9 @@ class OpenAIEndpoint:
         self.settings = settings
         self.host = host
         self.port = port
+        # Beyond loopback it serves TLS (pipeline.contracts.tls): the episodes' keys are in every URL.
+        self.ssl_context = ssl_context
+        self.allow_plaintext = allow_plaintext
         self.service_key = secrets.token_urlsafe(18)
         self.stops = stop_token_ids(settings, tokenizer)
         self._parser = get_parser(settings.tool_parser)
@@ -148,7 +155,15 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
-        """Serve on host:port (0 = a free port) and on a Unix socket; returns `base_url`."""
+        """Serve on host:port (0 = a free port) and on a Unix socket; returns `base_url`. PlaintextRefused
+        beyond loopback without TLS (unless `allow_plaintext`)."""
+        require_tls_off_loopback(
+            "the OpenAI endpoint",
+            self.host,
+            self.ssl_context is not None,
+            self.allow_plaintext,
+            "ssl_context",
+        )
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         for prefix in ("", "/e/{key}"):
             app.router.add_get(prefix + "/v1/models", self._models)
@@ -157,7 +172,7 @@ class OpenAIEndpoint:
             app.router.add_post(prefix + "/v1/messages", self._api("messages"))
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096, ssl_context=self.ssl_context)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         # The Unix socket: a sandboxed agent process has no network, only this file mounted in. Anyone
@@ -172,10 +187,14 @@ class OpenAIEndpoint:
     @property
     def base_url(self) -> str:
         """The service base URL (use with `service_key`)."""
-        return f"http://{self.host}:{self.port}/v1"
+        return f"{self.origin}/v1"
 
     def episode_base_url(self, key: str) -> str:
-        return f"http://{self.host}:{self.port}/e/{key}/v1"
+        return f"{self.origin}/e/{key}/v1"
+
+    @property
+    def origin(self) -> str:
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     async def close(self) -> None:
         """Stop serving; episodes still open are refused from now on. Idempotent."""
@@ -720,7 +739,7 @@ def _shared_http_client(endpoint: OpenAIEndpoint) -> Any:
         async def close_shared(self) -> None:
             await super().aclose()
 
-    return SharedHTTPClient(mounts={f"http://{endpoint.host}:{endpoint.port}": InProcess()})
+    return SharedHTTPClient(mounts={endpoint.origin: InProcess()})
 
 
 def _dumps(obj: Any) -> str:

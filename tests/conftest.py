@@ -21,6 +21,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The moe-tiny preset (Qwen3-MoE, 8 experts, top-2; seed 0) in HF format. Read-only like tiny's."""
+    from learner.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("moe-tiny") / "model", preset="moe-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Only the tiny preset's tokenizer files (fast: no model weights)."""
     from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer

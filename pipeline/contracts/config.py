@@ -40,7 +40,13 @@ class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
-    preset: Literal["tiny", "small"] = Field("tiny", description="Preset used when path is None.")
+    preset: Literal["tiny", "small", "moe-tiny", "moe-small"] = Field(
+        "tiny",
+        description=(
+            "Preset used when path is None: tiny / small = Qwen3, random and seeded; moe-tiny / moe-small = "
+            "Qwen3-MoE of the same width (8 experts, top-2 per token)."
+        ),
+    )
 
 
 class EngineConfig(Section):

@@ -1,7 +1,8 @@
 """The command line of `rollwise engine serve`: `ServerConfig` and `parse_args`, which builds it.
 
 `rollwise engine serve --model DIR --host 127.0.0.1 --port N [--weight-version 0] [--max-batch 64]
-[--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]`;
+[--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]
+[--enable-return-routed-experts]`;
 what the served API does with these settings is in pipeline.engine.routes.
 """
 
@@ -46,6 +47,7 @@ class ServerConfig:
     lora_target_modules: tuple[str, ...] | None = None
     lora_paths: tuple[tuple[str, str], ...] = ()
     fault_stale_weights: bool = False
+    enable_return_routed_experts: bool = False  # MoE: record routed experts for requests that ask
 
     def weights_roots(self) -> list[Path]:
         dirs = self.allowed_weights_dirs or (str(Path(self.model).resolve().parent),)
@@ -99,6 +101,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start"
     )
     p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each layer's routed experts for requests with return_routed_experts (MoE models; "
+        "SGLang's flag)",
+    )
+    p.add_argument(
         "--fault-stale-weights",
         action="store_true",
         help="TESTS ONLY: acknowledge weight updates and adapter loads but keep serving the start weights",
@@ -141,4 +149,5 @@ def parse_args(argv: list[str]) -> ServerConfig:
         lora_target_modules=tuple(a.lora_target_modules) if a.lora_target_modules else None,
         lora_paths=tuple(lora_paths),
         fault_stale_weights=a.fault_stale_weights,
+        enable_return_routed_experts=a.enable_return_routed_experts,
     )

@@ -138,6 +138,8 @@ def engine_argv(
     its versioned name."""
     e = cfg.engine
     lora_flags = lora_launch_flags(cfg.learner.lora, version=version, adapter=adapter)
+    # SGLang's flag for routed experts in replies (MoE; learner.moe.record_routing / routing_replay).
+    routing_flags = ["--enable-return-routed-experts"] if cfg.learner.moe.records_routing else []
     if e.kind == "embedded":
         fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
         run = RunDir.at(cfg.run.run_dir, cfg.model.path)
@@ -170,6 +172,7 @@ def engine_argv(
             "--enable-metrics",
             *fetch,
             *lora_flags,
+            *routing_flags,
             *e.extra_args,
         ]
     if e.kind == "sglang":
@@ -189,6 +192,7 @@ def engine_argv(
                 e.dtype or SGLANG_DEFAULT_DTYPE,
                 *priority_scheduling_args(cfg),
                 *lora_flags,
+                *routing_flags,
                 *e.extra_args,
             ),
         )

@@ -157,7 +157,8 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
         # Rank 0 reads the whole weights and optimizer state; every rank receives its shards from it.
         leader = trainer.ranks is None or trainer.ranks.leader
         full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, hf_weights(ckpt.model_dir, model) if leader else {}, options=full)
+        full_weights: dict[str, Any] = dict(hf_weights(ckpt.model_dir, model)) if leader else {}
+        set_model_state_dict(model, full_weights, options=full)
         named = _keyed_by_name(tensors["optimizer"], trainer) if leader else {}
         set_optimizer_state_dict(model, optimizer, named, options=full)
     trainer.scheduler.load_state_dict(tensors["scheduler"])

@@ -638,14 +638,19 @@ class Trainer:
         self, batch: PackedBatch, stats: _UpdateStats
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The learner's log-probs of `batch` with its own routing and with the engine's replayed, and
-        their distance to the engine's log-probs (the router's share of the mismatch); None when the batch
-        carries no routing record. Measured on the weights as they are (the step's start)."""
+        their distance to the engine's log-probs (the router's share of the mismatch); None unless
+        learner.moe asks for routing records. Measured on the weights as they are (the step's start).
+        Rows without a record route on their own in both forwards."""
         hooks = self.router_hooks
-        if hooks is None or batch.routed is None:
+        # The same decision on every rank (FSDP: every rank runs every forward), a placeholder batch too.
+        if hooks is None or not self.cfg.moe.records_routing:
             return None
         own = self._forward(self.model, batch, replay=False).logprobs.float()
         replayed = self._forward(self.model, batch, replay=True).logprobs.float()
-        keep = batch.loss_mask > 0
+        if batch.routed is None:
+            return own, replayed
+        recorded = (batch.routed[..., 0, 0] >= 0).any(dim=1, keepdim=True)  # rows with a record
+        keep = (batch.loss_mask > 0) & recorded
         engine = batch.old_logprobs.float()
         stats.moe.own_abs += float((own - engine).abs()[keep].sum())
         stats.moe.replayed_abs += float((replayed - engine).abs()[keep].sum())

@@ -639,7 +639,8 @@ class ContinuousBatcher:
             if request.sampling.max_new_tokens == 0:
                 self._waiting.popleft()
                 start = request.logprob_start_len
-                if start is not None and start < len(request.prompt_ids) - 1:
+                wants_routing = self.capture_routing and request.return_routed_experts
+                if (start is not None and start < len(request.prompt_ids) - 1) or wants_routing:
                     scored.append(request)  # score-only: a prefill of its own below
                     continue
                 self._metrics.prompt_tokens.inc(len(request.prompt_ids))

@@ -214,7 +214,8 @@ class EngineState:
         meta["output_token_weight_versions"] = request.versions[:n]
         if finished and request.routed:
             # SGLang's rows [routed_experts_start_len, prompt + completion - 1) (engine.routed_experts).
-            rows = torch.cat(request.routed)[tracked.routed_experts_start :]
+            end = len(request.prompt_ids) + n - 1  # a prompt-only request forwarded its last token too
+            rows = torch.cat(request.routed)[tracked.routed_experts_start : end]
             meta["routed_experts"] = routed_experts.encode(rows)
         if finished and request.finish_time is not None:
             meta["e2e_latency"] = round(request.finish_time - request.arrival, 6)

@@ -161,7 +161,7 @@ JUDGE_SERIES = {
 
 
 # Their series exist once an MoE model trains (the default run's model is dense): here they must parse and
-# query only MoE series; tests/supervisor/test_learner_metrics_moe.py checks that an MoE step creates them.
+# query only MoE series; tests/supervisor/test_supervisor.py checks that an MoE step creates them.
 NEEDS_AN_MOE_MODEL = {
     "Routing change after an update",
     "Expert load imbalance",

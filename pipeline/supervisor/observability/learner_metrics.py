@@ -52,9 +52,9 @@ def record_step(event: events.Step) -> None:
     for key, gauge in _STEP_GAUGES.items():
         if (value := event.metric(key)) is not None:
             gauge.set(value)
-    for key, (gauge, label, value) in _MOE_GAUGES.items():
+    for key, (gauge, label, label_value) in _MOE_GAUGES.items():
         if (reported := event.metric(key)) is not None:
-            gauge.labels(**{label: value}).set(reported)
+            gauge.labels(**{label: label_value}).set(reported)
     for key in ("ratio_mean", "ratio_min", "ratio_max"):
         if (value := event.metric(key)) is not None:
             metrics.LEARNER_IMPORTANCE_RATIO.observe(value)

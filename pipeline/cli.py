@@ -89,7 +89,7 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "held-out success per minute over seeds, mean and 95% interval",
     ),
     ("bench", "moe"): (
-        "pipeline.tools.bench.moe_routing",
+        "pipeline.tools.bench.moe_comparison",
         "main",
         "MoE toy: GRPO, GRPO + routing replay, GSPO over seeds (routing change, clipping, success)",
     ),

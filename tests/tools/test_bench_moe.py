@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.tools.bench.moe_routing import (
+from pipeline.tools.bench.moe_comparison import (
     BENCH_SETTINGS,
     VARIANTS,
     collect,

@@ -120,6 +120,10 @@ class RouterHooks:
         self.replay: Tensor | None = None
         self._capturing = False
         self._captured: list[Tensor | None] = [None] * len(self.routers)
+        # With `keep_logits`: each layer's router logits (with their graph) and the experts the forward
+        # used (the replayed ones under replay), for the load-balancing loss.
+        self.keep_logits = False
+        self.kept: list[tuple[Tensor, Tensor] | None] = [None] * len(self.routers)
         self._handles = [
             router.register_forward_hook(self._hook(layer)) for layer, router in enumerate(self.routers)
         ]
@@ -161,6 +165,8 @@ class RouterHooks:
             if self._capturing:
                 self._captured[layer] = indices.detach()
             if self.replay is None:
+                if self.keep_logits:
+                    self.kept[layer] = (logits, indices.detach())
                 return None
             forced = self.replay[:, :, layer, :].reshape(-1, indices.shape[-1]).to(indices.device)
             if forced.shape != indices.shape:
@@ -172,9 +178,29 @@ class RouterHooks:
             values = probs.gather(-1, chosen)
             if getattr(module, "norm_topk_prob", False):
                 values = values / values.sum(dim=-1, keepdim=True)
+            if self.keep_logits:
+                self.kept[layer] = (logits, chosen.detach())
             return logits, values.to(scores.dtype), chosen
 
         return hook
+
+
+def load_balance_loss(kept: Sequence[tuple[Tensor, Tensor]], keep: Tensor, num_experts: int) -> Tensor:
+    """The Switch Transformer's load-balancing loss (transformers' `load_balancing_loss_func` with an
+    attention mask), mean over layers: per layer num_experts x sum_e f_e P_e over the kept positions
+    (`keep` (N,) true), f_e the share of their top-k assignments that went to expert e (no gradient), P_e
+    their mean router probability of e. 1.0 when the load is even, up to num_experts when one expert takes
+    everything; differentiable through the router logits. `kept`: per layer (logits (N, E), experts (N, k)).
+    """
+    terms = []
+    for logits, chosen in kept:
+        picked = chosen[keep]
+        share = torch.zeros(num_experts, device=logits.device, dtype=torch.float32)
+        share.scatter_add_(0, picked.reshape(-1).long(), torch.ones(picked.numel(), device=logits.device))
+        share = share / max(picked.numel(), 1)
+        probs = torch.softmax(logits[keep].float(), dim=-1).mean(dim=0)
+        terms.append(num_experts * (share * probs).sum())
+    return torch.stack(terms).mean()
 
 
 def routing_change(before: Tensor, after: Tensor, keep: Tensor) -> tuple[Tensor, int]:
@@ -218,6 +244,8 @@ class MoeStats:
     compared: int = 0  # generated tokens in those sums
     replayed_positions: int = 0  # input positions whose routing was replayed in training forwards
     positions: int = 0  # input positions of the training forwards
+    balance_sum: float = 0.0  # load-balancing loss of the training forwards, weighted by their positions
+    balance_positions: int = 0
 
     def add_counts(self, counts: Tensor) -> None:
         self.counts = counts if self.counts is None else self.counts + counts
@@ -230,7 +258,10 @@ class MoeStats:
     def merged(parts: Sequence[MoeStats]) -> MoeStats:
         out = MoeStats()
         for part in parts:
-            for name in ("own_abs", "replayed_abs", "compared", "replayed_positions", "positions"):
+            for name in (
+                "own_abs", "replayed_abs", "compared", "replayed_positions", "positions", "balance_sum",
+                "balance_positions",
+            ):  # fmt: skip
                 setattr(out, name, getattr(out, name) + getattr(part, name))
             if part.counts is not None:
                 out.add_counts(part.counts)
@@ -257,4 +288,6 @@ class MoeStats:
             out["router_mismatch_share"] = max(0.0, min(1.0, 1.0 - replayed / own)) if own > 0 else 0.0
         if self.positions:
             out["routing_replayed_fraction"] = self.replayed_positions / self.positions
+        if self.balance_positions:
+            out["moe_load_balance_loss"] = self.balance_sum / self.balance_positions
         return out

@@ -35,6 +35,7 @@ from learner.moe_routing import (
     MoeStats,
     RouterHooks,
     expert_load,
+    load_balance_loss,
     moe_shape,
     replay_tensor,
     require_moe,
@@ -330,6 +331,13 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
+def _trained_positions(batch: PackedBatch) -> torch.Tensor:
+    """(B, T) bool: the input positions of the rows that have a token to train (what the load-balancing
+    loss averages over; a placeholder batch has none)."""
+    rows = batch.loss_mask.sum(dim=-1, keepdim=True) > 0
+    return (batch.attention_mask > 0) & rows
+
+
 def _spread(mean: float | None, square_mean: float | None) -> float:
     """Standard deviation from E[x] and E[x^2] (0.0 when nothing was measured)."""
     if mean is None or square_mean is None:
@@ -344,6 +352,7 @@ class _WindowTotals:
     sequences: int
     tokens: int
     turn_starts: int
+    positions: int = 0  # input positions (the load-balancing loss is a mean over them)
 
 
 def _linear_decay(coef: float, decay_steps: int, updates: int) -> float:
@@ -471,6 +480,8 @@ class Trainer:
             require_moe(model, "learner.moe.routing_replay")
         if cfg.moe.record_routing:
             require_moe(model, "learner.moe.record_routing")
+        if cfg.moe.load_balance_coef > 0.0:
+            require_moe(model, "learner.moe.load_balance_coef")
         self.router_hooks = RouterHooks(model) if self.moe is not None else None
         self._captured: torch.Tensor | None = None  # routers' own top-k of the last training forward
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
@@ -704,10 +715,13 @@ class Trainer:
             sequences=sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window),
             tokens=sum(b.num_loss_tokens for b in window),
             turn_starts=sum(int(turn_start_mask(b.loss_mask).sum()) for b in window),
+            positions=sum(int(_trained_positions(b).sum()) for b in window),
         )
         if self.ranks is not None:
             totals = _WindowTotals(
-                *self.ranks.sum_counts([totals.sequences, totals.tokens, totals.turn_starts])
+                *self.ranks.sum_counts(
+                    [totals.sequences, totals.tokens, totals.turn_starts, totals.positions]
+                )
             )
         if totals.sequences == 0:
             # Mismatch rejection can take every token of a window out of the loss. Nothing to learn from,
@@ -800,12 +814,19 @@ class Trainer:
         self, batch: PackedBatch, totals: _WindowTotals, stats: _UpdateStats
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
         self._captured = None
-        if self.router_hooks is not None and self.cfg.moe.routing_metrics:
-            with self.router_hooks.capture():
+        hooks, balance_coef = self.router_hooks, self.cfg.moe.load_balance_coef
+        if hooks is not None:
+            hooks.keep_logits = balance_coef > 0.0
+        try:
+            if hooks is not None and self.cfg.moe.routing_metrics:
+                with hooks.capture():
+                    out = self._forward(self.model, batch)
+                self._captured = hooks.captured()
+            else:
                 out = self._forward(self.model, batch)
-            self._captured = self.router_hooks.captured()
-        else:
-            out = self._forward(self.model, batch)
+        finally:
+            if hooks is not None:
+                hooks.keep_logits = False
         logprobs = out.logprobs
         if batch.proximal_logprobs is None:
             # The engine's log-probs are the old policy: measure the gap on every mini-batch as it is
@@ -855,6 +876,19 @@ class Trainer:
             share = batch.num_loss_tokens / max(totals.tokens, 1)
             rows = out.logits_at(batch.loss_mask > 0)
             loss = loss - coef * share * generated_token_entropy(rows, self.temperature)
+        if hooks is not None and balance_coef > 0.0:
+            # A mean over this micro-batch's positions; weighted by its share of the window's sequences'
+            # positions it sums to the window's mean, as the policy-gradient term does.
+            assert self.moe is not None
+            real = _trained_positions(batch).reshape(-1)
+            kept = [k for k in hooks.kept if k is not None]
+            hooks.kept = [None] * hooks.layers
+            positions = int(real.sum())
+            if positions:  # a rank's placeholder batch has none: it adds nothing
+                balance = load_balance_loss(kept, real, self.moe.num_experts)
+                loss = loss + balance_coef * (positions / max(totals.positions, 1)) * balance
+                stats.moe.balance_sum += float(balance.detach()) * positions
+                stats.moe.balance_positions += positions
         prior = self.action_prior_coef
         if prior > 0.0:
             share = int(turn_start_mask(batch.loss_mask).sum()) / max(totals.turn_starts, 1)

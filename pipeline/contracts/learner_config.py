@@ -278,6 +278,18 @@ class MoeConfig(Section):
             "mismatch (one more no-grad forward per mini-batch)."
         ),
     )
+    load_balance_coef: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the load-balancing loss (the Switch Transformer's, transformers' "
+            "load_balancing_loss_func; 0 = off): num_experts x sum_e (share of the top-k assignments to "
+            "expert e) x (mean router probability of e), per layer, mean over layers: 1 when the load is "
+            "even. A mean over each micro-batch (and rank), as transformers' and Megatron's. Without it a "
+            "router trained by RL alone can send every token to the same experts (the moe-tiny toy does "
+            "within a few steps: docs/training_curve.md)."
+        ),
+    )
     routing_metrics: bool = Field(
         True,
         description=(

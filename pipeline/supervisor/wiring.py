@@ -117,7 +117,11 @@ def check_moe(cfg: Config, model_dir: Path) -> None:
         is_moe = cfg.model.preset.startswith("moe-")
         described = f"model.preset = {cfg.model.preset!r}"
     moe = cfg.learner.moe
-    for key, wanted in (("routing_replay", moe.routing_replay), ("record_routing", moe.record_routing)):
+    for key, wanted in (
+        ("routing_replay", moe.routing_replay),
+        ("record_routing", moe.record_routing),
+        ("load_balance_coef", moe.load_balance_coef > 0.0),
+    ):
         if wanted and not is_moe:
             raise ConfigError(
                 f"learner.moe.{key} needs a Mixture-of-Experts model, and {described} is dense (no "

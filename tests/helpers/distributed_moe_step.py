@@ -59,7 +59,9 @@ def moe_batch() -> list[TrainGroup]:
     return groups_of(rows)
 
 
-def moe_config() -> LearnerConfig:
+def moe_config(balance: float = 0.0) -> LearnerConfig:
+    """Routing replay; `balance` > 0 adds the load-balancing loss (a mean over each rank's micro-batch,
+    like transformers' and Megatron's, so it is not split-invariant and is not compared exactly)."""
     return LearnerConfig.model_validate(
         {
             "optim": {"lr": 1e-4},
@@ -67,15 +69,15 @@ def moe_config() -> LearnerConfig:
             "loss": {"kind": "grpo", "clip_low": 0.2, "clip_high": 0.27},
             "mini_batches": 3,
             "device": "cpu",
-            "moe": {"routing_replay": True},
+            "moe": {"routing_replay": True, "load_balance_coef": balance},
         }
     )
 
 
-def make_moe_trainer(model_dir: Path, ranks: Ranks | None) -> Trainer:
+def make_moe_trainer(model_dir: Path, ranks: Ranks | None, balance: float = 0.0) -> Trainer:
     load = load_policy if ranks is None else functools.partial(load_policy_for_ranks, ranks=ranks)
     model, _ = load(model_dir)
-    return Trainer(model, moe_config(), temperature=1.0, seed=3, ranks=ranks)
+    return Trainer(model, moe_config(balance), temperature=1.0, seed=3, ranks=ranks)
 
 
 def main() -> int:
@@ -94,6 +96,7 @@ def main() -> int:
         args.out / "checkpoints", trainer, consumed=ConsumedState(last_seq=1), ranks=ranks
     )
     export_gathered(trainer, None, args.out / "published", 1, ranks)
+    results["balance_metrics"] = make_moe_trainer(args.model, ranks, balance=0.05).step(moe_batch())
     if ranks.leader:
         torch.save(results, args.out / "results.pt")
     leave(ranks)

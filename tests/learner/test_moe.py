@@ -24,6 +24,7 @@ from learner.moe_routing import (
     RouterHooks,
     expert_load,
     find_routers,
+    load_balance_loss,
     load_imbalance,
     moe_shape,
     record_tensor,
@@ -246,6 +247,24 @@ def test_expert_load_and_imbalance_by_hand() -> None:
     assert load_imbalance(torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])).tolist() == [1.0, 1.0]
 
 
+def test_load_balance_loss_by_hand() -> None:
+    # 1 layer, 4 experts, top-1 over 2 kept positions (a third is masked out): expert 0 and expert 1 each
+    # get one assignment (f = [0.5, 0.5, 0, 0]); router probabilities [0.7, 0.1, 0.1, 0.1] and uniform.
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [0.0, 0.0, 0.0, 1.0]])
+    logits = probs.clamp(min=1e-9).log().requires_grad_(True)
+    chosen = torch.tensor([[0], [1], [3]])
+    keep = torch.tensor([True, True, False])
+    value = load_balance_loss([(logits, chosen)], keep, 4)
+    mean_p = [(0.7 + 0.25) / 2, (0.1 + 0.25) / 2]
+    assert value.item() == pytest.approx(4 * (0.5 * mean_p[0] + 0.5 * mean_p[1]), abs=1e-6)
+    value.backward()
+    assert logits.grad is not None and logits.grad[2].abs().sum() == 0  # the masked position
+    even = torch.zeros(4, 4)  # uniform router, each expert chosen once: the minimum, 1
+    assert load_balance_loss(
+        [(even, torch.tensor([[0], [1], [2], [3]]))], torch.ones(4, dtype=torch.bool), 4
+    ).item() == pytest.approx(1.0)
+
+
 def test_moe_stats_report_the_routers_share_and_merge_over_ranks() -> None:
     a = MoeStats(own_abs=0.4, replayed_abs=0.1, compared=2, replayed_positions=3, positions=4)
     a.add_change(torch.tensor([1, 3]), 4)
@@ -307,11 +326,26 @@ def test_record_routing_without_replay_measures_with_an_engine_proximal(moe_poli
     assert metrics["routing_replayed_fraction"] == 0.0
 
 
-@pytest.mark.parametrize("key", ["routing_replay", "record_routing"])
+def test_the_load_balancing_loss_keeps_the_routers_from_collapsing(moe_tiny_model_dir: Path) -> None:
+    def imbalance_after(coef: float) -> dict[str, float]:
+        model = load_policy(moe_tiny_model_dir)[0]
+        trainer = Trainer(model, _cfg(moe={"load_balance_coef": coef}, optim={"lr": 3e-3}), temperature=1.0)
+        for _ in range(8):
+            metrics = trainer.step(_groups(routed=False))
+        return metrics
+
+    plain, balanced = imbalance_after(0.0), imbalance_after(0.1)
+    assert "moe_load_balance_loss" not in plain
+    assert 1.0 <= balanced["moe_load_balance_loss"] < plain["moe_load_imbalance"]
+    assert balanced["moe_load_imbalance"] < plain["moe_load_imbalance"]
+
+
+@pytest.mark.parametrize("key", ["routing_replay", "record_routing", "load_balance_coef"])
 def test_routing_options_refuse_a_dense_model_naming_the_key(tiny_model_dir: Path, key: str) -> None:
     model = load_policy(tiny_model_dir)[0]
+    value: Any = 0.1 if key == "load_balance_coef" else True
     with pytest.raises(ValueError, match=rf"learner\.moe\.{key} needs a Mixture-of-Experts model"):
-        Trainer(model, _cfg(moe={key: True}), temperature=1.0)
+        Trainer(model, _cfg(moe={key: value}), temperature=1.0)
     with pytest.raises(ValueError, match="Qwen3ForCausalLM is dense"):
         require_moe(model, f"learner.moe.{key}")
 

@@ -1,6 +1,7 @@
 """An MoE policy on two ranks (torchrun, gloo on the CPU, FSDP2) with routing replay: the same step as one
-process, its sharded checkpoint resumed by one process, and its gathered export loadable as a
-Qwen3-MoE checkpoint (tests/helpers/distributed_moe_step.py runs the two-rank side once)."""
+process, its sharded checkpoint resumed by one process, its gathered export loadable as a Qwen3-MoE
+checkpoint, and the load-balancing loss applied on every rank (tests/helpers/distributed_moe_step.py runs
+the two-rank side once)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,9 @@ def test_the_gathered_moe_export_loads_as_the_trained_weights(two_ranks: dict[st
     loaded = dict(published.named_parameters())
     for name, value in two_ranks["params"].items():
         assert torch.equal(loaded[name].detach(), value), name
+
+
+def test_the_load_balancing_loss_trains_on_two_ranks(two_ranks: dict[str, Any]) -> None:
+    metrics = two_ranks["balance_metrics"]
+    assert metrics["optimizer_updates"] == 3.0
+    assert 1.0 <= metrics["moe_load_balance_loss"] <= 8.0

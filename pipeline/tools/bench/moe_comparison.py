@@ -10,8 +10,9 @@
 
 Every run is `rollwise run` of the default task's config (examples/guess_number.toml) with
 model.preset = moe-tiny (Qwen3-MoE, 8 experts, top-2), learner.mini_batches = 4 (the paper's split of
-each rollout batch: 3 of 4 updates off-policy), 4 groups of 16 episodes per step and guess-number on 1..8
-in 4 turns (`BENCH_SETTINGS`: sized so that 3 x 3 runs of 60 steps fit well within an hour on 2 cores),
+each rollout batch: 3 of 4 updates off-policy), the load-balancing loss at 0.1, 4 groups of 16 episodes per
+step and guess-number on 1..8 in 4 turns (`BENCH_SETTINGS`: sized so that 3 x 3 runs of 60 steps fit well
+within an hour on 2 cores),
 plus the variant's keys, one after another in OUT/<variant>/seed<s> (pipeline.tools.bench.learning_curve
 runs each). `--set` adds to all of them. `--from OUT` reports runs already made.
 
@@ -47,6 +48,9 @@ BENCH_SETTINGS = (
     "model.preset='moe-tiny'",
     "learner.batch_groups=4",
     "learner.mini_batches=4",
+    # Without a load-balancing loss the toy's routers send every token to the same 2 experts within a few
+    # steps, after which no routing ever changes (docs/training_curve.md): nothing left to measure.
+    "learner.moe.load_balance_coef=0.1",
     "env.options={low = 1, high = 8, max_turns = 4}",
     "eval.every_versions=10",
     "eval.tasks=32",
@@ -77,6 +81,7 @@ STEP_METRICS = {
     "ratio_spread_token": "std log r (token)",
     "ratio_spread_sequence": "std log s (sequence)",
     "moe_load_imbalance": "expert load max/mean",
+    "moe_load_balance_loss": "load-balancing loss",
     "router_mismatch_share": "router share of mismatch",
 }
 MODE = "greedy"
@@ -116,7 +121,8 @@ def summarise_variant(
     metrics = {}
     for key in STEP_METRICS:
         values = [per_seed[s][key] for s in seeds if key in per_seed[s]]
-        bounds = None if key.startswith("ratio_spread") or key == "moe_load_imbalance" else (0.0, 1.0)
+        bounded = key.startswith(("clip", "moe_routing", "router"))  # shares stay in [0, 1]
+        bounds = (0.0, 1.0) if bounded else None
         interval = t_interval(values, bounds=bounds)
         metrics[key] = asdict(interval) if interval is not None else None
     evals = {s: runs[s][1] for s in seeds}

@@ -718,6 +718,115 @@ def reliability() -> DashboardSpec:
     )
     d.rows.append(
         (
+            "Silent failures (episodes finish, the policy does the wrong thing)",
+            [
+                PanelSpec(
+                    "Tool calls and parse failures per turn",
+                    "rate(rollwise_tool_calls_total) and rate(rollwise_tool_call_errors_total) (call "
+                    "markup that did not parse) over rate(rollwise_turns_total); alert "
+                    "RollwiseToolCallParseFailures.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (env) (rate(rollwise_tool_calls_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "calls {{env}}",
+                        ),
+                        q(
+                            f"sum by (env) (rate(rollwise_tool_call_errors_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "unparsable {{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Episodes without a tool call",
+                    "rate(rollwise_episodes_without_tool_calls_total) over the finished episodes "
+                    "(rollwise_episodes_total, stop|length|truncated): envs that declare tools only; alert "
+                    "RollwiseToolCallsStopped.",
+                    "percentunit",
+                    (
+                        q(
+                            "sum by (env) (rate(rollwise_episodes_without_tool_calls_total"
+                            f"{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_episodes_total{{{SEL_ENV}, "
+                            f'reason=~"stop|length|truncated"}}[{RI}]))',
+                            "{{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Answer-format failures per turn",
+                    "rate(rollwise_answer_format_errors_total) (steps whose StepResult.info['format_error'] "
+                    "is set) over rate(rollwise_turns_total); alert RollwiseAnswerFormatErrors.",
+                    "percentunit",
+                    (
+                        q(
+                            f"sum by (env) (rate(rollwise_answer_format_errors_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Training minus held-out success",
+                    "rollwise_eval_success_gap_ratio: success of the training episodes since the previous "
+                    "evaluation minus the last evaluation's, by mode ([eval] of the training env); alert "
+                    "RollwiseTrainHeldOutDivergence.",
+                    "percentunit",
+                    (
+                        q(
+                            f"max by (env, mode) (rollwise_eval_success_gap_ratio{{{SEL}}})",
+                            "{{env}} {{mode}}",
+                        ),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Service health",
+            [
+                PanelSpec(
+                    "Run directory free space",
+                    "rollwise_run_dir_free_bytes and rollwise_run_dir_capacity_bytes of the run directory's "
+                    "filesystem; alerts RollwiseRunDirNearlyFull, RollwiseRunDirFillingUp.",
+                    "bytes",
+                    (
+                        q(f"max(rollwise_run_dir_free_bytes{{{SEL}}})", "free"),
+                        q(f"max(rollwise_run_dir_capacity_bytes{{{SEL}}})", "capacity"),
+                    ),
+                ),
+                PanelSpec(
+                    "Engines: in the pool, ejected, not up",
+                    "rollwise_engine_pool_members, rollwise_engine_pool_ejected (after consecutive failures) "
+                    "and rollwise_engines_not_up (processes starting or restarting); alerts "
+                    "RollwiseEngineEjected, RollwiseEngineDown.",
+                    "short",
+                    (
+                        q(f"max(rollwise_engine_pool_members{{{SEL}}})", "in the pool"),
+                        q(f"max(rollwise_engine_pool_ejected{{{SEL}}})", "ejected"),
+                        q(f"max(rollwise_engines_not_up{{{SEL}}})", "not up"),
+                    ),
+                ),
+                PanelSpec(
+                    "Tracker and trace-export failures",
+                    "increase(rollwise_tracker_errors_total) by tracker (wandb, mlflow, tensorboard, otlp; "
+                    "queue = records dropped): training goes on without them.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (tracker) (increase(rollwise_tracker_errors_total{{{SEL}}}[{RI}]))",
+                            "{{tracker}}",
+                        ),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
             "Agents (OpenAI endpoint) and judges",
             [
                 PanelSpec(

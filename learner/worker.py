@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
-from pipeline.contracts import events
+from pipeline.contracts import events, tracing
 from pipeline.contracts.config import (
     Config,
     ConfigError,
@@ -365,7 +365,8 @@ class LearnerWorker:
                 self.stop.set("run.max_steps")
                 break
             if len(self.pending.items) >= self.batch_groups:
-                self.train_step()
+                with tracing.root_span("learner.step", {"rollwise.step": self.trainer.steps + 1}):
+                    self.train_step()
                 continue
             item = self.next_item()
             if item is None:
@@ -499,7 +500,8 @@ class LearnerWorker:
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
-            self.publish()
+            with tracing.span("learner.publish", {"rollwise.policy_version": self.version}):
+                self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         depth_groups, depth_bytes = self.reader.depth(self.consumed_seq)
@@ -626,6 +628,7 @@ class LearnerWorker:
                     probe_logprobs=logprobs,
                     probe_logprobs_prev=self.probe_prev if len(self.probe_prev) == len(logprobs) else [],
                     weights_url=self.weights_url,
+                    traceparent=tracing.traceparent(),
                 )
             )
         prune_weights(self.run_dir.weights, version)
@@ -800,6 +803,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     own: OwnRunDir | None = None
     try:
         cfg = receive_config(sys.stdin) if args.config == "-" else load_config(args.config)
+        if rank == 0:
+            tracing.configure(cfg.tracing, process="learner")
         run = RunDir.at(args.run_dir, cfg.model.path)
         lock_fd = acquire_learner_lock(run) if rank == 0 else None
         if cfg.learner.remote.run_dir is not None and rank == 0:
@@ -835,6 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if own is not None:
             own.server.stop()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

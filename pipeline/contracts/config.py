@@ -209,6 +209,17 @@ class AsyncConfig(Section):
             "re-prefilled (no flush). docs/operations.md, 'Weight sync'."
         ),
     )
+    straggler_patience: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Admission holds back groups that would overtake a group still running from an older version "
+            "(so that it is trained before it goes stale) for at most this many median group durations; "
+            "0 = never (long groups may then be dropped as stale). Costs learner time while it holds: "
+            'worth it when generation is the bottleneck and rollwise_groups_dropped_total{reason="stale"} '
+            "is high (docs/operations.md, 'Stale groups')."
+        ),
+    )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)
 
@@ -345,6 +356,70 @@ class MetricsConfig(Section):
     )
 
 
+class TracingConfig(Section):
+    """OpenTelemetry traces (docs/monitoring.md, "Traces"): off by default, and then opentelemetry is never
+    imported. Needs `pip install 'rollwise[tracing]'`."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Trace episodes (turns, engine requests), learner steps, publishes, weight syncs and "
+            "served-policy checks, and export the spans over OTLP."
+        ),
+    )
+    endpoint: str = Field(
+        "http://127.0.0.1:4318/v1/traces",
+        description=(
+            "OTLP collector address: the traces URL for http/protobuf (port 4318), host:port for grpc "
+            "(4317). Headers (e.g. a key) come from $OTEL_EXPORTER_OTLP_HEADERS, never from this file."
+        ),
+    )
+    protocol: Literal["http/protobuf", "grpc"] = Field("http/protobuf", description="OTLP transport.")
+    service_name: str = Field(
+        "rollwise",
+        min_length=1,
+        description="service.name of the supervisor's spans; the learner's are <service_name>-learner.",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of traces kept (episodes, learner steps), decided at each trace's root; spans in a kept "
+            "trace are all kept, across processes. A kept episode costs the actors ~100 us of CPU per turn."
+        ),
+    )
+    export_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="Timeout of one export (it runs in a background thread)."
+    )
+
+
+class TrackersConfig(Section):
+    """Experiment trackers fed by the supervisor (docs/monitoring.md, "Experiment trackers"): the learner's
+    step metrics, the held-out evaluation curves and the resolved config. Each is imported only when on;
+    a tracker that fails is logged once and counted, and training goes on."""
+
+    wandb: bool = Field(False, description="Weights & Biases in offline mode (sync later: `wandb sync DIR`).")
+    mlflow: bool = Field(
+        False, description="MLflow into a local file store (`mlflow ui --backend-store-uri`)."
+    )
+    tensorboard: bool = Field(False, description="TensorBoard event files (`tensorboard --logdir DIR`).")
+    dir: str | None = Field(
+        None, description="Where the trackers write (None = run_dir/trackers; one folder per tracker)."
+    )
+    project: str = Field("rollwise", min_length=1, description="W&B project and MLflow experiment name.")
+    mlflow_uri: str | None = Field(
+        None,
+        description=(
+            "MLflow tracking URI (None = a file store in <dir>/mlflow; e.g. sqlite:///mlflow.db, or a "
+            "tracking server's URL)."
+        ),
+    )
+    run_name: str | None = Field(
+        None, description="The run's name in the trackers (None = the run directory's name)."
+    )
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -359,6 +434,8 @@ class Config(Section):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    trackers: TrackersConfig = Field(default_factory=TrackersConfig)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

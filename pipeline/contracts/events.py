@@ -80,7 +80,8 @@ class Published:
     whether an engine is closer to the new policy than to the old one, whatever its numerical floor);
     all empty when the check is off. With `weights_url` (a learner with its own run directory) `path`
     is on the learner's machine and the version is fetched from that weight server
-    (pipeline.transport.weights_http)."""
+    (pipeline.transport.weights_http). `traceparent` (W3C, with [tracing] on) is the learner's publish
+    span: the supervisor's sync of this version continues that trace (pipeline.contracts.tracing)."""
 
     name: ClassVar[str] = "published"
     version: int
@@ -90,6 +91,7 @@ class Published:
     probe_logprobs: list[float] = field(default_factory=list)
     weights_url: str | None = None
     probe_logprobs_prev: list[float] = field(default_factory=list)
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)

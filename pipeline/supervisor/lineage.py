@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.contracts import events
+from pipeline.contracts import events, tracing
 from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.durable import retry_delays
 from pipeline.contracts.run_dir import RunDir, model_digest
@@ -238,12 +238,15 @@ class Lineage:
             adapters = self.engines.adapters is not None
             if self.served_check is not None and probe is not None:
                 served = adapter_name(self.version) if adapters else None
-                await self.served_check.calibrate(self.version, probe, lora_path=served)
-            timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
+                with tracing.span("served_check.calibrate", {"rollwise.policy_version": self.version}):
+                    await self.served_check.calibrate(self.version, probe, lora_path=served)
+            with tracing.span("weight_sync", {"rollwise.policy_version": version}):
+                timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
             self.version = version
             if self.served_check is not None and probe is not None:
                 lora_path = adapter_name(version) if adapters else None
-                verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
+                with tracing.span("served_check", {"rollwise.policy_version": version}):
+                    verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
         metrics.POLICY_VERSION.set(version)
         self.on_served(version)
         log.info("version %d served: %s", version, timings)

@@ -28,7 +28,13 @@ from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.protocol import SamplingParams
-from pipeline.supervisor.eval_schedule import EvalSetup, Evaluator, resolve_eval, training_holdout
+from pipeline.supervisor.eval_schedule import (
+    EvalSetup,
+    Evaluator,
+    evaluates_training_env,
+    resolve_eval,
+    training_holdout,
+)
 from pipeline.supervisor.progress import Progress
 from pipeline.transport.spool import SpoolWriter, spool_depth
 
@@ -62,6 +68,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
+    check_observer_libraries(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:
@@ -136,6 +143,31 @@ def check_moe(cfg: Config, model_dir: Path) -> None:
             "learner.lora.target_modules to the attention projections, e.g. "
             '["q_proj", "k_proj", "v_proj", "o_proj"]'
         )
+
+
+def check_observer_libraries(cfg: Config) -> None:
+    """[tracing] and [trackers] name libraries that are optional extras: a missing one is a ConfigError
+    naming the key before anything starts (found without importing them)."""
+    wanted = {
+        "tracing.enabled": (cfg.tracing.enabled, "opentelemetry.sdk", "tracing"),
+        "tracing.protocol": (
+            cfg.tracing.enabled,
+            "opentelemetry.exporter.otlp.proto." + ("grpc" if cfg.tracing.protocol == "grpc" else "http"),
+            "tracing",
+        ),
+        "trackers.wandb": (cfg.trackers.wandb, "wandb", "trackers"),
+        "trackers.mlflow": (cfg.trackers.mlflow, "mlflow", "trackers"),
+        "trackers.tensorboard": (cfg.trackers.tensorboard, "tensorboard", "trackers"),
+    }
+    for key, (on, module, extra) in wanted.items():
+        if not on:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"{key}: needs the {module} package (pip install 'rollwise[{extra}]')")
 
 
 async def ensure_initial_model(setup: RunSetup) -> Path:
@@ -242,6 +274,7 @@ def build_scheduler(
         notify=notify,
         agent_endpoint=agent_endpoint,
         engines_up=engines_up,
+        straggler_patience=cfg.async_.straggler_patience,
     )
 
 
@@ -264,10 +297,16 @@ async def start_openai_endpoint(
 
 
 def build_evaluator(
-    setup: RunSetup, *, engine: Any, tokenizer: Any, progress: Progress, started_at: float
+    setup: RunSetup,
+    *,
+    engine: Any,
+    tokenizer: Any,
+    progress: Progress,
+    started_at: float,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> Evaluator | None:
     """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
-    off."""
+    off. `on_result` receives each evaluation's row (the experiment trackers)."""
     if setup.evaluation is None:
         return None
     return Evaluator(
@@ -279,6 +318,8 @@ def build_evaluator(
         log_path=setup.run.eval_log,
         progress=progress,
         started_at=started_at,
+        training_env=setup.cfg.env.name if evaluates_training_env(setup.cfg) else None,
+        on_result=on_result,
     )
 
 

@@ -40,6 +40,10 @@ async def test_eta_zero_trains_only_fresh_tokens_and_eta_two_stays_within_bound(
     assert sync.trained_groups == sync.steps * params.batch_groups
     assert 0.0 <= sync.learner_idle_fraction <= 1.0
     assert 0.0 < sync.actor_idle_fraction <= 1.0  # η = 0 holds actors back while the learner trains
+    # η = 0: the engine has nothing to do while the learner trains (0.1 s of every step); η = 2 keeps it
+    # busier.
+    assert 0.05 < sync.engine_idle_fraction < 1.0
+    assert 0.0 <= overlapped.engine_idle_fraction < sync.engine_idle_fraction
 
 
 def test_main_prints_json_report(capsys: pytest.CaptureFixture[str]) -> None:
@@ -49,3 +53,6 @@ def test_main_prints_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(capsys.readouterr().out)
     assert [r["eta"] for r in report["results"]] == [0, 2]
     assert code == (0 if report["speedup"] >= report["goal"] else 1)
+    # A learner that never waits makes 3600 / step_s steps an hour: the most any η can reach.
+    eta0 = report["results"][0]["steps_per_hour"]
+    assert report["ceiling"] == pytest.approx(36000.0 / eta0)

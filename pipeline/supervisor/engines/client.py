@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 import aiohttp
+import pydantic_core
 
 from pipeline.supervisor.engines.protocol import (
     EngineError,
@@ -57,6 +58,7 @@ _CONNECT_ERRORS: tuple[type[BaseException], ...] = (
 
 # sglang-router's session-affinity header (policy `manual`): one key, one worker.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 # /health on late-2025+ SGLang generates one token and waits up to 20 s (SGLANG_HEALTH_CHECK_TIMEOUT).
 HEALTH_TIMEOUT_S = 25.0
@@ -232,7 +234,13 @@ class EngineClient:
         headers: dict[str, str] | None = None,
     ) -> _Reply:
         session = self._get_session()
-        async with session.request(method, url, json=body, timeout=limits, headers=headers) as resp:
+        data = None
+        if body is not None:
+            # pydantic-core's encoder writes the same JSON for these plain bodies ~4x faster than
+            # json.dumps; a /generate body is mostly its input_ids, re-sent in full every turn.
+            data = _encode_json(body)
+            headers = _JSON_HEADERS if headers is None else {**headers, **_JSON_HEADERS}
+        async with session.request(method, url, data=data, timeout=limits, headers=headers) as resp:
             data = await resp.read()
             return _Reply(resp.status, data)
 
@@ -577,6 +585,13 @@ class EngineClient:
         """Flush the prefix cache. Returns SGLang's plain-text reply; 400 (requests running) raises."""
         reply = await self._call("POST", "/flush_cache")
         return reply.body.decode("utf-8", errors="replace")
+
+
+def _encode_json(body: dict[str, Any]) -> bytes:
+    try:
+        return pydantic_core.to_json(body)
+    except pydantic_core.PydanticSerializationError:  # e.g. a lone surrogate, which json escapes
+        return json.dumps(body).encode()
 
 
 def _decode_json(reply: _Reply, url: str) -> object:

@@ -103,6 +103,12 @@ GROUPS_QUEUED = Gauge(
     "(rollout.max_concurrent_groups); > 0 means rollout capacity, not the learner, is the bottleneck.",
     registry=REGISTRY,
 )
+ADMISSION_FLOOR_LAG = Gauge(
+    "rollwise_admission_floor_lag_versions",
+    "How many versions below the served one admission budgets from, to protect a group still running "
+    "from an older version (async.straggler_patience); 0 = no straggler protected.",
+    registry=REGISTRY,
+)
 ACTOR_IDLE = Counter(
     "rollwise_actor_idle_seconds",
     "Time the scheduler had capacity but staleness control held work back.",
@@ -131,6 +137,35 @@ POLICY_VERSION_SERVED = Gauge(
 )
 
 # --- environments ---------------------------------------------------------------------------------
+# Silent failures: a policy that stops calling its tools, writes call markup that does not parse, or
+# ignores the answer format still produces episodes; only these counts show it (docs/monitoring.md).
+TOOL_CALLS = Counter(
+    "rollwise_tool_calls",
+    "Tool calls parsed from the policy's turns (per turn: divide by rollwise_turns_total).",
+    ["env"],
+    registry=REGISTRY,
+)
+TOOL_CALL_ERRORS = Counter(
+    "rollwise_tool_call_errors",
+    "Tool-call markup in the policy's turns that was meant as a call and did not parse (invalid JSON, no "
+    "name, an unclosed block: Action.tool_call_errors).",
+    ["env"],
+    registry=REGISTRY,
+)
+EPISODES_WITHOUT_TOOL_CALLS = Counter(
+    "rollwise_episodes_without_tool_calls",
+    "Finished episodes (stop, length, truncated) of an environment that declares tools in which the "
+    "policy made no tool call that parsed.",
+    ["env"],
+    registry=REGISTRY,
+)
+ANSWER_FORMAT_ERRORS = Counter(
+    "rollwise_answer_format_errors",
+    "Environment steps that reported the turn's answer in the wrong format (StepResult.info['format_error'] "
+    "set: envs/api.py); per turn: divide by rollwise_turns_total.",
+    ["env"],
+    registry=REGISTRY,
+)
 ENV_STEP_LATENCY = Histogram(
     "rollwise_env_step_duration_seconds",
     "Latency of env.step().",
@@ -555,6 +590,20 @@ EVAL_SUCCESSES = Counter(
 EVAL_RUNS = Counter(
     "rollwise_eval_runs", "Evaluations by status (ok, failed).", ["env", "status"], registry=REGISTRY
 )
+EVAL_SUCCESS_GAP = Gauge(
+    "rollwise_eval_success_gap_ratio",
+    "Training success rate (episodes since the previous evaluation) minus the held-out success of the "
+    "last evaluation, by mode (sampled compares like with like); only when [eval] plays the training "
+    "env with its options. A wide positive gap: training reward no longer carries to held-out tasks.",
+    ["env", "mode"],
+    registry=REGISTRY,
+)
+EVAL_INTERVAL = Gauge(
+    "rollwise_eval_interval_versions",
+    "eval.every_versions: the evaluations' spacing in published versions (for the overdue alert).",
+    ["env"],
+    registry=REGISTRY,
+)
 EVAL_DURATION = Histogram(
     "rollwise_eval_duration_seconds",
     "Wall time of one evaluation (every mode).",
@@ -589,6 +638,10 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
             EPISODE_SUCCESSES,
             TURNS,
             GENERATED_TOKENS,
+            TOOL_CALLS,
+            TOOL_CALL_ERRORS,
+            EPISODES_WITHOUT_TOOL_CALLS,
+            ANSWER_FORMAT_ERRORS,
             EPISODE_REWARD_POSITIVE,
             EPISODE_REWARD_NEGATIVE,
         ):
@@ -620,7 +673,7 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
         LEARNER_SKIPPED.labels(reason=reason)
     for phase in SYNC_PHASES:
         WEIGHT_SYNC_PHASE.labels(phase=phase)
-    for status in ("ok", "failed"):
+    for status in ("ok", "error"):  # engines/weightsync.py's two outcomes
         WEIGHT_SYNCS.labels(status=status)
     for component in COMPONENTS:
         PROCESS_RESTARTS.labels(component=component)
@@ -676,11 +729,17 @@ FLEET_HANDED_BACK = Counter(
 )
 
 
-def init_eval_label_values(env: str, modes: tuple[str, ...] | list[str]) -> None:
-    """The eval series of one eval env at zero, so its panel has data before the first evaluation ends."""
+def init_eval_label_values(
+    env: str, modes: tuple[str, ...] | list[str], *, every_versions: int = 0, gap: bool = False
+) -> None:
+    """The eval series of one eval env at zero, so its panel has data before the first evaluation ends
+    (`gap`: the training/held-out success gap is computed for this env)."""
+    EVAL_INTERVAL.labels(env=env).set(every_versions)
     for mode in modes:
         for gauge in (EVAL_SUCCESS, EVAL_PASS_AT_K, EVAL_REWARD, EVAL_TURNS):
             gauge.labels(env=env, mode=mode)
+        if gap:
+            EVAL_SUCCESS_GAP.labels(env=env, mode=mode)
         EVAL_SUCCESSES.labels(env=env, mode=mode)
         for reason in FINISH_REASONS:
             EVAL_EPISODES.labels(env=env, mode=mode, reason=reason)
@@ -705,3 +764,44 @@ WEIGHT_MIRROR_FAILURES = Counter(
     "does not match the manifest); each is retried until a newer version supersedes it.",
     registry=REGISTRY,
 )
+
+
+# --- operating the daemon (pipeline/supervisor/observability/service_health.py) ----------------------------
+RUN_DIR_FREE_BYTES = Gauge(
+    "rollwise_run_dir_free_bytes",
+    "Bytes free (to this user) on the run directory's filesystem, read every 15 s.",
+    registry=REGISTRY,
+)
+RUN_DIR_CAPACITY_BYTES = Gauge(
+    "rollwise_run_dir_capacity_bytes",
+    "Size of the run directory's filesystem in bytes (free / capacity: how full it is).",
+    registry=REGISTRY,
+)
+ENGINE_POOL_MEMBERS = Gauge(
+    "rollwise_engine_pool_members",
+    "Engines in the actors' pool (draining ones included).",
+    registry=REGISTRY,
+)
+ENGINE_POOL_EJECTED = Gauge(
+    "rollwise_engine_pool_ejected",
+    "Pool engines ejected after consecutive failures (their /health is probed until they answer).",
+    registry=REGISTRY,
+)
+ENGINES_NOT_UP = Gauge(
+    "rollwise_engines_not_up",
+    "Engine processes rollwise started (and its router) that are not up now: starting or restarting.",
+    registry=REGISTRY,
+)
+TRACKER_ERRORS = Counter(
+    "rollwise_tracker_errors",
+    "Failures of an experiment tracker or trace exporter, by tracker (wandb, mlflow, tensorboard, otlp; "
+    "queue = records dropped because the trackers fell behind). Training goes on without them.",
+    ["tracker"],
+    registry=REGISTRY,
+)
+TRACKERS = ("wandb", "mlflow", "tensorboard", "otlp", "queue")
+
+
+def init_service_label_values() -> None:
+    for tracker in TRACKERS:
+        TRACKER_ERRORS.labels(tracker=tracker)

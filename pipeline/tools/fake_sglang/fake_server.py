@@ -214,6 +214,8 @@ class FakeSGLang:
         self.crashes = 0
         self.leaked_rids: set[str] = set()  # requests whose state a 500 left behind
         self.peak_running = 0
+        self.busy_s = 0.0  # wall time with at least one request registered (`busy_seconds()`)
+        self._busy_from: float | None = None
         # Server state (reset by a restart).
         self.pause_mode: str | None = None  # tokenizer side: new requests wait while set
         self._engine_paused: str | None = None  # scheduler side: in_place or retract
@@ -292,7 +294,8 @@ class FakeSGLang:
         self.adapters.clear()
         self.adapter_identity.clear()
         self.leaked_rids.clear()
-        self._generations.clear()
+        for rid in list(self._generations):
+            self._unregister(rid)
         self._seen_sequences.clear()
         self._updating = False
         return await self.start(self.port)
@@ -521,8 +524,22 @@ class FakeSGLang:
 
     def _register(self, call: GenerateCall) -> _Generation:
         generation = _Generation(call)
+        if not self._generations:
+            self._busy_from = time.monotonic()
         self._generations[call.rid] = generation
         return generation
+
+    def _unregister(self, rid: str) -> None:
+        self._generations.pop(rid, None)
+        if not self._generations and self._busy_from is not None:
+            self.busy_s += time.monotonic() - self._busy_from
+            self._busy_from = None
+
+    def busy_seconds(self) -> float:
+        """Wall time so far with at least one request in the server (queued or running); the rest of
+        the time the engine idles."""
+        open_s = time.monotonic() - self._busy_from if self._busy_from is not None else 0.0
+        return self.busy_s + open_s
 
     def _plan(self, call: GenerateCall) -> Plan:
         if self.script is not None:
@@ -619,7 +636,7 @@ class FakeSGLang:
                 await asyncio.sleep(0)
             yield self._finish(plan, call)
         finally:
-            self._generations.pop(call.rid, None)
+            self._unregister(call.rid)
             generation.running = False
             await self._notify()
 

@@ -146,7 +146,7 @@ class MoePreset(Preset):
 # Active MLP width per token (top-k x expert width) equals the dense preset of the same name, so a token
 # costs about what it costs there; the model holds 4x those MLP weights, spread over the experts.
 MOE_PRESETS: dict[str, MoePreset] = {
-    # ~0.9M parameters; 8 experts, top-2.
+    # ~0.73M parameters; 8 experts, top-2.
     "moe-tiny": MoePreset(
         hidden_size=96,
         num_hidden_layers=2,
@@ -158,7 +158,7 @@ MOE_PRESETS: dict[str, MoePreset] = {
         num_experts_per_tok=2,
         moe_intermediate_size=128,
     ),
-    # ~35M parameters; 8 experts, top-2.
+    # ~31M parameters; 8 experts, top-2.
     "moe-small": MoePreset(
         hidden_size=384,
         num_hidden_layers=6,

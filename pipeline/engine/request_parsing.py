@@ -180,5 +180,6 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
         if routed is not None:  # recorded only when the engine runs with --enable-return-routed-experts
             item.request.return_routed_experts = state.config.enable_return_routed_experts
             item.routed_experts_start = routed
+            item.request.routed_experts_start = routed
         tracked.append(item)
     return tracked, is_batch

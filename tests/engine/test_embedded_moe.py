@@ -87,6 +87,26 @@ async def test_routed_experts_cover_prompt_plus_completion_minus_one_from_the_st
     assert _routes(tail) == routes[4:]
 
 
+async def test_the_prefix_cache_never_stands_in_for_positions_whose_routing_is_returned(
+    moe_dirs: tuple[Path, Path], http: aiohttp.ClientSession
+) -> None:
+    """A later turn reuses the cached KV of the positions recorded before its start and computes the rest;
+    a new episode on the same prompt (start 0) computes every position: the routing each returns is a
+    cold forward's."""
+    async with engine(moe_dirs[0], enable_return_routed_experts=True) as server:
+        url = server.url + "/generate"
+        _, first = await post(http, url, _routed_body(PROMPT, 6))
+        turn2 = PROMPT + first["output_ids"] + [50, 51, 52]
+        start = len(PROMPT) + len(first["output_ids"]) - 1  # what the client has recorded so far
+        _, second = await post(http, url, _routed_body(turn2, 4, start=start))
+        _, again = await post(http, url, _routed_body(PROMPT, 3))
+        _, cold = await post(http, url, _routed_body(turn2 + second["output_ids"], 0))
+    assert second["meta_info"]["cached_tokens"] > 0  # the prefix cache was used ...
+    assert _routes(second) == _routes(cold)[start:]  # ... and the positions returned were computed
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert _routes(again)[: len(PROMPT)] == _routes(first)[: len(PROMPT)]
+
+
 async def test_batched_requests_record_what_each_records_alone(
     moe_dirs: tuple[Path, Path], http: aiohttp.ClientSession
 ) -> None:

@@ -212,6 +212,14 @@ async def test_three_turn_episode_keeps_an_exact_token_buffer(
     assert all(r["sampling_params"]["max_new_tokens"] == 16 for r in sent)
     assert episodes_counter("scripted-exact", "stop") == before + 1
     assert len(result.turn_seconds) == len(result.engine_seconds) == 3
+    # Prefill books: every turn sends its whole context; the engine's radix cache holds what it saw
+    # (prompt and reply) the turn before, so only the env's reply and the new prompt are prefilled.
+    labels = {"env": "scripted-exact"}
+    assert REGISTRY.get_sample_value("rollwise_prompt_tokens_total", labels) == sum(
+        len(r["input_ids"]) for r in sent
+    )
+    cached = 0 + len(prompt + outs[0]) + len(prompt + outs[0] + env1 + outs[1])
+    assert REGISTRY.get_sample_value("rollwise_prompt_tokens_cached_total", labels) == cached
 
 
 async def test_tokens_carry_the_weight_version_that_produced_them(

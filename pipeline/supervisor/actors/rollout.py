@@ -222,6 +222,8 @@ class _EnvMetrics:
 
     turns: Any
     generated_tokens: Any
+    prompt_tokens: Any
+    prompt_tokens_cached: Any
     turn_tokens: Any
     turn_reward: Any
     step_latency: Any
@@ -243,6 +245,8 @@ def _env_metrics(env_name: str) -> _EnvMetrics:
     return _EnvMetrics(
         turns=metrics.TURNS.labels(env=env_name),
         generated_tokens=metrics.GENERATED_TOKENS.labels(env=env_name),
+        prompt_tokens=metrics.PROMPT_TOKENS.labels(env=env_name),
+        prompt_tokens_cached=metrics.PROMPT_TOKENS_CACHED.labels(env=env_name),
         turn_tokens=metrics.TURN_TOKENS.labels(env=env_name),
         turn_reward=metrics.TURN_REWARD.labels(env=env_name),
         step_latency=metrics.ENV_STEP_LATENCY.labels(env=env_name),
@@ -583,6 +587,9 @@ class _EpisodeRun:
             produced += n
             self.generated_tokens += n
             self.metrics.generated_tokens.inc(n)
+            if result.prompt_tokens is not None:  # None: aborted while waiting, nothing was prefilled
+                self.metrics.prompt_tokens.inc(result.prompt_tokens)
+                self.metrics.prompt_tokens_cached.inc(result.cached_tokens)
             if result.finish_reason != "abort":
                 finish = "stop" if result.finish_reason == "stop" else "length"
                 break

@@ -9,12 +9,12 @@
     rollwise bench moe --from OUT
 
 Every run is `rollwise run` of the default task's config (examples/guess_number.toml) with
-model.preset = moe-tiny (Qwen3-MoE, 8 experts, top-2), learner.mini_batches = 4 (the paper's split of
-each rollout batch: 3 of 4 updates off-policy), the load-balancing loss at 0.1, 4 groups of 16 episodes per
-step and guess-number on 1..8 in 4 turns (`BENCH_SETTINGS`: sized so that 3 x 3 runs of 60 steps fit well
-within an hour on 2 cores),
-plus the variant's keys, one after another in OUT/<variant>/seed<s> (pipeline.tools.bench.learning_curve
-runs each). `--set` adds to all of them. `--from OUT` reports runs already made.
+model.preset = moe-tiny (Qwen3-MoE, 8 experts, top-2), float32 engines, learner.mini_batches = 4 (the
+paper's split of each rollout batch: 3 of 4 updates off-policy), the load-balancing loss at 0.1, 4 groups
+of 16 episodes per step and guess-number on 1..8 in 4 turns (`BENCH_SETTINGS`: 3 x 3 runs of 60 steps
+took 15 minutes on the loaded 2-core machine), plus the variant's keys, one after another in
+OUT/<variant>/seed<s> (pipeline.tools.bench.learning_curve runs each). `--set` adds to all of them.
+`--from OUT` reports runs already made.
 
 Reported per variant, each as the mean over seeds and a two-sided 95% Student-t interval (a seed's value
 is its mean over its steps): the expert-activation change after an update (moe_routing_change: share of
@@ -46,6 +46,10 @@ CONFIG = ROOT / "examples" / "guess_number.toml"
 # What every variant shares on top of the default task's config (module docstring).
 BENCH_SETTINGS = (
     "model.preset='moe-tiny'",
+    # The learner trains in float32; the embedded engine's default is bfloat16 where the CPU has native
+    # bf16 matmuls. Pinned so that every machine measures the same thing (docs/training_curve.md was
+    # measured with float32 engines); `--set engine.dtype='bfloat16'` adds the precision mismatch.
+    "engine.dtype='float32'",
     "learner.batch_groups=4",
     "learner.mini_batches=4",
     # Without a load-balancing loss the toy's routers send every token to the same 2 experts within a few

@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from learner.gguf_presets import PRETRAINED, MissingPretrained, cached, place
 from learner.model import quiet_transformers
+from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -41,7 +42,7 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
-MAX_POSITIONS = 1024
+MAX_POSITIONS = PRESET_CONTEXT_TOKENS  # the config check knows it before the preset exists
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

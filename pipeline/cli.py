@@ -76,6 +76,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "LoRA vs full weights: memory, bytes, publish -> served",
     ),
+    ("bench", "hosts"): (
+        "pipeline.tools.hosts.hostile_network",
+        "main",
+        "three hosts (network namespaces) through latency, drops, a throttle, partitions; root only",
+    ),
     ("report",): (
         "pipeline.tools.report",
         "main",

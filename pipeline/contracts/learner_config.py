@@ -405,6 +405,14 @@ class RemoteConfig(Section):
         ),
     )
 
+    tls_cert_file: str | None = Field(
+        None, description="The learner machine's certificate for its weight server (None: tls.cert_file)."
+    )
+    tls_key_file: str | None = Field(None, description="Its private key (None: tls.key_file).")
+    tls_ca_file: str | None = Field(
+        None, description="The CA bundle the learner trusts, for Flight (None: tls.ca_file)."
+    )
+
     @model_validator(mode="after")
     def _own_run_dir_rules(self) -> RemoteConfig:
         if self.run_dir is not None and self.spool_url is None:
@@ -412,8 +420,13 @@ class RemoteConfig(Section):
                 "learner.remote.run_dir (the learner's own directory) needs learner.remote.spool_url = "
                 "'grpc://supervisor:port': the spool is on the supervisor's disk, not the learner's"
             )
-        if self.spool_url is not None and not self.spool_url.startswith(("grpc://", "grpc+tcp://")):
-            raise ValueError(f"learner.remote.spool_url must be grpc://host:port, got {self.spool_url!r}")
+        if self.spool_url is not None and not self.spool_url.startswith(
+            ("grpc://", "grpc+tcp://", "grpc+tls://")
+        ):
+            raise ValueError(
+                "learner.remote.spool_url must be grpc://host:port or grpc+tls://host:port, got "
+                f"{self.spool_url!r}"
+            )
         if self.weights_url is not None and not self.weights_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"learner.remote.weights_url must be http(s)://host:port, got {self.weights_url!r}"

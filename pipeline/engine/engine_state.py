@@ -156,6 +156,13 @@ class EngineState:
         self.inflight[rid] = tracked
         return tracked
 
+    def untrack(self, tracked: Tracked) -> None:
+        """Forget a request that was tracked but never submitted (its batch was refused)."""
+        if self.inflight.pop(tracked.request.rid, None) is tracked:
+            self.adapters.release(tracked.lora_name)
+        if not tracked.done.done():
+            tracked.done.cancel()
+
     async def generate_internal(self, prefix: str, max_new_tokens: int) -> EngineRequest:
         """A greedy request on prompt [0] (warmup and /health_generate)."""
         scheduler = self.require_scheduler()

@@ -53,6 +53,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pipeline.contracts.http_guard import api_key_middleware
+from pipeline.contracts.tls import client_context
 from pipeline.engine.control_routes import (
     abort_request,
     continue_generation,
@@ -125,5 +126,10 @@ def build_app(config: ServerConfig) -> web.Application:
         from pipeline.transport.weights_http import add_fetch_route
 
         Path(config.weights_dir).mkdir(parents=True, exist_ok=True)
-        add_fetch_route(app, Path(config.weights_dir))
+        add_fetch_route(
+            app,
+            Path(config.weights_dir),
+            ssl_context=client_context(config.tls),
+            allow_plaintext=config.allow_plaintext,
+        )
     return app

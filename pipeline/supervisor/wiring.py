@@ -21,8 +21,8 @@ from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
 from envs.task_split import training_tasks
 from pipeline.contracts import events
-from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, load_config
-from pipeline.contracts.run_dir import RunDir, is_model_dir
+from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, check_tls_files, load_config
+from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS, RunDir, is_model_dir, model_context_length
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
@@ -68,6 +68,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
+    check_tls_files(cfg)
     check_observer_libraries(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
@@ -93,6 +94,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     if cfg.model.path is not None and not is_model_dir(run.initial_model):
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
     check_moe(cfg, run.initial_model)
+    check_context_fits(cfg, run)
     evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
     return RunSetup(cfg, run, factory, env, evaluation)
 
@@ -143,6 +145,50 @@ def check_moe(cfg: Config, model_dir: Path) -> None:
             "learner.lora.target_modules to the attention projections, e.g. "
             '["q_proj", "k_proj", "v_proj", "o_proj"]'
         )
+
+
+def model_context(cfg: Config, run: RunDir) -> tuple[int, str] | None:
+    """The context length the engines will serve and where that is known from; None when unknown."""
+    args = cfg.engine.extra_args
+    if "--context-length" in args[:-1]:
+        try:
+            return int(args[args.index("--context-length") + 1]), "engine.extra_args --context-length"
+        except ValueError:
+            return None
+    if cfg.model.path is None:
+        return PRESET_CONTEXT_TOKENS, f"the {cfg.model.preset!r} preset"
+    length = model_context_length(run.initial_model)
+    return (length, f"{cfg.model.path}/config.json") if length is not None else None
+
+
+def check_context_fits(cfg: Config, run: RunDir) -> None:
+    """Where the model's context is known: refuse a reply longer than the whole context (every engine
+    refuses such a request), and cut the episode budget to the context. The runner asks each turn for
+    at most `env.max_context_tokens - prompt` tokens, so with the budget cut prompt + reply always fit;
+    with a budget beyond the context a turn overflowed it (SGLang refuses the request; the embedded
+    engine cut the reply, and the next turn's prompt no longer fitted): an engine_error per episode
+    instead of a truncated one. Raises ConfigError; the cut is logged and written to the run's
+    config.toml."""
+    known = model_context(cfg, run)
+    if known is None:
+        return
+    context, source = known
+    new = cfg.sampling.max_new_tokens
+    if new > context:
+        raise ConfigError(
+            f"sampling.max_new_tokens: {new} is longer than the model's whole context of {context} tokens "
+            f"({source}): no engine accepts such a request. Set it below {context} minus the prompts' length"
+        )
+    if cfg.env.max_context_tokens > context:
+        log.warning(
+            "env.max_context_tokens = %d exceeds the model's context of %d tokens (%s): episodes are cut "
+            "(finish reason truncated) at %d",
+            cfg.env.max_context_tokens,
+            context,
+            source,
+            context,
+        )
+        cfg.env.max_context_tokens = context
 
 
 def check_observer_libraries(cfg: Config) -> None:

@@ -15,8 +15,8 @@ import pytest
 from envs.api import Environment, Task
 from pipeline.contracts.schema import batch_to_segments
 from pipeline.supervisor.actors.admission import AdmissionController
-from pipeline.supervisor.actors.rollout import RolloutSettings
-from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
+from pipeline.supervisor.actors.scheduler import FailureStreak, GroupScheduler
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
@@ -433,13 +433,43 @@ async def test_failing_groups_back_off_admission_instead_of_spinning(
     assert sched.failed_groups == sched.written
 
 
+def _episode(reason: str, error: str | None = None) -> EpisodeOutcome:
+    return EpisodeOutcome("e", "g", "t", "env", reason, [], [], None, 0, 0.0, error=error)
+
+
 async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path) -> None:
     sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
-    sched._note_outcome("bad", any_trainable=False)
-    sched._note_outcome("bad", any_trainable=False)
+    sched._note_outcome("bad", [_episode("engine_error", "x")])
+    sched._note_outcome("bad", [_episode("env_error", "y")])
     assert sched._failure_streak == 2
-    sched._note_outcome("good", any_trainable=True)
-    assert sched._failure_streak == 0
+    sched._note_outcome("good", [_episode("engine_error", "x"), _episode("stop")])
+    assert sched._failure_streak == 0 and sched._why_failing.groups == 0
+
+
+async def test_every_episode_failed_says_why(pool: EnginePool, tmp_path: Path) -> None:
+    """Issue 33: the warning said only "every episode failed (N in a row)". It now counts the streak's
+    episodes by finish reason and shows its most frequent errors (digits ignored when counting)."""
+    said: list[str] = []
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
+    sched.notify = said.append
+    context = "engine http://a:1: HTTP 400: The input ({n} tokens) is longer than the model's context length"
+    for group in range(4):
+        episodes = [_episode("engine_error", context.format(n=1020 + i)) for i in range(3)]
+        episodes.append(_episode("env_error", "ValueError: bad move") if group == 0 else _episode("timeout"))
+        sched._note_outcome(f"g{group}", episodes)
+    assert len(said) == 3  # groups 1, 2 and 4 of the streak
+    last = said[-1]
+    assert "4 groups in a row" in last and "16 episodes ended engine_error 12, timeout 3, env_error 1" in last
+    assert '12 x "engine http://a:1: HTTP 400: The input (1020 tokens) is longer than' in last
+    assert "1 x 'ValueError: bad move'" in last
+
+
+def test_a_streak_of_distinct_messages_stays_bounded() -> None:
+    streak = FailureStreak()
+    for i in range(1000):
+        streak.add([_episode("engine_error", f"error kind {chr(65 + i % 26)}{chr(65 + i // 26 % 26)} {i}")])
+    assert len(streak.errors) <= FailureStreak.MAX_SHAPES + 1
+    assert sum(streak.errors.values()) == 1000
 
 
 async def test_admission_waits_while_no_engine_can_serve_and_resumes_when_one_answers(

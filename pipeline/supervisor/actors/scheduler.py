@@ -21,7 +21,9 @@ Decisions:
   count comes back through `on_dropped` like any other drop.
 - Such groups take milliseconds when an engine is down, so each one in a row doubles a pause of
   admission (`failure_backoff_s` = (first, longest) pause); a group with a trainable episode resets
-  it. Without it an engine outage wrote hundreds of empty groups per second.
+  it. Without it an engine outage wrote hundreds of empty groups per second. The warning (logged and
+  sent to `notify` at the 1st, 2nd, 4th, 8th ... group of a streak) says why: the streak's episodes
+  by finish reason and its most frequent error messages (`FailureStreak`).
 - Group ids are `"{run_prefix}-g{n:06d}"`, `run_prefix` a fresh random token per GroupScheduler, so ids are
   unique across restarts without persisting a counter.
 - Actor idle time (`actor_idle_s`, ACTOR_IDLE) is slot-weighted: while staleness (not concurrency)
@@ -54,10 +56,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import statistics
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -69,6 +72,7 @@ from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import (
     AgentRunner,
+    EpisodeOutcome,
     GenerateEngine,
     GroupOutcome,
     RolloutSettings,
@@ -78,6 +82,43 @@ from pipeline.supervisor.observability import metrics
 from pipeline.transport.spool import SpoolEntry, SpoolWriter
 
 log = logging.getLogger(__name__)
+
+
+class FailureStreak:
+    """Why the groups of a streak of wholly failed groups failed: their episodes counted by finish
+    reason, and their error messages counted by shape (digits ignored, so "The input (1020 tokens)" and
+    "(1024 tokens)" count together; the first message of each shape is the one shown)."""
+
+    MAX_SHAPES = 64  # distinct messages kept: a streak of unique messages must not grow without bound
+    SHOWN = 3
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.reasons: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self._example: dict[str, str] = {}
+
+    def add(self, episodes: list[EpisodeOutcome]) -> None:
+        self.groups += 1
+        for episode in episodes:
+            self.reasons[episode.finish_reason] += 1
+            if episode.error:
+                shape = re.sub(r"\d+", "#", episode.error)[:300]
+                if shape not in self._example and len(self._example) >= self.MAX_SHAPES:
+                    shape = "(other messages)"
+                self._example.setdefault(shape, episode.error[:300])
+                self.errors[shape] += 1
+
+    def summary(self) -> str:
+        episodes = sum(self.reasons.values())
+        reasons = ", ".join(f"{reason} {count}" for reason, count in self.reasons.most_common())
+        text = f"{episodes} episodes ended {reasons or 'without episodes'}"
+        if self.errors:
+            top = "; ".join(
+                f"{count} x {self._example[shape]!r}" for shape, count in self.errors.most_common(self.SHOWN)
+            )
+            text += f"; most frequent errors: {top}"
+        return text
 
 
 class AgentEndpoint(AgentRunner, Protocol):
@@ -136,6 +177,7 @@ class GroupScheduler:
         self._writes: set[asyncio.Future[SpoolEntry]] = set()
         self.failure_backoff_s = failure_backoff_s
         self._failure_streak = 0
+        self._why_failing = FailureStreak()
         self._resume_at = 0.0
         self.notify = notify or (lambda text: None)
         self.storage_retry_s = storage_retry_s
@@ -296,7 +338,7 @@ class GroupScheduler:
         slot_owned_by_write = False
         try:
             outcome = await self._play_group(task, group_id)
-            self._note_outcome(group_id, any(ep.trainable for ep in outcome.episodes))
+            self._note_outcome(group_id, outcome.episodes)
             self.episodes_finished += len(outcome.episodes)
             self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
             batch = outcome.to_record_batch()
@@ -369,24 +411,26 @@ class GroupScheduler:
                 self._wake.set()
             return entry
 
-    def _note_outcome(self, group_id: str, any_trainable: bool) -> None:
+    def _note_outcome(self, group_id: str, episodes: list[EpisodeOutcome]) -> None:
         """Back off admission while whole groups fail (an engine down, a broken environment): they
         finish in milliseconds, and without a pause the scheduler would spin writing empty groups."""
-        if any_trainable:
+        if any(ep.trainable for ep in episodes):
             self._failure_streak = 0
+            self._why_failing = FailureStreak()
             return
         self._failure_streak += 1
+        self._why_failing.add(episodes)
         base_s, max_s = self.failure_backoff_s
         delay = min(max_s, base_s * 2 ** min(self._failure_streak - 1, 30))
         self._resume_at = max(self._resume_at, time.monotonic() + delay)
         self.failed_groups += 1
         if self._failure_streak & (self._failure_streak - 1) == 0:  # 1, 2, 4, 8...: not every group
-            log.warning(
-                "group %s: every episode failed (%d in a row); pausing admission for %.2f s",
-                group_id,
-                self._failure_streak,
-                delay,
+            text = (
+                f"group {group_id}: every episode failed ({self._failure_streak} groups in a row; "
+                f"{self._why_failing.summary()}); pausing admission for {delay:.2f} s"
             )
+            log.warning("%s", text)
+            self.notify(text)
 
     def _write_done(self, fut: asyncio.Future[SpoolEntry], group_id: str) -> None:
         self._writes.discard(fut)

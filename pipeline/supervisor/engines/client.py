@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,6 +154,7 @@ class EngineClient:
         circuit_failures: int = 5,
         circuit_reset_s: float = 5.0,
         abort_timeout_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"EngineClient base_url must start with http:// or https://, got {base_url!r}")
@@ -163,6 +165,7 @@ class EngineClient:
             )
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.ssl_context = ssl_context  # what an https server is checked against (None: the system's)
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
@@ -207,7 +210,9 @@ class EngineClient:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             # Created lazily so that the session belongs to the running event loop.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                connector=aiohttp.TCPConnector(
+                    limit=self.max_connections, limit_per_host=0, ssl=self.ssl_context or True
+                ),
                 headers=headers,
             )
         return self._session

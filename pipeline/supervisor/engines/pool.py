@@ -424,18 +424,24 @@ class EnginePool:
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
-        model_paths: Mapping[str, str] | None = None,
+        model_paths: Mapping[str, str | None] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]:
-        """`model_paths` overrides `model_path` per member URL (engines with their own copy)."""
+        """`model_paths` overrides `model_path` per member URL (engines with their own copy); None: that
+        engine has no copy (its fetcher failed), its outcome is that error and it is not asked."""
         paths = model_paths or {}
-        outcomes = await self._fan_out(
-            lambda c: c.update_weights_from_disk(
-                paths.get(c.base_url, model_path),
+
+        async def update(c: EngineClient) -> dict[str, Any]:
+            path = paths.get(c.base_url, model_path)
+            if path is None:
+                raise EngineError(f"{c.base_url} has no copy of version {weight_version}: its fetcher failed")
+            return await c.update_weights_from_disk(
+                path,
                 weight_version=weight_version,
                 abort_all_requests=abort_all_requests,
                 flush_cache=flush_cache,
             )
-        )
+
+        outcomes = await self._fan_out(update)
         if any(o.ok for o in outcomes):
             self.weight_version = weight_version
         return outcomes

@@ -301,6 +301,8 @@ class LearnerWorker:
         )
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
+        moe = self.trainer.moe
+        self.routing = (moe.layers, moe.topk, moe.num_experts) if moe is not None else None
         ckpt = load_latest_checkpoint(self.run_dir.checkpoints)
         if self.ranks is not None:
             seen = self.ranks.gather(None if ckpt is None else str(ckpt.path))
@@ -450,7 +452,16 @@ class LearnerWorker:
             max_staleness=self.cfg.async_.max_staleness,
             rejected=rejected,
             vocab_size=self.vocab_size,
+            routing=self.routing,
         )
+        if verdict == "routing_mismatch":
+            problems = [
+                problem
+                for row in rows
+                if row.routed_experts is not None
+                and (problem := row.routed_experts.model_problem(*(self.routing or (0, 0, 0)))) is not None
+            ]
+            log.warning("group %s dropped: %s", group_id, problems[0] if problems else verdict)
         return verdict, rejected
 
     def take(self, item: SpoolItem) -> None:

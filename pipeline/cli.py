@@ -93,6 +93,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "held-out success per minute over seeds, mean and 95% interval",
     ),
+    ("bench", "moe"): (
+        "pipeline.tools.bench.moe_comparison",
+        "main",
+        "MoE toy: GRPO, GRPO + routing replay, GSPO over seeds (routing change, clipping, success)",
+    ),
 }
 
 

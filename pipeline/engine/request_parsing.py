@@ -117,6 +117,21 @@ def logprob_starts(body: dict[str, Any], prompts: list[list[int]], n: int) -> li
     return starts
 
 
+def routed_experts_starts(body: dict[str, Any], prompts: list[list[int]]) -> int | None:
+    """`routed_experts_start_len` of a request with `return_routed_experts` (None without): an int in [0,
+    the shortest prompt's length] (SGLang's GenerateReqInput: "Must be in [0, prompt_tokens]"). ValueError
+    -> 400."""
+    if not body.get("return_routed_experts", False):
+        return None
+    start = body.get("routed_experts_start_len", 0)
+    shortest = min(len(p) for p in prompts)
+    if not _is_int(start) or not 0 <= start <= shortest:
+        raise ValueError(
+            f"routed_experts_start_len must be an int in [0, {shortest}] (the prompt), got {start!r}"
+        )
+    return int(start)
+
+
 def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Tracked], bool]:
     """Validate a /generate body into tracked requests (not yet submitted). Raises ValueError."""
     scheduler = state.require_scheduler()
@@ -124,7 +139,7 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
         raise ValueError("top_logprobs_num > 0 is not supported by the embedded engine")
     if body.get("token_ids_logprob") is not None:
         raise ValueError("token_ids_logprob is not supported by the embedded engine")
-    for flag in ("return_logprob", "stream", "return_text_in_logprobs"):
+    for flag in ("return_logprob", "stream", "return_text_in_logprobs", "return_routed_experts"):
         if not isinstance(body.get(flag, False), bool):
             raise ValueError(f"{flag} must be a boolean, got {body[flag]!r}")
     prompts, is_batch = _prompts(body, state)
@@ -176,6 +191,7 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
     adapters = state.adapters.resolve(body.get("lora_path"), len(prompts) // n)
     adapters = [a for a in adapters for _ in range(n)]
     starts = logprob_starts(body, prompts, n)
+    routed = routed_experts_starts(body, prompts)
     tracked: list[Tracked] = []
     try:
         for i, (rid, ids, sampling) in enumerate(zip(rids, prompts, params, strict=True)):
@@ -186,6 +202,10 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
             item.text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
             item.index = i if (is_batch and stream) else None
             item.request.priority = priority if priority is not None else 0
+            if routed is not None:  # recorded only when the engine runs with --enable-return-routed-experts
+                item.request.return_routed_experts = state.config.enable_return_routed_experts
+                item.routed_experts_start = routed
+                item.request.routed_experts_start = routed
     except BaseException:
         # All or nothing: a batch refused halfway must not leave its first items registered (their rids
         # would be "still running" forever, and each held its prompt and adapter).

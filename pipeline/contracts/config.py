@@ -81,12 +81,15 @@ class EngineConfig(Section):
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
     max_batch: int = Field(64, ge=1, description="Embedded engine: most requests decoded together.")
     batch_wait_ms: float = Field(3.0, ge=0, description="Embedded engine: how long to collect a batch.")
-    threads: int = Field(1, ge=1, description="Embedded engine: torch intra-op threads.")
+    threads: int | None = Field(
+        None, ge=1, description="Embedded engine: torch intra-op threads (None = every core it may use)."
+    )
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
         description=(
-            "Weights and compute dtype of the engines (None = the engine's default: float32 for the "
-            "embedded engine, SGLang's auto). bfloat16 reproduces a GPU engine's log-prob mismatch."
+            "Weights and compute dtype of the engines (None = the engine's default: for the embedded "
+            "engine bfloat16 on a CPU with native bf16 matmuls (AMX / AVX512-BF16), else float32; "
+            "SGLang's auto). bfloat16 reproduces a GPU engine's log-prob mismatch."
         ),
     )
     # --- rollout fleet (docs/operations.md, "A fleet across machines") ---

@@ -21,6 +21,20 @@ LoRA (pipeline.engine.lora_slots): while adapters are loaded the model is peft's
 base, and every forward passes `adapter_names` (each row's adapter, "__base__" for none), so one batch
 mixes adapters; `attach_adapter`, `refill_adapter` and `detach_adapter` change it between two steps.
 
+Prefix cache (pipeline.engine.prefix_cache, on unless `prefix_cache_bytes` is 0): each prefill first
+takes the longest cached prefix of the request's sequence (at most all but its last token, and no
+further than `logprob_start_len` when prompt log-probs are wanted) and computes only the rest. The
+batch's KV then holds, per row, [padding | cached prefix | padding | new tokens]: the attention mask
+hides both paddings and positions are explicit, so the row computes what a full prefill would. In one
+admission round, requests whose sequences are identical up to that bound (a group's G episodes, or `n`
+samples) are prefilled in two steps: one of them first, the others then reuse its KV. Every prefill
+caches its sequence's KV, and a row that leaves the batch (finished, aborted or retracted) caches its
+prompt + output, so the next turn of a multi-turn episode reuses the whole conversation so far. KV
+computed under other weights never enters or stays: weight swaps, adapter refills, /flush_cache and a
+failed step clear the cache and bump `kv_epoch`, and a row whose KV is older than the epoch is not
+cached (in-place pauses keep such rows running across a swap). `EngineRequest.cached_tokens` is what
+SGLang reports as `meta_info.cached_tokens`: the tokens its first prefill took from the cache.
+
 Prompt log-probs: a request with `logprob_start_len` gets `input_logprobs` from its first prefill, the
 log-softmax of the raw logits (SGLang's `input_token_logprobs`: one entry per token from the start, the
 first null). A request with max_new_tokens = 0 that needs them is scored by a prefill of its own and
@@ -43,7 +57,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,6 +66,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pipeline.engine.engine_metrics import EngineMetrics, version_value
+from pipeline.engine.prefix_cache import LayerKV, PrefixCache, PrefixMatch
 from pipeline.engine.sampling import (
     RequestSampling,
     batch_sampling,
@@ -106,6 +121,8 @@ class EngineRequest:
     adapter: str | None = None  # LoRA adapter the request runs with (its name inside the model)
     logprob_start_len: int | None = None  # first prompt position of input_logprobs; None = not wanted
     input_logprobs: list[float | None] | None = None  # set by the first prefill
+    cached_tokens: int | None = None  # tokens the first prefill took from the prefix cache
+    kv_epoch: int = -1  # the batcher's kv_epoch when this request's KV was last computed from scratch
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -283,6 +300,38 @@ def prefill_buckets(lengths: list[int], call_cost_tokens: int) -> list[list[int]
     return groups[::-1]
 
 
+def _row_gather(kv: LayerKV, row: int, columns: torch.Tensor) -> Callable[[int, int], LayerKV]:
+    """The prefix cache's view of one batch row: the KV of its tokens [start, end), whose columns in the
+    batch are `columns` (padding skipped)."""
+
+    def gather(start: int, end: int) -> LayerKV:
+        index = columns[start:end]
+        return [(k[row].index_select(1, index), v[row].index_select(1, index)) for k, v in kv]
+
+    return gather
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache counts since the engine started (/server_info; the metrics count the same)."""
+
+    lookups: int = 0  # requests prefilled with the cache on
+    hits: int = 0  # of those, requests that reused at least one cached token
+    prompt_tokens: int = 0  # tokens of the sequences prefilled
+    cached_tokens: int = 0  # of those, tokens taken from the cache (prefill saved)
+
+    def record(self, lookups: int, hits: int, prompt_tokens: int, cached_tokens: int) -> None:
+        self.lookups += lookups
+        self.hits += hits
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prefilled tokens taken from the cache (SGLang's cache_hit_rate)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
 def input_logprobs(kept: torch.Tensor, sequence: list[int], start: int) -> list[float | None]:
     """SGLang's `input_token_logprobs` values of `sequence` from position `start`: None, then log P(seq[i]
     | seq[:i]) for i in (start, len). `kept` (k, V) holds the logits of the sequence's last k positions
@@ -319,6 +368,7 @@ class ContinuousBatcher:
         max_batch: int = 64,
         batch_wait_s: float = 0.003,
         max_prefill_tokens: int = 16384,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         self.weight_version = weight_version
@@ -342,6 +392,9 @@ class ContinuousBatcher:
         # reads /metrics right after its response never sees its own request as still running.
         self._finished: list[EngineRequest] = []
         self.peak_batch = 0  # most rows ever decoded in one step (diagnostics, tests)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self.kv_epoch = 0  # bumped whenever cached KV stops matching the served weights
+        self.prefix_stats = PrefixStats()
         self._thread = threading.Thread(target=self._run, name="rollwise-engine-worker", daemon=True)
         metrics.weight_version.set(version_value(weight_version))
 
@@ -396,6 +449,7 @@ class ContinuousBatcher:
             if abort_all:
                 self._abort_matching(None, "Aborted by weight update (abort_all_requests)")
             self.model = model  # same architecture, same loader: the cache keyword stays
+            self._invalidate_kv()
             if weight_version is not None:
                 self.weight_version = weight_version
                 self._metrics.weight_version.set(version_value(weight_version))
@@ -424,6 +478,9 @@ class ContinuousBatcher:
             if any(r.adapter == slot for r in self._all_requests()):
                 raise ValueError(f"adapter slot {slot} is still named by a request")
             refill_adapter(self.model, slot, weights)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear_namespace(slot)
+                self._publish_prefix_size()
 
         return self._call(command)
 
@@ -436,6 +493,9 @@ class ContinuousBatcher:
                 raise ValueError(f"adapter {name} is still named by a request")
             self.model = detach_adapter(self.model, name)
             self._lora_active = hasattr(self.model, "peft_config")
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear_namespace(name)
+                self._publish_prefix_size()
             self._active_adapter = None
 
         return self._call(command)
@@ -466,8 +526,27 @@ class ContinuousBatcher:
         return {"adapter_names": adapter_names([r.adapter for r in rows])}
 
     def flush_cache(self) -> concurrent.futures.Future[bool]:
-        """True if the engine was idle (there is no prefix cache, so nothing else to drop)."""
-        return self._call(lambda: self.num_requests() == 0)
+        """Drop the prefix cache if the engine is idle (SGLang flushes only then); True if it was."""
+
+        def command() -> bool:
+            if self.num_requests() > 0:
+                return False
+            self._invalidate_kv()
+            return True
+
+        return self._call(command)
+
+    def _invalidate_kv(self) -> None:
+        """Cached KV and the KV of running rows no longer match what the model computes."""
+        self.kv_epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self._publish_prefix_size()
+
+    def _publish_prefix_size(self) -> None:
+        cache = self.prefix_cache
+        if cache is not None:
+            self._metrics.record_prefix_cache_size(cache.bytes, cache.tokens, cache.evicted_tokens)
 
     def num_running(self) -> int:
         batch = self._batch
@@ -518,6 +597,7 @@ class ContinuousBatcher:
                         self._decode_step()
                 except Exception as exc:  # a failing step must not kill the engine: fail its requests
                     log.exception("engine step failed")
+                    self._invalidate_kv()  # a forward that failed half-way may have written some layers
                     self._abort_matching(None, f"engine step failed: {type(exc).__name__}: {exc}")
                 self._publish()
 
@@ -602,6 +682,7 @@ class ContinuousBatcher:
         """Move running rows back to the front of the queue; their KV is dropped and recomputed from
         prompt + output so far when they are admitted again."""
         if self._batch is not None:
+            self._remember(self._batch, range(self._batch.size))
             self._waiting.extendleft(reversed(self._batch.rows))
             self._batch = None
 
@@ -610,6 +691,7 @@ class ContinuousBatcher:
         if batch is None:
             return
         keep = [i for i, r in enumerate(batch.rows) if not r.finished]
+        self._remember(batch, [i for i, r in enumerate(batch.rows) if r.finished])
         self._batch = batch.select(keep) if keep else None
 
     def _admit_waiting(self) -> None:
@@ -646,8 +728,11 @@ class ContinuousBatcher:
         if not admitted:
             return
         try:
-            for bucket in prefill_buckets(lengths, PREFILL_CALL_COST_TOKENS):
-                self._prefill([admitted[i] for i in bucket])
+            if self.prefix_cache is None:
+                for bucket in prefill_buckets(lengths, PREFILL_CALL_COST_TOKENS):
+                    self._prefill([admitted[i] for i in bucket])
+            else:
+                self._prefill_with_prefixes(admitted)
         except Exception as exc:
             # The failed bucket and those after it are in neither the queue nor the batch: finish them
             # here. Rows of earlier buckets may be in the batch; finished too, the caller then drops them.
@@ -704,10 +789,51 @@ class ContinuousBatcher:
         for request in requests:
             self._finish(request, {"type": "length", "length": 0})
 
-    def _prefill(self, requests: list[EngineRequest]) -> None:
+    def _reuse_limit(self, request: EngineRequest) -> int:
+        """Most leading tokens a prefill of `request` may take from the prefix cache: all but the last
+        (its logits pick the next token), and none past the first prompt log-prob wanted."""
+        limit = len(request.prompt_ids) + len(request.output_ids) - 1
+        if self._needs_input_logprobs(request):
+            limit = min(limit, request.logprob_start_len or 0)
+        return limit
+
+    def _prefill_with_prefixes(self, admitted: list[EngineRequest]) -> None:
+        """Prefill one admission round through the prefix cache (module docstring): requests whose
+        reusable parts are identical to an earlier one's wait for it, then reuse its KV."""
+        assert self.prefix_cache is not None
+        seen: set[tuple[Any, ...]] = set()
+        first: list[EngineRequest] = []
+        later: list[EngineRequest] = []
+        for request in admitted:
+            limit = self._reuse_limit(request)
+            key = (request.adapter, tuple((request.prompt_ids + request.output_ids)[:limit]))
+            (later if key in seen and limit > 0 else first).append(request)
+            seen.add(key)
+        for phase in (first, later):
+            matches = [
+                self.prefix_cache.match(r.adapter, r.prompt_ids + r.output_ids, self._reuse_limit(r))
+                for r in phase
+            ]
+            suffixes = [
+                len(r.prompt_ids) + len(r.output_ids) - m.length for r, m in zip(phase, matches, strict=True)
+            ]
+            for bucket in prefill_buckets(suffixes, PREFILL_CALL_COST_TOKENS):
+                self._prefill([phase[i] for i in bucket], [matches[i] for i in bucket])
+
+    def _prefill(self, requests: list[EngineRequest], matches: list[PrefixMatch] | None = None) -> None:
+        """Compute the KV of `requests`' sequences, minus each one's cached prefix in `matches` (None: no
+        prefix cache), sample their first tokens and merge the rows into the running batch."""
         sequences = [r.prompt_ids + r.output_ids for r in requests]
-        ids, mask, positions = self._left_padded(sequences)
-        cache = DynamicCache()
+        reused = [m.length for m in matches] if matches is not None else [0] * len(requests)
+        ids, mask, positions = self._left_padded([s[n:] for s, n in zip(sequences, reused, strict=True)])
+        cache: DynamicCache
+        if max(reused) > 0:
+            assert matches is not None
+            positions = positions + torch.tensor(reused, dtype=torch.long, device=self._device)[:, None]
+            cache, prefix_mask = self._prefix_kv(matches)
+            mask = torch.cat([prefix_mask, mask], dim=1)
+        else:
+            cache = DynamicCache()
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -717,22 +843,69 @@ class ContinuousBatcher:
             **{self._cache_kwarg: cache},
             **self._forward_kwargs(requests),
         )
-        self._metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
+        self._count_prefill(requests, sequences, reused)
         self._record_input_logprobs(requests, sequences, out.logits)
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self._device)
         fresh = RunningBatch(
             rows=requests,
-            cache=growable_cache(RunningBatch.kv_of(cache)),
+            cache=cache if max(reused) > 0 else growable_cache(RunningBatch.kv_of(cache)),
             mask=mask,
             next_pos=lengths,
             last_tokens=lengths.clone(),
         )
+        for request in requests:
+            request.kv_epoch = self.kv_epoch
+        self._remember(fresh, range(len(requests)))
         self._sample_into(fresh, out.logits[:, -1, :])
-        keep = [i for i, r in enumerate(requests) if not r.finished]
+        keep = [i for i, r in enumerate(requests) if not r.finished]  # the finished ones are cached above
         if not keep:
             return
         fresh = fresh.select(keep) if len(keep) < len(requests) else fresh
         self._batch = fresh if self._batch is None else self._batch.merge(fresh)
+
+    def _prefix_kv(self, matches: list[PrefixMatch]) -> tuple[DynamicCache, torch.Tensor]:
+        """A cache holding each row's matched prefix right-aligned in the longest one's width, and the
+        (B, width) mask of those columns."""
+        longest = max(m.length for m in matches)
+        sample = next(m for m in matches if m.length > 0).pieces[0]
+        keys = [k.new_zeros(len(matches), k.shape[0], longest, k.shape[2]) for k, _ in sample]
+        values = [v.new_zeros(len(matches), v.shape[0], longest, v.shape[2]) for _, v in sample]
+        mask = torch.zeros(len(matches), longest, dtype=torch.long, device=self._device)
+        for row, match in enumerate(matches):
+            if match.length:
+                match.write(keys, values, row)
+                mask[row, longest - match.length :] = 1
+        return growable_cache(list(zip(keys, values, strict=True))), mask
+
+    def _count_prefill(
+        self, requests: list[EngineRequest], sequences: list[list[int]], reused: list[int]
+    ) -> None:
+        total = sum(len(s) for s in sequences)
+        self._metrics.prompt_tokens.inc(total)
+        if self.prefix_cache is None:
+            return
+        hits = sum(1 for n in reused if n > 0)
+        self.prefix_stats.record(len(requests), hits, total, sum(reused))
+        self._metrics.record_prefix_cache(len(requests), hits, total, sum(reused))
+        for request, n in zip(requests, reused, strict=True):
+            if request.cached_tokens is None:
+                request.cached_tokens = n
+
+    def _remember(self, batch: RunningBatch, rows: Iterable[int]) -> None:
+        """Cache the KV of `rows` of `batch`: each row's sequence so far (the last sampled token has no KV
+        yet). Rows whose KV predates the current weights are skipped."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        kv = batch.kv()
+        for row in rows:
+            request = batch.rows[row]
+            if request.kv_epoch != self.kv_epoch:
+                continue
+            columns = batch.mask[row].nonzero()[:, 0]
+            tokens = (request.prompt_ids + request.output_ids)[: columns.numel()]
+            cache.insert(request.adapter, tokens, _row_gather(kv, row, columns))
+        self._publish_prefix_size()
 
     def _decode_step(self) -> None:
         batch = self._batch

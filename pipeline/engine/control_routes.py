@@ -69,7 +69,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             model = scheduler.model
         else:
             try:
-                model = await loop.run_in_executor(state.loader, load_model, path, cfg.device, cfg.dtype)
+                model = await loop.run_in_executor(state.loader, load_model, path, cfg.device, state.dtype)
             except Exception as exc:
                 return failure(f"Failed to load weights from {path}: {type(exc).__name__}: {exc}")
         try:

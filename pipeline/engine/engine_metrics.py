@@ -70,6 +70,32 @@ class EngineMetrics:
         self.time_to_first_token = histogram(
             "sglang:time_to_first_token_seconds", "Seconds from arrival to the first token."
         ).labels(model_name)
+        # Prefix cache (pipeline.engine.prefix_cache): SGLang's names where SGLang has the metric.
+        self.cached_tokens = counter(
+            "sglang:cached_tokens_total", "Prompt tokens taken from the prefix cache (prefill saved)."
+        ).labels(model_name)
+        self.cache_hit_rate = gauge(
+            "sglang:cache_hit_rate", "Share of prefilled tokens taken from the prefix cache since start."
+        ).labels(model_name)
+        self.evicted_tokens = counter(
+            "sglang:evicted_tokens_total", "Tokens evicted from the prefix cache to stay within its budget."
+        ).labels(model_name)
+        self.prefix_lookups = counter(
+            "rollwise_engine_prefix_cache_lookups_total", "Requests prefilled with the prefix cache on."
+        ).labels(model_name)
+        self.prefix_hits = counter(
+            "rollwise_engine_prefix_cache_hits_total",
+            "Requests whose prefill reused at least one token from the prefix cache.",
+        ).labels(model_name)
+        self.prefix_cache_bytes = gauge(
+            "rollwise_engine_prefix_cache_bytes", "Bytes of KV the prefix cache holds."
+        ).labels(model_name)
+        self.prefix_cache_tokens = gauge(
+            "rollwise_engine_prefix_cache_tokens", "Tokens whose KV the prefix cache holds."
+        ).labels(model_name)
+        self._prefilled_tokens = 0
+        self._reused_tokens = 0
+        self._evicted = 0
         self.weight_version = Gauge(
             "rollwise_engine_weight_version",
             "Policy version of the weights the engine samples with ('default' = 0).",
@@ -86,6 +112,25 @@ class EngineMetrics:
         with self._window_lock:
             self._window.append((now, num_tokens))
         self._refresh_throughput(now)
+
+    def record_prefix_cache(self, lookups: int, hits: int, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count one prefill's prefix-cache use: requests, those that hit, their tokens, the reused ones."""
+        self.prefix_lookups.inc(lookups)
+        self.prefix_hits.inc(hits)
+        self.cached_tokens.inc(cached_tokens)
+        self._prefilled_tokens += prompt_tokens
+        self._reused_tokens += cached_tokens
+        self.cache_hit_rate.set(
+            self._reused_tokens / self._prefilled_tokens if self._prefilled_tokens else 0.0
+        )
+
+    def record_prefix_cache_size(self, num_bytes: int, tokens: int, evicted_total: int) -> None:
+        """The prefix cache's size now, and its evictions since start."""
+        self.prefix_cache_bytes.set(num_bytes)
+        self.prefix_cache_tokens.set(tokens)
+        if evicted_total > self._evicted:
+            self.evicted_tokens.inc(evicted_total - self._evicted)
+            self._evicted = evicted_total
 
     def _refresh_throughput(self, now: float) -> None:
         with self._window_lock:

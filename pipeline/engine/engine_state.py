@@ -23,7 +23,7 @@ from aiohttp import web
 from pipeline.engine.batcher import ContinuousBatcher, EngineRequest
 from pipeline.engine.engine_metrics import EngineMetrics
 from pipeline.engine.lora_slots import EngineAdapters
-from pipeline.engine.model_loading import eos_ids, load_model, load_tokenizer
+from pipeline.engine.model_loading import eos_ids, load_model, load_tokenizer, resolve_dtype
 from pipeline.engine.sampling import RequestSampling
 from pipeline.engine.serve_flags import ServerConfig
 
@@ -62,6 +62,8 @@ class EngineState:
     adapters: EngineAdapters = field(
         default_factory=lambda: EngineAdapters(enabled=False, max_rank=None, target_modules=None)
     )
+    dtype: str = "float32"  # what the weights are served in (resolved from config.dtype at start)
+    dtype_reason: str = ""
 
     def require_scheduler(self) -> ContinuousBatcher:
         if self.scheduler is None:
@@ -72,7 +74,9 @@ class EngineState:
         """Load the model in a worker thread, start the scheduler, warm it up, then report ready."""
         loop = asyncio.get_running_loop()
         cfg = self.config
-        model = await loop.run_in_executor(self.loader, load_model, cfg.model, cfg.device, cfg.dtype)
+        self.dtype, self.dtype_reason = resolve_dtype(cfg.dtype, cfg.device)
+        log.info("serving in %s (%s)", self.dtype, self.dtype_reason)
+        model = await loop.run_in_executor(self.loader, load_model, cfg.model, cfg.device, self.dtype)
         self.tokenizer = await loop.run_in_executor(self.loader, load_tokenizer, cfg.model)
         context = cfg.context_length or int(getattr(model.config, "max_position_embeddings", 2048))
         self.scheduler = ContinuousBatcher(
@@ -84,6 +88,7 @@ class EngineState:
             max_batch=cfg.max_batch,
             batch_wait_s=cfg.batch_wait_ms / 1000.0,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            prefix_cache_bytes=int(cfg.prefix_cache_mb * 2**20),
         )
         self.scheduler.start()
         for name, path in cfg.lora_paths:  # --lora-paths: loaded before the engine reports ready
@@ -183,7 +188,7 @@ class EngineState:
             "prompt_tokens": len(request.prompt_ids),
             "weight_version": version or self.require_scheduler().weight_version,
             "completion_tokens": n,
-            "cached_tokens": 0,
+            "cached_tokens": request.cached_tokens or 0,
         }
         if tracked.return_logprob and request.input_logprobs is not None:
             start = len(request.prompt_ids) - len(request.input_logprobs)

@@ -4,10 +4,13 @@ version and Prometheus /metrics."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pipeline.engine.batcher import ContinuousBatcher
 from pipeline.engine.engine_state import state_of
 from pipeline.engine.http_json import json_reply
 
@@ -66,7 +69,11 @@ async def server_info(request: web.Request) -> web.Response:
             "max_req_input_len": scheduler.context_length - 1,
             "enable_metrics": cfg.enable_metrics,
             "device": cfg.device,
-            "dtype": cfg.dtype,
+            "dtype": state.dtype,
+            "dtype_reason": state.dtype_reason,
+            "threads": torch.get_num_threads(),
+            "disable_radix_cache": scheduler.prefix_cache is None,
+            "prefix_cache": prefix_cache_info(scheduler),
             "weight_version": scheduler.weight_version,
             "internal_states": [
                 {
@@ -78,6 +85,25 @@ async def server_info(request: web.Request) -> web.Response:
             "version": "rollwise-embedded",
         }
     )
+
+
+def prefix_cache_info(scheduler: ContinuousBatcher) -> dict[str, Any]:
+    """The prefix cache's budget, contents and counts since start (read without locking: plain ints
+    the worker thread updates)."""
+    cache, stats = scheduler.prefix_cache, scheduler.prefix_stats
+    return {
+        "enabled": cache is not None,
+        "budget_bytes": cache.budget_bytes if cache is not None else 0,
+        "bytes": cache.bytes if cache is not None else 0,
+        "tokens": cache.tokens if cache is not None else 0,
+        "evicted_tokens": cache.evicted_tokens if cache is not None else 0,
+        "lookups": stats.lookups,
+        "hits": stats.hits,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_tokens": stats.cached_tokens,
+        "cache_hit_rate": round(stats.hit_rate, 6),
+        "kv_epoch": scheduler.kv_epoch,
+    }
 
 
 async def get_weight_version(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from aiohttp import web
 
+from pipeline.contracts.cpu_features import usable_cores
 from pipeline.contracts.http_guard import (
     ENGINE_API_KEY_ENV,
     ExposedWithoutKey,
@@ -104,8 +105,7 @@ def main(argv: list[str]) -> int:
     """`rollwise engine serve ...` entry point."""
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    torch.set_num_threads(config.threads or usable_cores())
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight update would flood the engine's log

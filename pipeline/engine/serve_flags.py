@@ -1,8 +1,13 @@
 """The command line of `rollwise engine serve`: `ServerConfig` and `parse_args`, which builds it.
 
 `rollwise engine serve --model DIR --host 127.0.0.1 --port N [--weight-version 0] [--max-batch 64]
-[--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]`;
+[--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]
+[--dtype auto|float32|bfloat16|float16] [--prefix-cache-mb 1024 | --disable-radix-cache]`;
 what the served API does with these settings is in pipeline.engine.routes.
+
+Defaults that depend on the machine: `--dtype auto` is bfloat16 on a CPU with native bf16 matmuls (AMX or
+AVX512-BF16 in /proc/cpuinfo) or a CUDA device that supports it, float32 otherwise; `--threads` unset is
+every core the process may run on. /server_info reports both, with the reason for the dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV, DoorLimits
 from pipeline.engine.model_loading import DTYPES
 
+DEFAULT_PREFIX_CACHE_MB = 1024.0
 DESCRIPTION = "The embedded SGLang-compatible engine: an aiohttp server over `batcher.ContinuousBatcher`."
 
 
@@ -31,8 +37,8 @@ class ServerConfig:
     context_length: int | None = None
     enable_metrics: bool = False
     device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = None
+    dtype: str = "auto"  # "auto" or a key of DTYPES (model_loading.resolve_dtype)
+    threads: int | None = None  # None: every usable core (set by `serve.main`, not by in-process servers)
     seed: int | None = None
     served_model_name: str | None = None
     api_key: str | None = field(default=None, repr=False)
@@ -46,6 +52,7 @@ class ServerConfig:
     lora_target_modules: tuple[str, ...] | None = None
     lora_paths: tuple[tuple[str, str], ...] = ()
     fault_stale_weights: bool = False
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # 0 = no prefix cache
 
     def weights_roots(self) -> list[Path]:
         dirs = self.allowed_weights_dirs or (str(Path(self.model).resolve().parent),)
@@ -65,8 +72,24 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--context-length", type=int, help="default: config.max_position_embeddings")
     p.add_argument("--enable-metrics", action="store_true", help="serve Prometheus /metrics")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *sorted(DTYPES)],
+        help="weights and compute; auto = bfloat16 where bf16 matmuls are native, else float32",
+    )
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: every usable core)")
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="KV bytes the prefix cache may hold (MiB; 0 turns it off)",
+    )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache (SGLang's flag; = --prefix-cache-mb 0)",
+    )
     p.add_argument("--seed", type=int, help="seed of unseeded requests' generators")
     p.add_argument("--served-model-name", help="model_name label of the metrics")
     p.add_argument(
@@ -106,6 +129,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error("--max-batch must be >= 1")
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be >= 1")
+    if a.prefix_cache_mb < 0:
+        p.error("--prefix-cache-mb must be >= 0")
     if a.max_body_bytes < 1024 or a.body_timeout_s <= 0 or a.idle_timeout_s <= 0:
         p.error("--max-body-bytes must be >= 1024, --body-timeout-s and --idle-timeout-s > 0")
     lora_paths = []
@@ -141,4 +168,5 @@ def parse_args(argv: list[str]) -> ServerConfig:
         lora_target_modules=tuple(a.lora_target_modules) if a.lora_target_modules else None,
         lora_paths=tuple(lora_paths),
         fault_stale_weights=a.fault_stale_weights,
+        prefix_cache_mb=0.0 if a.disable_radix_cache else a.prefix_cache_mb,
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.cpu_features import usable_cores
 from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV
 from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.children import ChildSpec
@@ -154,8 +155,7 @@ def engine_argv(
             str(e.max_batch),
             "--batch-wait-ms",
             str(e.batch_wait_ms),
-            "--threads",
-            str(e.threads),
+            *(["--threads", str(e.threads)] if e.threads is not None else []),
             "--seed",
             str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
             *(["--dtype", e.dtype] if e.dtype is not None else []),
@@ -200,7 +200,7 @@ def engine_child_spec(
     weights_dir: Path | None = None,
     adapter: Path | None = None,
 ) -> ChildSpec:
-    threads = str(cfg.engine.threads)
+    threads = str(cfg.engine.threads or usable_cores())
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
     key = reveal(cfg.engine.api_key)
     if key and cfg.engine.kind == "embedded":

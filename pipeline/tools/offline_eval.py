@@ -124,7 +124,7 @@ async def evaluate_version(
                     weight_version=str(version),
                     max_batch=e.max_batch,
                     batch_wait_ms=e.batch_wait_ms,
-                    dtype=e.dtype or "float32",
+                    dtype=e.dtype or "auto",
                     threads=e.threads,
                     seed=cfg.run.seed,
                 )

@@ -92,7 +92,9 @@ def learner_models(model_dirs: tuple[Path, Path]) -> dict[str, Any]:
 
 @asynccontextmanager
 async def engine(model_dir: Path, **overrides: Any) -> AsyncIterator[RunningServer]:
-    config = ServerConfig(model=str(model_dir), port=0, weight_version="0", seed=0, **overrides)
+    # float32 unless a test asks otherwise: the parity checks compare with the learner's fp32 forward.
+    settings: dict[str, Any] = {"dtype": "float32", **overrides}
+    config = ServerConfig(model=str(model_dir), port=0, weight_version="0", seed=0, **settings)
     server = await start_server(config)
     try:
         yield server
@@ -782,6 +784,54 @@ async def test_health_info_and_flush(server: RunningServer, http: aiohttp.Client
             assert (await response.text()).startswith("Cache flushed.")
     status, reply = await post(http, server.url + "/pause_generation", {"mode": "sideways"})
     assert status == 400 and "mode" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("cpu", "served"),
+    [
+        (("bfloat16", "auto: CPU flags avx512_bf16"), torch.bfloat16),
+        (("float32", "auto: none"), torch.float32),
+    ],
+)
+async def test_auto_dtype_follows_the_cpu_and_server_info_says_why(
+    model_dirs: tuple[Path, Path],
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    cpu: tuple[str, str],
+    served: torch.dtype,
+) -> None:
+    import pipeline.engine.model_loading as model_loading
+
+    monkeypatch.setattr(model_loading, "auto_cpu_dtype", lambda: cpu)
+    async with engine(model_dirs[0], dtype="auto") as server:
+        async with http.get(server.url + "/server_info") as response:
+            info = await response.json()
+        assert (info["dtype"], info["dtype_reason"]) == cpu
+        assert info["threads"] == torch.get_num_threads()
+        assert next(server.state.require_scheduler().model.parameters()).dtype == served
+        status, obj = await post(http, server.url + "/generate", gen_body([1, 2, 3], max_new_tokens=4))
+        assert status == 200 and len(obj["output_ids"]) == 4
+    assert model_loading.resolve_dtype("float16", "cpu") == ("float16", "--dtype given")
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        model_loading.resolve_dtype("fp8", "cpu")
+
+
+def test_engine_flags_default_to_auto_dtype_all_cores_and_a_prefix_cache(tmp_path: Path) -> None:
+    from pipeline.contracts.config import load_config
+    from pipeline.engine.serve_flags import parse_args
+    from pipeline.supervisor.engine_launch import engine_argv, engine_child_spec, plan_engines
+
+    config = parse_args(["--model", "m"])
+    assert (config.dtype, config.threads, config.prefix_cache_mb) == ("auto", None, 1024.0)
+    assert parse_args(["--model", "m", "--disable-radix-cache"]).prefix_cache_mb == 0.0
+    assert parse_args(["--model", "m", "--prefix-cache-mb", "64", "--threads", "3"]).prefix_cache_mb == 64.0
+    # The daemon passes neither: the engine picks (an explicit engine.threads still reaches it).
+    cfg = load_config(None, ["engine.port=0"])
+    slot = plan_engines(cfg)[0]
+    argv = engine_argv(cfg, slot, model_dir=tmp_path, version=0)
+    assert "--threads" not in argv and "--dtype" not in argv
+    spec = engine_child_spec(cfg, slot, model_dir=tmp_path, version=0, log_dir=tmp_path)
+    assert int(spec.env["OMP_NUM_THREADS"]) >= 1
 
 
 async def test_a_failing_model_step_aborts_its_requests_and_the_engine_survives(

@@ -66,7 +66,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @asynccontextmanager
 async def engine(model_dir: Path, **overrides: Any) -> AsyncIterator[RunningServer]:
-    config = ServerConfig(model=str(model_dir), port=0, weight_version="0", seed=0, **overrides)
+    # float32 unless a test asks otherwise: the parity checks compare with the learner's fp32 forward.
+    settings: dict[str, Any] = {"dtype": "float32", **overrides}
+    config = ServerConfig(model=str(model_dir), port=0, weight_version="0", seed=0, **settings)
     server = await start_server(config)
     try:
         yield server

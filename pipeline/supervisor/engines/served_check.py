@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline.contracts.config import Config
+from pipeline.contracts.cpu_features import auto_cpu_dtype
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import EngineHTTPError, EngineProtocolError
 from pipeline.supervisor.observability import metrics
@@ -43,9 +44,9 @@ def tolerance_for(cfg: Config) -> float:
     configured = cfg.async_.served_check.tolerance
     if configured is not None:
         return configured
-    dtype = cfg.engine.dtype
-    if dtype is None:
-        dtype = "float32" if cfg.engine.kind == "embedded" else "bfloat16"
+    dtype: str | None = cfg.engine.dtype
+    if dtype is None:  # the engines' own choice: an embedded engine's follows this machine's CPU
+        dtype = auto_cpu_dtype()[0] if cfg.engine.kind == "embedded" else "bfloat16"
     return TOLERANCE_FP32 if dtype == "float32" else TOLERANCE_BF16
 
 

@@ -367,3 +367,27 @@ async def test_kv_kept_across_an_in_place_update_is_never_cached(
     assert first["meta_info"]["output_token_weight_versions"][0] == "0"
     next_turn = await generate(http, cached, body(PROMPT + first["output_ids"] + [7], 4))
     assert next_turn["meta_info"]["cached_tokens"] == 0
+
+
+async def test_the_real_model_reuses_a_conversation_with_unchanged_outputs(
+    smollm2_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    """SmolLM2-135M-Instruct (30 layers, grouped KV heads), fp32: a chat turn, then the next one on top."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    messages = [{"role": "user", "content": "What is 7 + 12? Answer with a number."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    async with engine(smollm2_dir) as cached, engine(smollm2_dir, prefix_cache_mb=0) as plain:
+        first = await generate(http, cached, body(prompt, None, temperature=0.0, n=10))
+        assert "19" in tokenizer.decode(first["output_ids"])
+        assert_same(first, await generate(http, plain, body(prompt, None, temperature=0.0, n=10)))
+        follow_up = tokenizer(
+            "<|im_end|>\n<|im_start|>user\nAnd 19 + 1?<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        ).input_ids
+        history = prompt + first["output_ids"] + follow_up
+        second = await generate(http, cached, body(history, 3, n=8))
+        assert second["meta_info"]["cached_tokens"] == len(prompt) + 10 - 1
+        assert_same(second, await generate(http, plain, body(history, 3, n=8)))

@@ -600,6 +600,7 @@ class Trainer:
             precision=self.precision,
             device=self.device,
             fused=self.cfg.fused_logprobs,
+            scored=batch.loss_mask > 0,
         )
 
     def _lag(self, batch: PackedBatch) -> torch.Tensor:

@@ -341,6 +341,7 @@ def test_a_run_directory_written_with_dtype_resumes_as_precision(tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # seven variants, each a process of its own that loads torch and the model
 def test_learner_bench_measures_every_variant_against_fp32() -> None:
     """Each variant in its own process; on the tiny preset checkpointing and bf16 weights cut the peak."""
     from pipeline.tools.bench.learner_step import run
@@ -349,11 +350,15 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
         ["--preset", "tiny", "--repeats", "1", "--groups", "1", "--prompt", "128", "--generated", "128"]
     )
     results = report["results"]
-    assert list(results) == ["fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16"]
+    assert list(results) == [
+        "fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16", "fp32+lora", "bf16-mixed+lora"
+    ]  # fmt: skip
     assert results["fp32"]["time_ratio"] == 1.0 and results["fp32"]["memory_ratio"] == 1.0
     assert all(r["peak_extra_bytes"] > 0 and r["seconds"] > 0 for r in results.values())
     assert results["fp32+ckpt"]["memory_ratio"] < 0.9
     assert results["bf16"]["memory_ratio"] < 0.9
+    assert results["fp32+lora"]["memory_ratio"] < 1.0  # no AdamW state or gradients of the base weights
+    assert report["auto"] in ("fp32", "bf16-mixed")
 
 
 # --- regularisers ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -15,8 +16,8 @@ import pytest
 from envs.api import Environment, Task
 from pipeline.contracts.schema import batch_to_segments
 from pipeline.supervisor.actors.admission import AdmissionController
-from pipeline.supervisor.actors.rollout import RolloutSettings
-from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
+from pipeline.supervisor.actors.scheduler import GroupScheduler, untrainable_summary
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
@@ -433,10 +434,31 @@ async def test_failing_groups_back_off_admission_instead_of_spinning(
     assert sched.failed_groups == sched.written
 
 
+def _ended(reason: str, error: str | None = None) -> EpisodeOutcome:
+    return EpisodeOutcome("e", "g", "t", "env", reason, [], [], None, 0, 0.0, error=error)
+
+
 async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path) -> None:
     sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
-    sched._note_outcome("bad", any_trainable=False)
-    sched._note_outcome("bad", any_trainable=False)
+    sched._note_outcome("bad", [_ended("engine_error")])
+    sched._note_outcome("bad", [_ended("timeout")])
     assert sched._failure_streak == 2
-    sched._note_outcome("good", any_trainable=True)
+    sched._note_outcome("good", [_ended("timeout"), _ended("stop")])
     assert sched._failure_streak == 0
+
+
+async def test_the_warning_says_how_the_episodes_ended(
+    pool: EnginePool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
+    refused = "engine http://e: 400: requested 1035 tokens, context length 1024"
+    episodes = [_ended("engine_error", refused)] * 5 + [_ended("timeout", "episode exceeded 120 s")] * 3
+    with caplog.at_level(logging.WARNING):
+        sched._note_outcome("g7", episodes)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        f"group g7: no episode can be trained (5 engine_error, 3 timeout; first: {refused}; 1 such groups "
+        "in a row); pausing admission for 0.05 s"
+    )
+    assert untrainable_summary([]) == "no episodes"
+    assert untrainable_summary([_ended("env_error", "x" * 400)]) == "1 env_error; first: " + "x" * 300

@@ -21,7 +21,9 @@ Decisions:
   count comes back through `on_dropped` like any other drop.
 - Such groups take milliseconds when an engine is down, so each one in a row doubles a pause of
   admission (`failure_backoff_s` = (first, longest) pause); a group with a trainable episode resets
-  it. Without it an engine outage wrote hundreds of empty groups per second.
+  it. Without it an engine outage wrote hundreds of empty groups per second. The warning counts the
+  group's episodes by finish reason and quotes the first error (a request over the model's context,
+  a timeout, an env that raised), so the cause is in the log, not only "failed".
 - Group ids are `"{run_prefix}-g{n:06d}"`, `run_prefix` a fresh random token per GroupScheduler, so ids are
   unique across restarts without persisting a counter.
 - Actor idle time (`actor_idle_s`, ACTOR_IDLE) is slot-weighted: while staleness (not concurrency)
@@ -47,11 +49,12 @@ pipeline.contracts.durable.storage_fault_kind)
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -60,7 +63,13 @@ from envs.api import EnvFactory, Task
 from pipeline.contracts.durable import RefusedWrites, retry_delays
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
-from pipeline.supervisor.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
+from pipeline.supervisor.actors.rollout import (
+    AgentRunner,
+    EpisodeOutcome,
+    GenerateEngine,
+    RolloutSettings,
+    run_group,
+)
 from pipeline.supervisor.observability import metrics
 from pipeline.transport.spool import SpoolEntry, SpoolWriter
 
@@ -71,6 +80,15 @@ class AgentEndpoint(AgentRunner, Protocol):
     """The agent runner the scheduler owns (pipeline.supervisor.actors.openai_endpoint.OpenAIEndpoint)."""
 
     async def close(self) -> None: ...
+
+
+def untrainable_summary(episodes: Sequence[EpisodeOutcome]) -> str:
+    """How a group's episodes ended, for a warning: counts by finish reason, most frequent first, and the
+    first error message (e.g. "8 engine_error; first: engine refused the request: ... context length")."""
+    reasons = collections.Counter(ep.finish_reason for ep in episodes)
+    text = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common()) or "no episodes"
+    first = next((ep.error for ep in episodes if ep.error), None)
+    return f"{text}; first: {first[:300]}" if first else text
 
 
 class GroupScheduler:
@@ -255,7 +273,7 @@ class GroupScheduler:
                 env_options=self.env_options,
                 agent_runner=self.agent_endpoint,
             )
-            self._note_outcome(group_id, any(ep.trainable for ep in outcome.episodes))
+            self._note_outcome(group_id, outcome.episodes)
             self.episodes_finished += len(outcome.episodes)
             self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
             batch = outcome.to_record_batch()
@@ -309,10 +327,11 @@ class GroupScheduler:
                 self._wake.set()
             return entry
 
-    def _note_outcome(self, group_id: str, any_trainable: bool) -> None:
+    def _note_outcome(self, group_id: str, episodes: Sequence[EpisodeOutcome]) -> None:
         """Back off admission while whole groups fail (an engine down, a broken environment): they
-        finish in milliseconds, and without a pause the scheduler would spin writing empty groups."""
-        if any_trainable:
+        finish in milliseconds, and without a pause the scheduler would spin writing empty groups.
+        The warning says how the group's episodes ended (`untrainable_summary`)."""
+        if any(ep.trainable for ep in episodes):
             self._failure_streak = 0
             return
         self._failure_streak += 1
@@ -322,8 +341,10 @@ class GroupScheduler:
         self.failed_groups += 1
         if self._failure_streak & (self._failure_streak - 1) == 0:  # 1, 2, 4, 8...: not every group
             log.warning(
-                "group %s: every episode failed (%d in a row); pausing admission for %.2f s",
+                "group %s: no episode can be trained (%s; %d such groups in a row); pausing admission "
+                "for %.2f s",
                 group_id,
+                untrainable_summary(episodes),
                 self._failure_streak,
                 delay,
             )

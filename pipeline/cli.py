@@ -56,6 +56,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "learner step memory and time per precision",
     ),
+    ("bench", "mismatch"): (
+        "pipeline.tools.bench.mismatch_clip",
+        "main",
+        "engine vs learner log-probs on a real model: ratio spread, GSPO clip with and without correction",
+    ),
     ("bench", "transport"): (
         "pipeline.tools.bench.flight_rate",
         "main",

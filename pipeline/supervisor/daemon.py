@@ -227,7 +227,9 @@ class Supervisor:
 
     async def start_scheduler(self, ready: events.Ready) -> GroupScheduler:
         tokenizer = await asyncio.to_thread(load_tokenizer, self.run_dir.initial_model)
-        endpoint = await start_openai_endpoint(self.engines.generator, tokenizer, self.cfg)
+        endpoint = await start_openai_endpoint(
+            self.engines.generator, tokenizer, self.cfg, self.run_dir.initial_model
+        )
         # No await from here to `attach`: versions published and groups dropped until now are in the
         # lineage and the unclaimed drops; later ones reach the scheduler through on_served and attach.
         self.scheduler = build_scheduler(

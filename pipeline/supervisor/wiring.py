@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import itertools
 import json
@@ -127,12 +128,51 @@ def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) ->
     return version * batch_groups + unconsumed_groups
 
 
-def rollout_settings(cfg: Config) -> RolloutSettings:
+@functools.lru_cache(maxsize=8)
+def model_context_length(model_dir: Path) -> int | None:
+    """The positions the model at `model_dir` was built for (config.json's max_position_embeddings), None
+    when it does not say. An engine refuses a request longer than that."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return positions if isinstance(positions, int) and positions > 1 else None
+
+
+def context_budget(cfg: Config, model_dir: Path | None) -> int:
+    """env.max_context_tokens, capped at the model's context length (warned once per model): a budget
+    beyond it only lets turns ask the engine for positions it refuses (the tiny preset has 1024, the
+    default budget is 8192: every long turn of the bare `rollwise run` was an engine_error)."""
+    budget = cfg.env.max_context_tokens
+    if model_dir is None:
+        return budget
+    limit = model_context_length(model_dir)
+    if limit is None or budget <= limit:
+        return budget
+    if (model_dir, budget) not in _WARNED_BUDGETS:
+        _WARNED_BUDGETS.add((model_dir, budget))
+        log.warning(
+            "env.max_context_tokens = %d exceeds the model's context length (%d positions, %s): episodes "
+            "are capped at %d tokens",
+            budget,
+            limit,
+            model_dir,
+            limit,
+        )
+    return limit
+
+
+_WARNED_BUDGETS: set[tuple[Path, int]] = set()
+
+
+def rollout_settings(cfg: Config, model_dir: Path | None = None) -> RolloutSettings:
+    """The episode runner's settings; with `model_dir`, the context budget fits that model."""
     return RolloutSettings(
         # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
         # is per request).
         sampling=SamplingParams(**cfg.sampling.model_dump()),
-        max_context_tokens=cfg.env.max_context_tokens,
+        max_context_tokens=context_budget(cfg, model_dir),
         tool_parser=cfg.env.tool_parser,
         system_prompt=cfg.env.system_prompt,
         # abort-and-retry: an aborted turn is resubmitted with its partial output (AReaL-style), so the
@@ -188,14 +228,16 @@ def build_scheduler(
     )
 
 
-async def start_openai_endpoint(engine: GenerateEngine, tokenizer: Any, cfg: Config) -> OpenAIEndpoint:
+async def start_openai_endpoint(
+    engine: GenerateEngine, tokenizer: Any, cfg: Config, model_dir: Path | None = None
+) -> OpenAIEndpoint:
     """The run's OpenAI endpoint on 127.0.0.1 (agent-function episodes; judges on the run's own engines,
     which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on."""
     from envs.judge import set_run_endpoint
     from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.observability import judge_metrics
 
-    endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg))
+    endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg, model_dir))
     await endpoint.start()
     log.info("OpenAI endpoint (agent episodes, judges) on %s", endpoint.base_url)
     set_run_endpoint(endpoint.base_url, endpoint.service_key)
@@ -214,7 +256,7 @@ def build_evaluator(
         setup.evaluation,
         engine=engine,
         tokenizer=tokenizer,
-        settings=rollout_settings(setup.cfg),
+        settings=rollout_settings(setup.cfg, setup.run.initial_model),
         every_versions=setup.cfg.eval.every_versions,
         log_path=setup.run.eval_log,
         progress=progress,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from pipeline.supervisor.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.wiring import resolve_config
@@ -67,3 +70,27 @@ def test_the_defaults_are_a_pretrained_models_and_the_toy_overrides_them() -> No
         # every value that differs from a default carries its reason on the comment lines above it
         before = text.split(key)[0].rstrip().splitlines()[-1]
         assert before.startswith("#"), key
+
+
+def test_the_context_budget_is_capped_at_the_models_positions(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bare `rollwise run` asked the tiny preset (1024 positions) for 11 + 1024 tokens: every long turn
+    was an engine_error. The budget now stops at what the model can hold, with one warning."""
+    from pipeline.contracts.config import load_config
+    from pipeline.supervisor.wiring import context_budget, rollout_settings
+
+    cfg = load_config(None, [])  # env.max_context_tokens = 8192
+    small, large, bare = tmp_path / "small", tmp_path / "large", tmp_path / "bare"
+    for directory, positions in ((small, 1024), (large, 32768), (bare, None)):
+        directory.mkdir()
+        config = {} if positions is None else {"max_position_embeddings": positions}
+        (directory / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="rollwise.supervisor"):
+        assert rollout_settings(cfg, small).max_context_tokens == 1024
+        assert context_budget(cfg, small) == 1024
+    assert [r.getMessage() for r in caplog.records] == [
+        f"env.max_context_tokens = 8192 exceeds the model's context length (1024 positions, {small}): "
+        "episodes are capped at 1024 tokens"
+    ]
+    assert context_budget(cfg, large) == context_budget(cfg, bare) == context_budget(cfg, None) == 8192

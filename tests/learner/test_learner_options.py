@@ -351,7 +351,8 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
     )
     results = report["results"]
     assert list(results) == [
-        "fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16", "fp32+lora", "bf16-mixed+lora"
+        "fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16", "fp32+lora", "bf16-mixed+lora",
+        "bf16-mixed+unshared",
     ]  # fmt: skip
     assert results["fp32"]["time_ratio"] == 1.0 and results["fp32"]["memory_ratio"] == 1.0
     assert all(r["peak_extra_bytes"] > 0 and r["seconds"] > 0 for r in results.values())

@@ -1,11 +1,13 @@
 """`rollwise bench learner`: peak memory and time of one learner step per option (precision, gradient
-checkpointing, LoRA), as ratios against fp32 full weights without checkpointing in the same process.
+checkpointing, LoRA, prefix sharing), as ratios against fp32 full weights without checkpointing in the same
+process.
 
 The model is a preset (default `small`, ~10M parameters; `--preset smollm2-135m-instruct` the pretrained
 one) built from its config; the batch is synthetic: `--groups` groups of `--group-size` one-turn episodes
-of `--prompt` prompt and `--generated` generated tokens with random ids, outcomes alternating 0/1 (every
-group carries signal). Per variant, in a process of its own: `--repeats` measured steps for the peak
-(after one warm-up step), then one more warm-up and `--repeats` timed steps (median time, highest peak).
+of `--prompt` prompt and `--generated` generated tokens with random ids (a group's episodes share their
+prompt, as a task's do), outcomes alternating 0/1 (every group carries signal). Per variant, in a
+process of its own: `--repeats` measured steps for the peak (after one warm-up step), then one more
+warm-up and `--repeats` timed steps (median time, highest peak).
 
 Peak memory: CUDA's max_memory_allocated, or on a CPU the process's high-water mark (VmHWM) above its
 level before the step, measured with glibc's mmap threshold fixed at 128 KiB: otherwise memory one step
@@ -42,15 +44,17 @@ import torch
 
 from pipeline.tools.bench.logprob_memory import PeakMemory, _proc_status_bytes
 
-# (precision, gradient checkpointing, LoRA); the first is the baseline of the ratios.
-VARIANTS: tuple[tuple[str, bool, bool], ...] = (
-    ("fp32", False, False),
-    ("fp32", True, False),
-    ("bf16-mixed", False, False),
-    ("bf16-mixed", True, False),
-    ("bf16", False, False),
-    ("fp32", False, True),
-    ("bf16-mixed", False, True),
+# (precision, gradient checkpointing, LoRA, shared prefix); the first is the baseline of the ratios.
+# Checkpointing turns prefix sharing off (learner.shared_prefix); "+unshared" shows what it saves.
+VARIANTS: tuple[tuple[str, bool, bool, bool], ...] = (
+    ("fp32", False, False, True),
+    ("fp32", True, False, True),
+    ("bf16-mixed", False, False, True),
+    ("bf16-mixed", True, False, True),
+    ("bf16", False, False, True),
+    ("fp32", False, True, True),
+    ("bf16-mixed", False, True, True),
+    ("bf16-mixed", False, False, False),
 )
 # glibc's mallopt parameters and the values the two phases use (module docstring).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -66,8 +70,9 @@ def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
     groups = []
     for g in range(args.groups):
         episodes = []
+        n, k = args.prompt, args.generated
+        prompt = [rng.randrange(1, vocab) for _ in range(n)]  # a group's episodes share their task's prompt
         for i in range(args.group_size):
-            n, k = args.prompt, args.generated
             episodes.append(
                 [
                     EpisodeSegment(
@@ -75,7 +80,7 @@ def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
                         group_id=f"g{g}",
                         task_id="t",
                         env="bench",
-                        token_ids=[rng.randrange(1, vocab) for _ in range(n + k)],
+                        token_ids=prompt + [rng.randrange(1, vocab) for _ in range(k)],
                         prompt_len=n,
                         loss_mask=[0] * n + [1] * k,
                         logprobs=[0.0] * n + [-5.0] * k,
@@ -108,6 +113,7 @@ def _measure(
     args: argparse.Namespace,
     nproc: int = 1,
     lora: bool = False,
+    shared: bool = True,
 ) -> dict[str, Any]:
     from learner.distributed import join, leave
     from learner.model import load_policy
@@ -130,6 +136,7 @@ def _measure(
         precision=precision,
         gradient_checkpointing=checkpointing,
         lora=LoraConfig(enabled=lora),
+        shared_prefix=shared,
     )
     if lora:
         from learner.lora import apply_lora
@@ -179,8 +186,9 @@ def _held_state_bytes(trainer: Any) -> int:
     return int(held)
 
 
-def _variant_name(precision: str, checkpointing: bool, lora: bool = False) -> str:
-    return f"{precision}{'+ckpt' if checkpointing else ''}{'+lora' if lora else ''}"
+def _variant_name(precision: str, checkpointing: bool, lora: bool = False, shared: bool = True) -> str:
+    options = [("+ckpt", checkpointing), ("+lora", lora), ("+unshared", not shared)]
+    return precision + "".join(name for name, on in options if on)
 
 
 def _in_own_process(model_dir: Path, name: str, argv: list[str], nproc: int = 1) -> dict[str, Any]:
@@ -337,7 +345,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result))
             return 0
         precision, *options = args.variant.split("+")
-        result = _measure(Path(args.model), precision, "ckpt" in options, args, lora="lora" in options)
+        result = _measure(
+            Path(args.model),
+            precision,
+            "ckpt" in options,
+            args,
+            lora="lora" in options,
+            shared="unshared" not in options,
+        )
         print(json.dumps(result))
         return 0
     report = run([a for a in argv if a != "--json"])

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.contracts.config import ConfigError
 from pipeline.supervisor.engine_launch import engine_argv, plan_engines
-from pipeline.supervisor.wiring import resolve_config
+from pipeline.supervisor.wiring import bare_run_config, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,3 +95,37 @@ def test_the_context_budget_is_capped_at_the_models_positions(
         "episodes are capped at 1024 tokens"
     ]
     assert context_budget(cfg, large) == context_budget(cfg, bare) == context_budget(cfg, None) == 8192
+
+
+def _bare(**kw: object) -> argparse.Namespace:
+    fields: dict[str, object] = {
+        "config": None,
+        "set": [],
+        "run_dir": None,
+        "max_steps": None,
+        "log_format": None,
+    }
+    return argparse.Namespace(**{**fields, **kw})
+
+
+def test_the_bare_run_command_runs_the_cpu_recipe_and_says_so() -> None:
+    ns = _bare(max_steps=3)
+    notice = bare_run_config(ns)
+    assert ns.config == str(ROOT / "examples" / "guess_number.toml")
+    assert notice is not None and "examples/guess_number.toml" in notice and "make run" in notice
+    cfg = resolve_config(ns).cfg
+    # the toy's values, which learn on a CPU, not the pretrained-model defaults
+    assert (cfg.model.preset, cfg.learner.optim.lr, cfg.sampling.max_new_tokens) == ("tiny", 3e-3, 1)
+    assert cfg.run.max_steps == 3
+
+
+def test_a_config_or_an_override_keeps_the_bare_recipe_out(tmp_path: Path) -> None:
+    with_set = _bare(set=["learner.optim.lr=1e-5"])
+    assert bare_run_config(with_set) is None and with_set.config is None
+    with_file = _bare(config=str(tmp_path / "mine.toml"))
+    assert bare_run_config(with_file) is None and with_file.config == str(tmp_path / "mine.toml")
+
+
+def test_the_bare_run_command_without_the_recipe_on_disk_names_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"is not installed: pass --config FILE, or --set"):
+        bare_run_config(_bare(), recipe=tmp_path / "missing.toml")

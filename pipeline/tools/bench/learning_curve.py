@@ -231,7 +231,10 @@ def run_seed(
             while proc.poll() is None:
                 if limit is not None and time.monotonic() - started >= limit:
                     proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=grace_s)
+                    try:
+                        proc.wait(timeout=grace_s)
+                    except subprocess.TimeoutExpired:  # its evaluations are on disk: kill it, keep them
+                        print(f"seed {seed}: no exit {grace_s:.0f} s after SIGTERM; killed", file=sys.stderr)
                     break
                 time.sleep(0.5)
         finally:

@@ -37,16 +37,18 @@ lint: $(STAMP)
 	.venv/bin/ruff format --check pipeline envs learner tests grafana
 	.venv/bin/mypy
 	.venv/bin/python grafana/generate.py --check
+	.venv/bin/python grafana/alerts.py --check
 	.venv/bin/python -m pipeline.tools.catalogue --check
 
 unit: $(STAMP)
 	.venv/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Debian packages some tests use for real; each test skips with the reason when its package is missing.
-#   prometheus                    evaluates every dashboard panel's PromQL
+#   prometheus                    evaluates every dashboard panel's PromQL; its promtool tests the alert rules
 #   bubblewrap                    the sandbox's isolation (the rlimits-only path is tested either way)
 #   chromium, chromium-driver     the inspector's browser tests
-SYSTEM_PACKAGES := prometheus:prometheus bwrap:bubblewrap chromium:chromium chromedriver:chromium-driver
+SYSTEM_PACKAGES := prometheus:prometheus promtool:prometheus bwrap:bubblewrap chromium:chromium \
+	chromedriver:chromium-driver
 
 system-packages:
 	@SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); missing=; \

@@ -81,6 +81,10 @@ class Action:
     tool_call_errors: tuple[str, ...] = ()
 
 
+FORMAT_ERROR = "format_error"
+"""``StepResult.info`` key: the answer's format was wrong (see StepResult)."""
+
+
 @dataclass
 class StepResult:
     """What one ``step`` returns.
@@ -90,6 +94,11 @@ class StepResult:
     means a limit ended it (e.g. ``max_turns``). The episode ends when either is set. ``outcome`` is
     the task score, set on the final step (built-in environments: 1.0 solved, 0.0 not). ``info`` must
     be JSON-serialisable (metrics, reward parts).
+
+    Optional convention: ``info[FORMAT_ERROR]`` (``"format_error"``) set to ``True`` or a short reason
+    (``"no <answer> tag"``) says the turn's answer did not follow the format the environment asks for,
+    as opposed to a wrong answer. The runner counts such steps (``rollwise_answer_format_errors_total``):
+    a policy drifting away from the format is otherwise a silent failure. Absent or false: no error.
     """
 
     messages: list[Message]

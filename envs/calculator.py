@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
-from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task
+from envs.api import FORMAT_ERROR, Action, EnvError, Environment, EnvSpec, Message, StepResult, Task
 
 TOOL_NAME = "calculator"
 FIRST_CALL_REWARD = 0.2
@@ -240,7 +240,10 @@ class CalculatorEnv(Environment):
             return StepResult([{"role": "user", "content": "use the calculator"}], reward=MISTAKE_PENALTY)
         match = _INTEGER.search(text)
         if match is None or len(match.group()) > 18:
-            return StepResult([{"role": "user", "content": "invalid"}], reward=MISTAKE_PENALTY)
+            why = "no integer in the answer" if match is None else "an integer of more than 18 digits"
+            return StepResult(
+                [{"role": "user", "content": "invalid"}], reward=MISTAKE_PENALTY, info={FORMAT_ERROR: why}
+            )
         correct = int(match.group()) == self._target
         return StepResult(
             messages=[{"role": "user", "content": "correct" if correct else "wrong"}],

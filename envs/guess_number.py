@@ -23,7 +23,7 @@ import random
 import re
 from collections.abc import Iterator
 
-from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task
+from envs.api import FORMAT_ERROR, Action, EnvError, Environment, EnvSpec, Message, StepResult, Task
 
 INVALID_PENALTY = -0.1
 INFO_REWARD = 0.1  # per expected bit: an episode that finds the secret in 1..16 earns 0.4 on average (4 bits)
@@ -127,7 +127,7 @@ class GuessNumberEnv(Environment):
             done=solved,
             truncated=out_of_turns,
             outcome=1.0 if solved else (0.0 if out_of_turns else None),
-            info={"valid": guess is not None},
+            info={"valid": guess is not None, **({FORMAT_ERROR: "no integer"} if guess is None else {})},
         )
 
     def _narrow(self, guess: int) -> None:

@@ -36,7 +36,18 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from envs.api import Action, EnvError, EnvFactory, EnvFamily, EnvSpec, FamilyMember, Message, StepResult, Task
+from envs.api import (
+    FORMAT_ERROR,
+    Action,
+    EnvError,
+    EnvFactory,
+    EnvFamily,
+    EnvSpec,
+    FamilyMember,
+    Message,
+    StepResult,
+    Task,
+)
 from envs.sync_adapter import SyncEnvironment, as_async_factory
 
 INSTALL_HINT = "pip install 'rollwise[reasoning-gym]'"
@@ -169,7 +180,9 @@ class ReasoningGymEnv(SyncEnvironment):
         self._tries += 1
         answer = self.extract(action.text)
         score = self._score(answer)
-        info = {"score": score, "answer_found": answer is not None, "attempt": self._tries}
+        info: dict[str, Any] = {"score": score, "answer_found": answer is not None, "attempt": self._tries}
+        if answer is None:
+            info[FORMAT_ERROR] = "no <answer> tag" if self.answer_format == "tag" else "empty reply"
         if score >= 1.0:
             return StepResult([{"role": "user", "content": "correct"}], done=True, outcome=score, info=info)
         if self._tries >= self.attempts:

@@ -143,6 +143,10 @@ def overview() -> DashboardSpec:
             ],
         )
     )
+    prompt, cached, generated = (
+        f"sum by (env) (rate(rollwise_{name}_total{{{SEL_ENV}}}[{RI}]))"
+        for name in ("prompt_tokens", "prompt_tokens_cached", "generated_tokens")
+    )
     d.rows.append(
         (
             "Throughput",
@@ -157,6 +161,20 @@ def overview() -> DashboardSpec:
                             f"sum by (env) (rate(rollwise_generated_tokens_total{{{SEL_ENV}}}[{RI}]))",
                             "tokens {{env}}",
                         ),
+                    ),
+                ),
+                PanelSpec(
+                    "Prefill per generated token, and the prefix cache's share",
+                    "rate(rollwise_prompt_tokens_total) / rate(rollwise_generated_tokens_total): the context "
+                    "tokens each generated token costs to prefill without a cache; minus the cached ones "
+                    "(rollwise_prompt_tokens_cached_total): what the engines prefilled. Cached share: the "
+                    "prefix cache's hit rate on the episodes' prompts (low with session affinity on: look at "
+                    "the router's policy).",
+                    "short",
+                    (
+                        q(f"{prompt} / {generated}", "prompt / generated {{env}}"),
+                        q(f"({prompt} - {cached}) / {generated}", "prefilled / generated {{env}}"),
+                        q(f"{cached} / {prompt}", "cached share {{env}}"),
                     ),
                 ),
                 PanelSpec(
@@ -538,6 +556,24 @@ def reliability() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Engines serving, ejections and rejoins",
+                    "rollwise_engines_serving (members that take work; 0 = admission waits and /readyz is "
+                    "false), increase(rollwise_engine_ejections_total) and "
+                    "increase(rollwise_engine_rejoins_total) by engine.",
+                    "short",
+                    (
+                        q(f"max(rollwise_engines_serving{{{SEL}}})", "serving"),
+                        q(
+                            f"sum by (engine) (increase(rollwise_engine_ejections_total{{{SEL}}}[{RI}]))",
+                            "{{engine}} ejected",
+                        ),
+                        q(
+                            f"sum by (engine) (increase(rollwise_engine_rejoins_total{{{SEL}}}[{RI}]))",
+                            "{{engine}} rejoined",
+                        ),
+                    ),
+                ),
+                PanelSpec(
                     "Process restarts",
                     "increase(rollwise_process_restarts_total) by component.",
                     "short",
@@ -595,8 +631,8 @@ def reliability() -> DashboardSpec:
                 PanelSpec(
                     "Served-policy check: engine vs learner",
                     "rollwise_served_check_logprob_diff_nats (mean |engine - learner| log-prob of the "
-                    "learner's probe after the last sync; above async.served_check.tolerance = another "
-                    "policy) and rollwise_served_check_consecutive_failures by engine.",
+                    "learner's probe after the last sync; an engine's numerical floor is its level at "
+                    "version 0, docs/operations.md) and rollwise_served_check_consecutive_failures.",
                     "none",
                     (
                         q(
@@ -633,6 +669,115 @@ def reliability() -> DashboardSpec:
                     "rollwise_supervisor_event_loop_lag_seconds histogram.",
                     "s",
                     quantiles("rollwise_supervisor_event_loop_lag_seconds", SEL, qs=(0.5, 0.99)),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Silent failures (episodes finish, the policy does the wrong thing)",
+            [
+                PanelSpec(
+                    "Tool calls and parse failures per turn",
+                    "rate(rollwise_tool_calls_total) and rate(rollwise_tool_call_errors_total) (call "
+                    "markup that did not parse) over rate(rollwise_turns_total); alert "
+                    "RollwiseToolCallParseFailures.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (env) (rate(rollwise_tool_calls_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "calls {{env}}",
+                        ),
+                        q(
+                            f"sum by (env) (rate(rollwise_tool_call_errors_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "unparsable {{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Episodes without a tool call",
+                    "rate(rollwise_episodes_without_tool_calls_total) over the finished episodes "
+                    "(rollwise_episodes_total, stop|length|truncated): envs that declare tools only; alert "
+                    "RollwiseToolCallsStopped.",
+                    "percentunit",
+                    (
+                        q(
+                            "sum by (env) (rate(rollwise_episodes_without_tool_calls_total"
+                            f"{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_episodes_total{{{SEL_ENV}, "
+                            f'reason=~"stop|length|truncated"}}[{RI}]))',
+                            "{{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Answer-format failures per turn",
+                    "rate(rollwise_answer_format_errors_total) (steps whose StepResult.info['format_error'] "
+                    "is set) over rate(rollwise_turns_total); alert RollwiseAnswerFormatErrors.",
+                    "percentunit",
+                    (
+                        q(
+                            f"sum by (env) (rate(rollwise_answer_format_errors_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Training minus held-out success",
+                    "rollwise_eval_success_gap_ratio: success of the training episodes since the previous "
+                    "evaluation minus the last evaluation's, by mode ([eval] of the training env); alert "
+                    "RollwiseTrainHeldOutDivergence.",
+                    "percentunit",
+                    (
+                        q(
+                            f"max by (env, mode) (rollwise_eval_success_gap_ratio{{{SEL}}})",
+                            "{{env}} {{mode}}",
+                        ),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Service health",
+            [
+                PanelSpec(
+                    "Run directory free space",
+                    "rollwise_run_dir_free_bytes and rollwise_run_dir_capacity_bytes of the run directory's "
+                    "filesystem; alerts RollwiseRunDirNearlyFull, RollwiseRunDirFillingUp.",
+                    "bytes",
+                    (
+                        q(f"max(rollwise_run_dir_free_bytes{{{SEL}}})", "free"),
+                        q(f"max(rollwise_run_dir_capacity_bytes{{{SEL}}})", "capacity"),
+                    ),
+                ),
+                PanelSpec(
+                    "Engines: in the pool, ejected, not up",
+                    "rollwise_engine_pool_members, rollwise_engine_pool_ejected (after consecutive failures) "
+                    "and rollwise_engines_not_up (processes starting or restarting); alerts "
+                    "RollwiseEngineEjected, RollwiseEngineDown.",
+                    "short",
+                    (
+                        q(f"max(rollwise_engine_pool_members{{{SEL}}})", "in the pool"),
+                        q(f"max(rollwise_engine_pool_ejected{{{SEL}}})", "ejected"),
+                        q(f"max(rollwise_engines_not_up{{{SEL}}})", "not up"),
+                    ),
+                ),
+                PanelSpec(
+                    "Tracker and trace-export failures",
+                    "increase(rollwise_tracker_errors_total) by tracker (wandb, mlflow, tensorboard, otlp; "
+                    "queue = records dropped): training goes on without them.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (tracker) (increase(rollwise_tracker_errors_total{{{SEL}}}[{RI}]))",
+                            "{{tracker}}",
+                        ),
+                    ),
                 ),
             ],
         )

@@ -153,8 +153,9 @@ def convert(preset: str, out: Path, dtype: str) -> Path:
     path = gguf_file(preset)
     sha = file_sha256(path)
     loaded, tokenizer = load_gguf(preset)
+    # The architecture as the GGUF file declares it, without the quantization_config a GGUF-loaded
+    # model carries (the reason it refuses save_pretrained): the weights below are dequantised already.
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    config.quantization_config = None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = dtype

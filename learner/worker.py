@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
-from pipeline.contracts import events
+from pipeline.contracts import events, tracing
 from pipeline.contracts.config import (
     Config,
     ConfigError,
@@ -250,6 +250,7 @@ class LearnerWorker:
         self.consumed_since_checkpoint: list[str] = []
         self.dropped_since_checkpoint: dict[str, str] = {}
         self.probe: list[int] = []  # the served-policy check's probe (learner.served_probe)
+        self.probe_prev: list[float] = []  # its log-probs under the last published version
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -362,7 +363,8 @@ class LearnerWorker:
                 self.stop.set("run.max_steps")
                 break
             if len(self.pending.items) >= self.batch_groups:
-                self.train_step()
+                with tracing.root_span("learner.step", {"rollwise.step": self.trainer.steps + 1}):
+                    self.train_step()
                 continue
             item = self.next_item()
             if item is None:
@@ -393,7 +395,9 @@ class LearnerWorker:
         while True:
             command = self.ranks.broadcast(Command("wait"))  # rank 0's replaces it
             if command.kind == "train":
-                self.trainer.step(self.read_groups(command.seqs))
+                groups = self.read_groups(command.seqs)
+                self.prepare_probe(groups)
+                self.trainer.step(groups)
             elif command.kind == "publish":
                 self.probe = list(command.probe)
                 self.publish(announce=bool(self.probe))
@@ -472,6 +476,7 @@ class LearnerWorker:
         groups = [group for _, group in pending.items]
         version_before = self.version
         self.tell(Command("train", tuple(item.seq for item, _ in pending.items)))
+        self.prepare_probe(groups)
         metrics = self.trainer.step(groups)
         updated = self.version != version_before
         self.write_trace(version_before)
@@ -483,12 +488,9 @@ class LearnerWorker:
         self.consumed_seq = pending.last_seq
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
-        if updated and self.cfg.async_.served_check.enabled:
-            from learner.served_probe import probe_ids
-
-            self.probe = probe_ids(groups, self.cfg.async_.served_check.probe_tokens)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
-            self.publish()
+            with tracing.span("learner.publish", {"rollwise.policy_version": self.version}):
+                self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         depth_groups, depth_bytes = self.reader.depth(self.consumed_seq)
@@ -557,6 +559,18 @@ class LearnerWorker:
                 )
             return result
 
+    def prepare_probe(self, groups: Sequence[TrainGroup]) -> None:
+        """The first step after a publish picks the served-policy check's probe from its groups (the
+        start of its longest sequence) and scores it with the weights the engines serve now, before the
+        update: the previous version the check compares each engine against. Every rank runs it (under
+        FSDP the forward is a collective), on the same groups."""
+        if not self.cfg.async_.served_check.enabled or self.version != self.last_published or not groups:
+            return
+        from learner.served_probe import probe_ids, probe_logprobs
+
+        self.probe = probe_ids(groups, self.cfg.async_.served_check.probe_tokens)
+        self.probe_prev = probe_logprobs(self.trainer.model, self.probe) if self.probe else []
+
     def publish(self, *, announce: bool = True) -> None:
         """Write `weights/v<version>`: HF weights, or with LoRA the PEFT adapter (serving "adapter") or
         the merged weights (serving "merged"); then announce it with the served-policy probe."""
@@ -601,7 +615,9 @@ class LearnerWorker:
                     bytes=directory_bytes(path),
                     probe_ids=probe if logprobs else [],
                     probe_logprobs=logprobs,
+                    probe_logprobs_prev=self.probe_prev if len(self.probe_prev) == len(logprobs) else [],
                     weights_url=self.weights_url,
+                    traceparent=tracing.traceparent(),
                 )
             )
         prune_weights(self.run_dir.weights, version)
@@ -776,6 +792,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     own: OwnRunDir | None = None
     try:
         cfg = receive_config(sys.stdin) if args.config == "-" else load_config(args.config)
+        if rank == 0:
+            tracing.configure(cfg.tracing, process="learner")
         run = RunDir.at(args.run_dir, cfg.model.path)
         lock_fd = acquire_learner_lock(run) if rank == 0 else None
         if cfg.learner.remote.run_dir is not None and rank == 0:
@@ -811,6 +829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if own is not None:
             own.server.stop()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from tests.fakes.sglang_fake import FakeSGLang
+    from pipeline.tools.fake_sglang import FakeSGLang
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +64,7 @@ def tok(tiny_tokenizer_dir: Path) -> Any:
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeSGLang]:
     """The SGLang fake with its defaults, serving; a module defines its own `fake` to script it."""
-    from tests.fakes.sglang_fake import FakeSGLang
+    from pipeline.tools.fake_sglang import FakeSGLang
 
     server = FakeSGLang()
     await server.start()

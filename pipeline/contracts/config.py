@@ -89,7 +89,8 @@ class EngineConfig(Section):
         description=(
             "Weights and compute dtype of the engines (None = the engine's default: for the embedded "
             "engine bfloat16 on a CPU with native bf16 matmuls (AMX / AVX512-BF16), else float32; "
-            "SGLang's auto). bfloat16 reproduces a GPU engine's log-prob mismatch."
+            "rollwise launches SGLang with bfloat16, never SGLang's auto, which picks float16 for a "
+            "float32 checkpoint on its CPU backend). bfloat16 reproduces a GPU engine's log-prob mismatch."
         ),
     )
     # --- rollout fleet (docs/operations.md, "A fleet across machines") ---
@@ -130,6 +131,15 @@ class EngineConfig(Section):
     )
     drain_timeout_s: float = Field(
         60.0, gt=0, description="Time a drained engine gets to finish its in-flight turns before they move."
+    )
+    unavailable_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "How long the daemon waits while no engine answers (every one ejected: crashed, unreachable) "
+            "before it stops with a message naming them. Meanwhile admission waits and /readyz says "
+            "not ready; an engine that answers again is loaded with the served version first."
+        ),
     )
 
 
@@ -177,8 +187,10 @@ class ServedCheckConfig(Section):
         None,
         gt=0,
         description=(
-            "Largest mean |engine - learner| log-prob over the probe (nats) that counts as the same "
-            "policy. None = from engine.dtype: 1e-3 for float32, 5e-2 for bfloat16 or SGLang's auto."
+            "Mean |engine - learner| log-prob over the probe (nats) within which an engine serves the "
+            "new version outright; beyond it, an engine serves it when it is closer to the new version "
+            "than to the previous one (pipeline/supervisor/engines/served_check.py). None = from "
+            "engine.dtype: 1e-3 for float32, 5e-2 for bfloat16 (SGLang's default here)."
         ),
     )
     max_failures: int = Field(
@@ -191,7 +203,25 @@ class AsyncConfig(Section):
         2, ge=0, description="eta: admitted work stays within eta versions of the policy."
     )
     weight_sync_mode: Literal["in_place", "retract", "abort"] = Field(
-        "in_place", description="How in-flight requests live through a weight update."
+        "abort",
+        description=(
+            "How in-flight requests live through a weight update. abort: they return with their tokens "
+            "and are resubmitted from there (exact per-token versions, the cache flushed; one re-prefill "
+            "each); in_place: they freeze and decode on (no flush: stale prefix KV until evicted; exact "
+            "versions only from engines that report them per token); retract: they are requeued and "
+            "re-prefilled (no flush). docs/operations.md, 'Weight sync'."
+        ),
+    )
+    straggler_patience: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Admission holds back groups that would overtake a group still running from an older version "
+            "(so that it is trained before it goes stale) for at most this many median group durations; "
+            "0 = never (long groups may then be dropped as stale). Costs learner time while it holds: "
+            'worth it when generation is the bottleneck and rollwise_groups_dropped_total{reason="stale"} '
+            "is high (docs/operations.md, 'Stale groups')."
+        ),
     )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)
@@ -329,6 +359,70 @@ class MetricsConfig(Section):
     )
 
 
+class TracingConfig(Section):
+    """OpenTelemetry traces (docs/monitoring.md, "Traces"): off by default, and then opentelemetry is never
+    imported. Needs `pip install 'rollwise[tracing]'`."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Trace episodes (turns, engine requests), learner steps, publishes, weight syncs and "
+            "served-policy checks, and export the spans over OTLP."
+        ),
+    )
+    endpoint: str = Field(
+        "http://127.0.0.1:4318/v1/traces",
+        description=(
+            "OTLP collector address: the traces URL for http/protobuf (port 4318), host:port for grpc "
+            "(4317). Headers (e.g. a key) come from $OTEL_EXPORTER_OTLP_HEADERS, never from this file."
+        ),
+    )
+    protocol: Literal["http/protobuf", "grpc"] = Field("http/protobuf", description="OTLP transport.")
+    service_name: str = Field(
+        "rollwise",
+        min_length=1,
+        description="service.name of the supervisor's spans; the learner's are <service_name>-learner.",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of traces kept (episodes, learner steps), decided at each trace's root; spans in a kept "
+            "trace are all kept, across processes. A kept episode costs the actors ~100 us of CPU per turn."
+        ),
+    )
+    export_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="Timeout of one export (it runs in a background thread)."
+    )
+
+
+class TrackersConfig(Section):
+    """Experiment trackers fed by the supervisor (docs/monitoring.md, "Experiment trackers"): the learner's
+    step metrics, the held-out evaluation curves and the resolved config. Each is imported only when on;
+    a tracker that fails is logged once and counted, and training goes on."""
+
+    wandb: bool = Field(False, description="Weights & Biases in offline mode (sync later: `wandb sync DIR`).")
+    mlflow: bool = Field(
+        False, description="MLflow into a local file store (`mlflow ui --backend-store-uri`)."
+    )
+    tensorboard: bool = Field(False, description="TensorBoard event files (`tensorboard --logdir DIR`).")
+    dir: str | None = Field(
+        None, description="Where the trackers write (None = run_dir/trackers; one folder per tracker)."
+    )
+    project: str = Field("rollwise", min_length=1, description="W&B project and MLflow experiment name.")
+    mlflow_uri: str | None = Field(
+        None,
+        description=(
+            "MLflow tracking URI (None = a file store in <dir>/mlflow; e.g. sqlite:///mlflow.db, or a "
+            "tracking server's URL)."
+        ),
+    )
+    run_name: str | None = Field(
+        None, description="The run's name in the trackers (None = the run directory's name)."
+    )
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -343,6 +437,8 @@ class Config(Section):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    trackers: TrackersConfig = Field(default_factory=TrackersConfig)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

@@ -37,13 +37,12 @@ _FAULT_WORDS = (
     ("readonlyfilesystem", "EROFS"),
     ("disk quota", "EDQUOT"),
     ("os error 122", "EDQUOT"),
-    ("file write failed", "EIO"),
-    # torch's zip writer (inline_container.cc) only fails when the file under it does, but its messages
-    # ("unexpected pos 6272 vs 6164") do not say why, and the staged files it wrote are already removed
-    # (freeing space) by the time the error is classified: such failures are labelled EIO.
-    ("inline_container", "EIO"),
-    ("pytorchstreamwriter", "EIO"),
 )
+# torch's zip writer (inline_container.cc) only fails when the file under it does, but its messages
+# ("unexpected pos 6272 vs 6164") do not say why: such a failure is ENOSPC when the file system is (nearly)
+# full, else EIO. "Nearly": the staged files of the failed write are removed, freeing their space, by the
+# time the error is classified.
+_WRITER_WORDS = ("file write failed", "inline_container", "pytorchstreamwriter")
 LOW_SPACE_BYTES = 1 << 20
 
 
@@ -71,6 +70,8 @@ def storage_fault_kind(exc: BaseException, directory: Path) -> str | None:
             return kind
     if fs.f_bavail * fs.f_frsize < LOW_SPACE_BYTES:
         return "ENOSPC"
+    if any(words in text for words in _WRITER_WORDS):
+        return "EIO"
     return "other" if isinstance(exc, OSError) else None
 
 

@@ -75,10 +75,13 @@ class Published:
     """Weights of `version` are complete at `path` and may be loaded by the engines: an HF directory, or
     with LoRA served as adapters a PEFT adapter directory. `bytes` = the size of that directory. The probe
     (learner.served_probe) is what the supervisor's served-policy check compares each engine against:
-    `probe_logprobs[i]` = the learner's log P(probe_ids[i + 1] | probe_ids[: i + 1]) for these weights;
-    both empty when the check is off. With `weights_url` (a learner with its own run directory) `path`
+    `probe_logprobs[i]` = the learner's log P(probe_ids[i + 1] | probe_ids[: i + 1]) for these weights,
+    `probe_logprobs_prev` the same under the previously published version's (so the check can ask
+    whether an engine is closer to the new policy than to the old one, whatever its numerical floor);
+    all empty when the check is off. With `weights_url` (a learner with its own run directory) `path`
     is on the learner's machine and the version is fetched from that weight server
-    (pipeline.transport.weights_http)."""
+    (pipeline.transport.weights_http). `traceparent` (W3C, with [tracing] on) is the learner's publish
+    span: the supervisor's sync of this version continues that trace (pipeline.contracts.tracing)."""
 
     name: ClassVar[str] = "published"
     version: int
@@ -87,6 +90,8 @@ class Published:
     probe_ids: list[int] = field(default_factory=list)
     probe_logprobs: list[float] = field(default_factory=list)
     weights_url: str | None = None
+    probe_logprobs_prev: list[float] = field(default_factory=list)
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)

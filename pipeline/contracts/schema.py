@@ -2,6 +2,11 @@
 
 Every side imports this module and nothing else defines the layout. Rows are validated when written
 and again when read; a row that breaks an invariant is rejected with a reason, never repaired.
+
+Optional columns (OPTIONAL_COLUMNS) came after schema version 1 and keep it: a writer always writes them,
+a reader accepts a file without them (the field is then None), and a reader that predates them ignores
+them (it reads only the columns it knows). `trace_id`: the episode's OpenTelemetry trace ([tracing]), 32
+hex digits, null when tracing is off or the trace was not sampled.
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("outcome", pa.float32(), nullable=True),
         pa.field("num_turns", pa.int16(), nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("trace_id", pa.string(), nullable=True),
     ],
     metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
+
+OPTIONAL_COLUMNS = frozenset({"trace_id"})
 
 _INT16_MAX = 2**15 - 1
 
@@ -64,6 +72,7 @@ class EpisodeSegment:
     num_turns: int
     finish_reason: str
     segment: int = 0
+    trace_id: str | None = None
 
     @property
     def trainable(self) -> bool:
@@ -198,6 +207,8 @@ def check_schema(schema: pa.Schema) -> str | None:
     for f in TRAJECTORY_SCHEMA:
         idx = schema.get_field_index(f.name)
         if idx < 0:
+            if f.name in OPTIONAL_COLUMNS:
+                continue
             return f"missing column {f.name!r}"
         if schema.field(idx).type != f.type:
             return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
@@ -213,6 +224,8 @@ def batch_to_segments(batch: pa.RecordBatch) -> tuple[list[EpisodeSegment], list
     if problem is not None:
         raise InvalidSegmentError(problem)
     data = batch.to_pydict()
+    for name in OPTIONAL_COLUMNS:
+        data.setdefault(name, [None] * batch.num_rows)  # a file written before the column existed
     episodes: list[EpisodeSegment] = []
     rejected: list[RejectedRow] = []
     for i in range(batch.num_rows):

@@ -26,8 +26,7 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from envs.api import Environment
-from pipeline.contracts import events
+from pipeline.contracts import events, tracing
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
@@ -37,12 +36,15 @@ from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
 from pipeline.supervisor.fleet_membership import FleetMembership, scaled_concurrency
+from pipeline.supervisor.heap import freeze_startup_heap
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
 from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
 from pipeline.supervisor.lineage import Lineage
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.loop_lag import measure_loop_lag
+from pipeline.supervisor.observability.service_health import watch_fleet, watch_run_dir
+from pipeline.supervisor.observability.trackers import build_trackers
 from pipeline.supervisor.progress import (
     Progress,
     RichProgress,
@@ -57,6 +59,7 @@ from pipeline.supervisor.wiring import (
     bare_run_config,
     build_evaluator,
     build_scheduler,
+    close_env,
     ensure_initial_model,
     load_tokenizer,
     resolve_config,
@@ -107,8 +110,13 @@ class Supervisor:
             fail=self.fail,
             on_served=self.on_served,
         )
+        self.trackers = build_trackers(cfg, self.run_dir.root)  # None when [trackers] turns none on
         self.learner_events = LearnerEvents(
-            self.lineage, self.progress, StepLog(self.run_dir), request_stop=self.request_stop
+            self.lineage,
+            self.progress,
+            StepLog(self.run_dir),
+            request_stop=self.request_stop,
+            trackers=self.trackers,
         )
         self.learner = LearnerChild(
             learner_child_spec(self.run_dir, cfg.learner, transport_token=reveal(cfg.transport.token)),
@@ -122,8 +130,9 @@ class Supervisor:
         )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
         self.membership = FleetMembership(
-            self.engines, self.lineage.lock, lambda: self.lineage.version, self.on_fleet_capacity
+            self.engines, self.engines.sync_lock, lambda: self.lineage.version, self.on_fleet_capacity
         )
+        self.engines.progress_message = self.progress.message
         self.admin = AdminEndpoint(
             cfg.admin.host,
             cfg.admin.port,
@@ -144,6 +153,8 @@ class Supervisor:
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
             metrics.init_long_run_label_values()
+            metrics.init_service_label_values()
+            self.start_observers()
             self.learner_events.step_log.open()
             await self.endpoints.start()
             await self.start_fleet_services()
@@ -157,10 +168,14 @@ class Supervisor:
                     # 2. Actors fill the spool; learner events drive weight syncs (learner_dispatch).
                     scheduler = await self.start_scheduler(ready)
                     self.start_evaluator()
+                    log.info("start-up heap frozen: %d objects", freeze_startup_heap())
+                    unavailable_s = cfg.engine.unavailable_timeout_s
                     background = [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
+                        self.watch(self.engines.guard_availability(unavailable_s), "engine guard"),
                         self.watch(self.report_status(), "status"),
                         self.watch(measure_loop_lag(self.stopping), "loop-lag"),
+                        self.watch(watch_run_dir(self.run_dir.root, self.stopping), "disk-space"),
                     ]
                     await self.stopping.wait()
                 # 3. Stop: the learner finishes its step and checkpoints while in-flight episodes finish
@@ -183,11 +198,26 @@ class Supervisor:
                 await self.admin.stop()
                 if self.flight is not None:
                     await asyncio.to_thread(self.flight.stop)
+                await self.stop_observers()
                 await self.endpoints.stop()
         if self.fatal is not None:
             print(f"rollwise: {self.fatal}", file=sys.stderr)
             return 1
         return 0
+
+    def start_observers(self) -> None:
+        """Traces ([tracing]), experiment trackers ([trackers]) and the fleet's gauges: all optional, none
+        able to stop the run (a failure is logged once and counted in rollwise_tracker_errors_total)."""
+        otlp_errors = metrics.TRACKER_ERRORS.labels(tracker="otlp")
+        tracing.configure(self.cfg.tracing, process="supervisor", on_error=otlp_errors.inc)
+        if self.trackers is not None:
+            self.trackers.start(self.cfg)
+        watch_fleet(self.engines)
+
+    async def stop_observers(self) -> None:
+        if self.trackers is not None:
+            await asyncio.to_thread(self.trackers.close)
+        await asyncio.to_thread(tracing.shutdown)
 
     async def start_fleet_services(self) -> None:
         """The admin endpoint (engines add/drain, published weights for fetchers) and, with
@@ -242,7 +272,9 @@ class Supervisor:
             served_version=self.lineage.version,
             dropped_already=self.learner_events.drops_unclaimed,
             notify=self.progress.message,
+            engines_up=lambda: self.engines.pool.serving > 0,
         )
+        self.engines.pool.add_listener(self.scheduler.on_engines_changed)
         self.learner_events.attach(self.scheduler)
         self.initial_capacity = self.membership.capacity
         return self.scheduler
@@ -257,6 +289,7 @@ class Supervisor:
             tokenizer=self.scheduler.tokenizer,
             progress=self.progress,
             started_at=self.started_at,
+            on_result=self.trackers.log_eval if self.trackers is not None else None,
         )
         if self.evaluator is None:
             return
@@ -329,6 +362,8 @@ class Supervisor:
     def not_ready(self) -> list[str]:
         reasons = [] if self.learner.ready is not None else ["learner"]
         reasons += self.engines.not_up()
+        if self.engines.pool.serving == 0:
+            reasons.append("engines (none answers)")
         if self.scheduler is None:
             reasons.append("scheduler")
         return reasons
@@ -368,13 +403,6 @@ class Supervisor:
 
 
 # --- machinery --------------------------------------------------------------------------------------------
-async def close_env(env: Environment) -> None:
-    try:
-        await asyncio.wait_for(env.close(), 10.0)
-    except Exception as exc:  # a plugin's close must not hide the daemon's exit code
-        log.warning("closing the task environment failed: %r", exc)
-
-
 async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()

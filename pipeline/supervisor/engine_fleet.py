@@ -12,7 +12,14 @@ again once it is up on the served version. Engines added or drained while the da
 (pipeline.supervisor.fleet_membership) go through `admit` and `retire`.
 
 Weights: with `engine.weight_transport = "http"` an engine's fetcher downloads each version into the
-engine's own disk before it loads it (`weights_for`; pipeline.transport.weights_http).
+engine's own disk before it loads it (`weights_for`; pipeline.transport.weights_http). One weight
+operation runs at a time (`sync_lock`: syncs, engines joining, engines answering again).
+
+Liveness: the pool ejects an engine that stops answering (failed requests, or the /health checks of
+`watch_health` while nothing is sent to it) and readmits it only after `rejoin` loaded the served
+version into it: a server restarted on the same URL comes back with the weights it was launched with.
+While no engine can serve, admission waits; after `engine.unavailable_timeout_s` without one the
+daemon stops, naming the engines (`guard_availability`).
 
 With LoRA served as adapters (`learner.lora.serving = "adapter"`) every engine runs the initial model
 with SGLang's LoRA flags and a version is its adapter (pipeline.supervisor.engines.adapters): a (re)started
@@ -46,6 +53,7 @@ log = logging.getLogger("rollwise.engine_fleet")
 
 MAX_FAILED_STARTS = 3
 ROUTER_READY_TIMEOUT_S = 60.0
+HEALTH_WATCH_S = 5.0  # /health of every engine in service this often (an idle fleet's deaths)
 
 
 @dataclass(eq=False)  # identity, not field-wise equality
@@ -98,6 +106,10 @@ class EngineFleet:
         self.weight_source: str | None = None  # the admin endpoint's URL, set by the supervisor
         self.weight_token: str | None = None
         self.on_capacity: Callable[[], None] = lambda: None
+        self.sync_lock = asyncio.Lock()  # one weight operation at a time, first come first served
+        self.health_watch_s = HEALTH_WATCH_S
+        self.pool.on_rejoin = self.rejoin
+        self.progress_message: Callable[[str], None] = lambda text: None
 
     def make_client(self, url: str) -> EngineClient:
         e = self.cfg.engine
@@ -116,6 +128,7 @@ class EngineFleet:
         /health; then the router, until it lists every engine as a healthy worker."""
         if self.adapters is not None:
             self.adapters.version = self.served_version()
+        self.pool.weight_version = str(self.served_version())
         for slot, client in zip(self.slots, self.clients, strict=True):
             if slot.managed:
                 task = asyncio.create_task(self.keep(slot, client), name=slot.name)
@@ -131,6 +144,57 @@ class EngineFleet:
         if self.router_admin is not None:
             self._tasks.append(asyncio.create_task(self.keep_router(), name="router"))
             await self._router_ready.wait()
+        self._tasks.append(
+            asyncio.create_task(
+                self.pool.watch_health(self.health_watch_s, self.stopping), name="engine health"
+            )
+        )
+
+    async def rejoin(self, client: EngineClient) -> None:
+        """An ejected engine answers /health again: load the served version into it before the pool
+        gives it work (EngineError: not now; the pool keeps probing)."""
+        async with self.sync_lock:
+            version = self.served_version()
+            serving = await self.serves_version(client)
+            if serving != str(version):
+                log.warning(
+                    "engine %s is back serving version %s; loading the served version %d before it gets work",
+                    client.base_url,
+                    serving,
+                    version,
+                )
+            await self.catch_up(client, serving, version)
+            metrics.POLICY_VERSION_SERVED.labels(engine=client.base_url).set(version)
+
+    async def guard_availability(self, timeout_s: float) -> None:
+        """Stop the daemon when no engine has been able to serve for `timeout_s` (module docstring)."""
+        changed = asyncio.Event()
+        self.pool.add_listener(changed.set)
+        while not self.stopping.is_set():
+            if self.pool.serving > 0:
+                changed.clear()
+                await changed.wait()
+                continue
+            down = ", ".join(s.url for s in self.slots)
+            self.progress_message(
+                f"no engine answers ({down}): admission waits; the daemon stops in {timeout_s:.0f} s "
+                "(engine.unavailable_timeout_s) unless one comes back"
+            )
+            changed.clear()
+            try:
+                await asyncio.wait_for(self._until_serving(changed), timeout_s)
+            except TimeoutError:
+                self.fail(
+                    f"no engine has answered for {timeout_s:.0f} s (engine.unavailable_timeout_s): {down}; "
+                    "see each engine's log, and docs/operations.md, 'When things break'"
+                )
+                return
+            self.progress_message(f"engines serve again ({self.pool.serving} of {len(self.pool.members)})")
+
+    async def _until_serving(self, changed: asyncio.Event) -> None:
+        while self.pool.serving == 0:
+            await changed.wait()
+            changed.clear()
 
     def not_up(self) -> list[str]:
         down = [name for name, up in self.up.items() if not up]

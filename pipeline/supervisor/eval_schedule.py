@@ -9,7 +9,10 @@ one runs is simply not evaluated. Each finished evaluation becomes
 
 - one JSON line in `logs/eval.jsonl` (`eval_row`: version, learner step, elapsed seconds, a block per
   mode with success, pass@k, reward, turns, finish reasons and the token versions seen),
-- the `rollwise_eval_*` metrics, labelled by eval env and mode,
+- the `rollwise_eval_*` metrics, labelled by eval env and mode; when eval plays the training env with its
+  options (`training_env`), also the gap between the training episodes' success since the previous
+  evaluation and this evaluation's (`rollwise_eval_success_gap_ratio`): training reward that stops carrying
+  to held-out tasks shows there first,
 - an `eval` line in the progress view.
 
 A failed evaluation (a bug, not an env or engine failure: those are episodes) is logged and counted
@@ -22,6 +25,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +175,8 @@ class Evaluator:
         log_path: Path,
         progress: Progress,
         started_at: float,
+        training_env: str | None = None,
+        on_result: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.setup = setup
         self.engine = engine
@@ -183,7 +189,12 @@ class Evaluator:
         self.last_version: int | None = None  # the version the latest evaluation started on
         self.running: asyncio.Task[None] | None = None
         self.completed = 0
-        metrics.init_eval_label_values(setup.env_name, setup.plan.modes)
+        self.training_env = training_env  # the gap is computed only when eval plays the training env
+        self.on_result = on_result  # each eval row, after the metrics (the experiment trackers)
+        metrics.init_eval_label_values(
+            setup.env_name, setup.plan.modes, every_versions=every_versions, gap=training_env is not None
+        )
+        self.training_seen = training_counts(training_env) if training_env is not None else (0.0, 0.0)
 
     def skip_start(self, version: int) -> None:
         """No evaluation at start (`at_start = false`): the first one comes every_versions later."""
@@ -233,8 +244,25 @@ class Evaluator:
         )
         await asyncio.to_thread(append_line, self.log_path, row)
         record_metrics(row, results)
+        self.record_gap(results)
         self.completed += 1
         self.progress.on_eval(row)
+        if self.on_result is not None:
+            self.on_result(row)
+
+    def record_gap(self, results: dict[Mode, ModeResult]) -> None:
+        """Training success of the episodes finished since the previous evaluation, minus this one's."""
+        if self.training_env is None:
+            return
+        episodes, successes = training_counts(self.training_env)
+        new_episodes = episodes - self.training_seen[0]
+        new_successes = successes - self.training_seen[1]
+        self.training_seen = (episodes, successes)
+        if new_episodes <= 0:
+            return  # no training episode finished meanwhile: the last gap stands
+        training = new_successes / new_episodes
+        for mode, result in results.items():
+            metrics.EVAL_SUCCESS_GAP.labels(env=self.setup.env_name, mode=mode).set(training - result.success)
 
     async def finish(self, grace_s: float) -> None:
         """At shutdown: let a running evaluation end within `grace_s` seconds (the engines are still up
@@ -248,6 +276,19 @@ class Evaluator:
         if self.running is not None and not self.running.done():
             self.running.cancel()
             await asyncio.gather(self.running, return_exceptions=True)
+
+
+def training_counts(env: str) -> tuple[float, float]:
+    """Training episodes finished so far in `env`, and those that succeeded (the exported counters)."""
+    episodes = successes = 0.0
+    for family in (*metrics.EPISODES.collect(), *metrics.EPISODE_SUCCESSES.collect()):
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("env") == env:
+                if family.name == "rollwise_episodes":
+                    episodes += sample.value
+                else:
+                    successes += sample.value
+    return episodes, successes
 
 
 def append_line(path: Path, row: dict[str, Any]) -> None:

@@ -160,7 +160,7 @@ class FleetMembership:
 
     async def _until_idle(self, client: EngineClient, timeout_s: float) -> bool:
         """True once nothing runs on the engine: the pool's own count without a router; with one, the
-        engine's `internal_states` (requests running + queued) too."""
+        engine's own count too (/get_load: requests running and queued)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.fleet.pool.in_flight(client.base_url if self.fleet.router_url is None else None):
@@ -178,9 +178,9 @@ class FleetMembership:
 
 
 async def _engine_idle(client: EngineClient) -> bool:
+    """SGLang's /get_load of the engine itself (the router does not forward it). Its /server_info
+    `internal_states` hold no request counts: reading them there made every engine look idle."""
     try:
-        info = await client.server_info()
-        states = info.get("internal_states") or []
-        return all(int(s.get("num_running_reqs", 0)) + int(s.get("num_queue_reqs", 0)) == 0 for s in states)
-    except (EngineError, TypeError, ValueError, AttributeError):
+        return await client.load() == 0
+    except EngineError:
         return False

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from pipeline.contracts import events
+from pipeline.contracts import events, tracing
 from pipeline.contracts.durable import RefusedWrites
 from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.lineage import Lineage
@@ -22,6 +22,12 @@ from pipeline.supervisor.observability import learner_metrics, metrics
 from pipeline.supervisor.progress import Progress
 
 log = logging.getLogger("rollwise.supervisor")
+
+
+class StepTracker(Protocol):
+    """Where the learner's steps go besides Prometheus (pipeline.supervisor.observability.trackers)."""
+
+    def log_step(self, event: events.Step) -> None: ...
 
 
 class DropListener(Protocol):
@@ -109,8 +115,10 @@ class LearnerEvents:
         step_log: StepLog,
         *,
         request_stop: Callable[[str], None],
+        trackers: StepTracker | None = None,
     ) -> None:
         self.lineage = lineage
+        self.trackers = trackers  # experiment trackers (observability/trackers.py), None when all are off
         self.progress = progress
         self.step_log = step_log
         self.request_stop = request_stop
@@ -131,7 +139,11 @@ class LearnerEvents:
             case events.Step():
                 self.on_step(event)
             case events.Published():
-                await self.lineage.on_published(event)
+                # The learner's publish span goes on here: sync and served check are its children.
+                attributes = {"rollwise.policy_version": event.version}
+                with tracing.span("publish", attributes, traceparent=event.traceparent):
+                    tracing.remember_version(event.version)
+                    await self.lineage.on_published(event)
             case events.Dropped():
                 self.on_dropped(event.seq, event.reason)
             case events.Ready():
@@ -156,6 +168,8 @@ class LearnerEvents:
         self.step_log.append(event)
         self.book.record(event)
         self.progress.on_step(step_line(event))
+        if self.trackers is not None:
+            self.trackers.log_step(event)
 
     def on_dropped(self, seq: int, reason: str) -> None:
         """A written group the learner will never train: admission gets its slot back. Deduplicated by

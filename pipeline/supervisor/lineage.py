@@ -11,7 +11,8 @@ The learner is the authority on the policy; `Lineage` follows it:
   engines received after it belongs to a lineage no checkpoint holds: the engines go back to the
   learner's version (`follow_restarted_learner`) and each re-published version is synced again.
 
-`publish` runs one sync at a time, in event order (`lock`, shared with engines joining and leaving),
+`publish` runs one sync at a time, in event order (the fleet's `sync_lock`, shared with engines joining,
+leaving and answering again),
 never moves the engines backwards except to follow a restarted learner, skips versions overtaken while
 they waited, and proves with the served-policy check that each engine serves the version it loaded.
 Nothing is synced once the daemon is stopping.
@@ -29,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from pipeline.contracts import events
+from pipeline.contracts import events, tracing
 from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.durable import retry_delays
 from pipeline.contracts.run_dir import RunDir, model_digest
@@ -71,7 +72,7 @@ class Lineage:
         self.fail = fail
         self.on_served = on_served
         self.mirror_retry_s = mirror_retry_s  # first and longest wait between tries of a failed copy
-        self.lock = asyncio.Lock()  # one weight sync at a time, in version order
+        self.lock = engines.sync_lock  # one weight operation at a time, in the order they came
         self.version = 0  # the policy version the engines serve
         self.announced = 0  # the newest version the learner announced (its current lineage)
         self.learner_starts = 0  # ready events so far: a new one ends the lineage a mirror was fetching
@@ -104,7 +105,10 @@ class Lineage:
     async def on_published(self, event: events.Published) -> None:
         metrics.PUBLISHED_BYTES.set(event.bytes)
         self.announced = max(self.announced, event.version)
-        probe = Probe(event.probe_ids, event.probe_logprobs) if event.probe_logprobs else None
+        probe = None
+        if event.probe_logprobs:
+            previous = event.probe_logprobs_prev or None
+            probe = Probe(event.probe_ids, event.probe_logprobs, previous)
         if event.weights_url is None:
             await self.publish(event.version, event.path, received_at=time.monotonic(), probe=probe)
         else:
@@ -231,11 +235,18 @@ class Lineage:
                 if mirrored is None:
                     return
                 path, mirror_s = str(mirrored), time.monotonic() - started
-            timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
+            adapters = self.engines.adapters is not None
+            if self.served_check is not None and probe is not None:
+                served = adapter_name(self.version) if adapters else None
+                with tracing.span("served_check.calibrate", {"rollwise.policy_version": self.version}):
+                    await self.served_check.calibrate(self.version, probe, lora_path=served)
+            with tracing.span("weight_sync", {"rollwise.policy_version": version}):
+                timings = await self.engines.sync(path, version, self.cfg.async_.weight_sync_mode)
             self.version = version
             if self.served_check is not None and probe is not None:
-                lora_path = adapter_name(version) if self.engines.adapters is not None else None
-                verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
+                lora_path = adapter_name(version) if adapters else None
+                with tracing.span("served_check", {"rollwise.policy_version": version}):
+                    verdicts = await self.served_check.run(version, probe, lora_path=lora_path)
         metrics.POLICY_VERSION.set(version)
         self.on_served(version)
         log.info("version %d served: %s", version, timings)

@@ -29,7 +29,13 @@ from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.protocol import SamplingParams
-from pipeline.supervisor.eval_schedule import EvalSetup, Evaluator, resolve_eval, training_holdout
+from pipeline.supervisor.eval_schedule import (
+    EvalSetup,
+    Evaluator,
+    evaluates_training_env,
+    resolve_eval,
+    training_holdout,
+)
 from pipeline.supervisor.progress import Progress
 from pipeline.transport.spool import SpoolWriter, spool_depth
 
@@ -90,6 +96,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
+    check_observer_libraries(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
     try:
@@ -115,6 +122,31 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
     evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
     return RunSetup(cfg, run, factory, env, evaluation)
+
+
+def check_observer_libraries(cfg: Config) -> None:
+    """[tracing] and [trackers] name libraries that are optional extras: a missing one is a ConfigError
+    naming the key before anything starts (found without importing them)."""
+    wanted = {
+        "tracing.enabled": (cfg.tracing.enabled, "opentelemetry.sdk", "tracing"),
+        "tracing.protocol": (
+            cfg.tracing.enabled,
+            "opentelemetry.exporter.otlp.proto." + ("grpc" if cfg.tracing.protocol == "grpc" else "http"),
+            "tracing",
+        ),
+        "trackers.wandb": (cfg.trackers.wandb, "wandb", "trackers"),
+        "trackers.mlflow": (cfg.trackers.mlflow, "mlflow", "trackers"),
+        "trackers.tensorboard": (cfg.trackers.tensorboard, "tensorboard", "trackers"),
+    }
+    for key, (on, module, extra) in wanted.items():
+        if not on:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"{key}: needs the {module} package (pip install 'rollwise[{extra}]')")
 
 
 async def ensure_initial_model(setup: RunSetup) -> Path:
@@ -218,6 +250,7 @@ def build_scheduler(
     served_version: int,
     dropped_already: int,
     notify: Callable[[str], None] | None = None,
+    engines_up: Callable[[], bool] | None = None,
 ) -> GroupScheduler:
     """The actor side: spool writer and staleness control around the engine pool.
 
@@ -252,6 +285,8 @@ def build_scheduler(
         - dropped_already,
         notify=notify,
         agent_endpoint=agent_endpoint,
+        engines_up=engines_up,
+        straggler_patience=cfg.async_.straggler_patience,
     )
 
 
@@ -273,10 +308,16 @@ async def start_openai_endpoint(
 
 
 def build_evaluator(
-    setup: RunSetup, *, engine: Any, tokenizer: Any, progress: Progress, started_at: float
+    setup: RunSetup,
+    *,
+    engine: Any,
+    tokenizer: Any,
+    progress: Progress,
+    started_at: float,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> Evaluator | None:
     """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
-    off."""
+    off. `on_result` receives each evaluation's row (the experiment trackers)."""
     if setup.evaluation is None:
         return None
     return Evaluator(
@@ -288,4 +329,13 @@ def build_evaluator(
         log_path=setup.run.eval_log,
         progress=progress,
         started_at=started_at,
+        training_env=setup.cfg.env.name if evaluates_training_env(setup.cfg) else None,
+        on_result=on_result,
     )
+
+
+async def close_env(env: Environment) -> None:
+    try:
+        await asyncio.wait_for(env.close(), 10.0)
+    except Exception as exc:  # a plugin's close must not hide the daemon's exit code
+        log.warning("closing the task environment failed: %r", exc)

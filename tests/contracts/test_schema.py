@@ -161,3 +161,43 @@ def test_random_per_token_corruptions_are_rejected_at_their_first_position() -> 
                 segments_to_batch([ep])
             seen_invalid += 1
     assert seen_valid > 100 and seen_invalid > 1000
+
+
+# --- optional columns: added after version 1 without breaking either side ----------------------------
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_the_trace_id_column_round_trips_and_is_null_without_a_trace() -> None:
+    batch = segments_to_batch([make_episode(trace_id=TRACE), make_episode(episode_id="e1")])
+    assert batch.schema.field("trace_id").nullable
+    decoded, rejected = batch_to_segments(batch)
+    assert rejected == [] and [e.trace_id for e in decoded] == [TRACE, None]
+
+
+def test_a_file_written_before_the_trace_id_column_still_reads() -> None:
+    new = segments_to_batch([make_episode(trace_id=TRACE)])
+    old = new.select([name for name in TRAJECTORY_SCHEMA.names if name != "trace_id"])
+    assert old.schema.metadata == new.schema.metadata  # same schema version: "1"
+    [decoded], rejected = batch_to_segments(old)
+    assert rejected == [] and decoded.trace_id is None
+    assert decoded == make_episode()
+
+
+def test_a_reader_that_predates_the_column_reads_a_new_file() -> None:
+    """An older build validates the columns it knows and reads only those (what check_schema and
+    batch_to_segments did before): the extra column is ignored."""
+    new = segments_to_batch([make_episode(trace_id=TRACE)])
+    known = [f for f in TRAJECTORY_SCHEMA if f.name != "trace_id"]
+    assert all(new.schema.field(f.name).type == f.type for f in known)
+    columns = new.to_pydict()
+    row = {f.name: columns[f.name][0] for f in known}
+    assert EpisodeSegment(**row) == make_episode()
+
+
+def test_an_optional_column_of_the_wrong_type_is_refused() -> None:
+    good = segments_to_batch([make_episode(trace_id=TRACE)])
+    arrays = [good.column(i) for i in range(good.num_columns - 1)] + [pa.array([1], type=pa.int64())]
+    fields = [*list(good.schema)[:-1], pa.field("trace_id", pa.int64())]
+    bad = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=good.schema.metadata))
+    with pytest.raises(InvalidSegmentError, match="column 'trace_id' has type int64"):
+        batch_to_segments(bad)

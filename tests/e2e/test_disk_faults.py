@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from learner.worker import LearnerWorker, StopFlag, StorageGaveUp
-from pipeline.contracts import events
+from pipeline.contracts import durable, events
 from pipeline.contracts.durable import storage_fault_kind
 from pipeline.transport.spool import parse_seq
 from tests.e2e.test_run_e2e import TINY, DaemonRun, daemons, tiny_model
@@ -45,6 +45,20 @@ __all__ = ["daemons", "tiny_model"]  # fixtures used by name
 )
 def test_storage_faults_are_named(exc: BaseException, kind: str, tmp_path: Path) -> None:
     assert storage_fault_kind(exc, tmp_path) == kind
+
+
+def test_a_zip_writer_failure_on_a_nearly_full_file_system_is_enospc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch's zip writer says only "unexpected pos": the free space decides (256 KiB left, as in phase 2
+    # of the daemon test below, where this failure was once announced as EIO).
+    class _Full:
+        f_flag, f_bavail, f_frsize = 0, 64, 4096
+
+    monkeypatch.setattr(durable.os, "statvfs", lambda path: _Full())
+    zip_failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 6272 vs 6164")
+    assert storage_fault_kind(zip_failure, tmp_path) == "ENOSPC"
+    assert storage_fault_kind(RuntimeError("file write failed"), tmp_path) == "ENOSPC"
 
 
 def test_an_error_that_is_not_the_storages_is_not_a_storage_fault(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from pipeline.tools.fake_sglang import free_port
 from tests.e2e.test_run_e2e import REPO, TINY, DaemonRun, daemons, tiny_model  # noqa: F401 - fixtures
-from tests.fakes.sglang_fake import free_port
 
 pytestmark = [
     pytest.mark.integration,

@@ -37,6 +37,10 @@ TINY = [
     "rollout.max_concurrent_groups=4",
     "async.max_staleness=1",
     "run.shutdown_grace_s=5",
+    # As examples/guess_number.toml: one engine thread on 2 cores; fp32, so the served-policy check
+    # compares at its fp32 tolerance (1e-3) whatever this CPU would pick by itself.
+    "engine.threads=1",
+    "engine.dtype=float32",
 ]
 
 

@@ -266,7 +266,7 @@ async def test_concurrency_is_bounded_across_episodes_sharing_a_judge(
 async def test_judged_env_episodes_take_the_judges_score_as_outcome(
     scripted: tuple[ScriptedJudge, str], tiny_tokenizer_dir: Path
 ) -> None:
-    from tests.fakes.sglang_fake import FakeSGLang
+    from pipeline.tools.fake_sglang import FakeSGLang
 
     server, url = scripted
     server.replies = [(200, "Score: 7", 0.0), (200, "Score: 2", 0.0)]

@@ -34,11 +34,11 @@ from pipeline.contracts.http_guard import ExposedWithoutKey
 from pipeline.contracts.run_dir import RunDir, model_digest
 from pipeline.supervisor.learner_child import TRANSPORT_TOKEN_ENV, config_message, learner_child_spec
 from pipeline.supervisor.observability import metrics
+from pipeline.tools.fake_sglang import FakeSGLang, free_port
 from pipeline.transport.spool import read_group_file
 from pipeline.transport.weights_http import WeightServer, WeightServerThread, fetch_version
 from tests.e2e.test_faults import _child_pids, _cmdline, _lineage_group_ids, _spool_files
 from tests.e2e.test_run_e2e import TINY, DaemonRun, checkpoint_state, daemons  # noqa: F401 - fixture
-from tests.fakes.sglang_fake import FakeSGLang, free_port
 
 TOKEN = "learner-weights-token-0123456789"
 

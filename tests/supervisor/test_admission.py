@@ -73,6 +73,7 @@ def _simulate(
     seed: int,
     drop_every: int = 0,
     fixed_duration: float | None = None,
+    protect: bool = False,
 ) -> list[tuple[int, list[_Done]]]:
     """Discrete-event run of admission + a learner taking B groups per version, in completion order.
     Groups take lognormal durations (or `fixed_duration`); a learner step takes 1.0 time unit.
@@ -89,7 +90,9 @@ def _simulate(
     next_gid = 0
     written = 0
     while len(trained) < steps:
-        for _ in range(adm.capacity(version, accepted, len(running))):
+        older = [g.start_version for g in running if g.start_version < version]
+        floor = min(older) if protect and older else None
+        for _ in range(adm.capacity(version, accepted, len(running), floor)):
             duration = fixed_duration if fixed_duration is not None else rng.lognormvariate(0.0, 1.0)
             heapq.heappush(running, _Done(now + duration, next_gid, version))
             next_gid += 1
@@ -144,3 +147,24 @@ def test_long_tail_groups_can_outrun_admission_so_the_learner_must_guard() -> No
     trained = _simulate(eta=1, batch=4, max_concurrent=64, steps=40, seed=7)
     stale = [g for v, groups in trained for g in groups if is_stale(g.start_version, v, 1)]
     assert stale
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+@pytest.mark.parametrize("seed", [7, 8])
+def test_budgeting_from_the_oldest_running_group_keeps_every_long_tail_group_within_bound(
+    eta: int, seed: int
+) -> None:
+    # The same long tail with the scheduler's straggler protection (an unbounded patience here): no
+    # group admitted while an older one runs can push it past its bound, so none arrives stale.
+    trained = _simulate(eta=eta, batch=4, max_concurrent=64, steps=40, seed=seed, protect=True)
+    assert all(not is_stale(g.start_version, v, eta) for v, groups in trained for g in groups)
+    assert max(v - g.start_version for v, groups in trained for g in groups) == eta  # the budget is used
+
+
+def test_the_floor_lowers_the_budget_only_below_the_served_version() -> None:
+    adm = AdmissionController(batch_groups=4, max_staleness=2, max_concurrent=64)
+    # (η + v + 1)·B = 24 at v = 3; a straggler from version 1 makes it (2 + 1 + 1)·4 = 16.
+    assert adm.staleness_room(3, accepted=10, running=4) == 10
+    assert adm.staleness_room(3, accepted=10, running=4, floor=1) == 2
+    assert adm.staleness_room(3, accepted=10, running=4, floor=5) == 10  # never above v
+    assert adm.held_by_staleness(3, accepted=12, running=4, floor=1)

@@ -9,6 +9,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,8 @@ from pipeline.supervisor.engines.protocol import (
     parse_generate_response,
     version_to_int,
 )
-from tests.fakes.sglang_fake import FLUSH_OK, FakeSGLang, GenerateCall, Plan, free_port
+from pipeline.tools.fake_sglang import FakeSGLang, GenerateCall, Plan, free_port
+from pipeline.tools.fake_sglang.sglang_rules import FLUSH_OK
 
 FAST_BACKOFF: dict[str, Any] = {"backoff_base_s": 0.001, "backoff_max_s": 0.004}
 
@@ -280,6 +282,7 @@ def test_parse_rejects_a_json_array() -> None:
 async def test_generate_sends_exactly_the_reference_request_and_parses_the_reply(
     fake: FakeSGLang, client: EngineClient
 ) -> None:
+    fake.vocab_size = 151_936  # Qwen3's ids
     fake.script = scripted([5, 6, 151645], [-0.25, -1.5, -0.125])
     sampling = SamplingParams(max_new_tokens=1024, stop_token_ids=(151645,))
     result = await client.generate([151644, 872, 198], sampling, "step12-group3-sample0")
@@ -607,19 +610,21 @@ async def test_api_key_is_sent_as_bearer_and_a_401_is_not_retried() -> None:
 
 
 async def test_update_weights_changes_the_version_of_later_responses(
-    fake: FakeSGLang, client: EngineClient
+    fake: FakeSGLang, client: EngineClient, tmp_path: Path
 ) -> None:
+    weights = tmp_path / "weights" / "v3"
+    weights.mkdir(parents=True)
     before = await client.generate([1, 2], SamplingParams(max_new_tokens=2), "before")
-    reply = await client.update_weights_from_disk("/runs/x/weights/v3", weight_version="3")
+    reply = await client.update_weights_from_disk(str(weights), weight_version="3")
     after = await client.generate([1, 2], SamplingParams(max_new_tokens=2), "after")
     assert reply == {
         "success": True,
-        "message": "Succeeded to update model weights.",
+        "message": "Succeeded to update model weights. Weight version updated to 3.",
         "num_paused_requests": 0,
     }
     assert fake.update_calls == [
         {
-            "model_path": "/runs/x/weights/v3",
+            "model_path": str(weights),
             "weight_version": "3",
             "abort_all_requests": False,
             "flush_cache": True,
@@ -646,9 +651,9 @@ async def test_pause_holds_new_generate_until_continue(fake: FakeSGLang, client:
     assert reply == {"message": "Generation paused successfully.", "status": "ok"}
     assert fake.requests[-1].json() == {"mode": "in_place"}
     task = asyncio.create_task(client.generate([4, 5], SamplingParams(max_new_tokens=3), "held"))
-    await fake.wait_running(1)
     await asyncio.sleep(0.1)
-    assert not task.done()
+    # Held by the tokenizer before it is registered (tokenizer_manager: is_pause_cond).
+    assert not task.done() and fake.running_rids == []
     assert await client.continue_generation() == {
         "message": "Generation continued successfully.",
         "status": "ok",
@@ -657,7 +662,11 @@ async def test_pause_holds_new_generate_until_continue(fake: FakeSGLang, client:
     assert result.finish_reason == "length" and len(result.output_ids) == 3
 
 
-async def test_in_place_pause_and_update_stamp_tokens_with_their_true_versions(fake: FakeSGLang) -> None:
+async def test_in_place_pause_and_update_stamp_tokens_with_their_true_versions(
+    fake: FakeSGLang, tmp_path: Path
+) -> None:
+    """The embedded engine's per-token extension; a paused in-place update must not flush (see
+    test_weightsync: that kills SGLang)."""
     fake.weight_version = "0"
     fake.report_token_versions = True
     fake.token_delay_s = 0.01
@@ -667,7 +676,7 @@ async def test_in_place_pause_and_update_stamp_tokens_with_their_true_versions(f
         await fake.wait_running(1)
         await asyncio.sleep(0.05)
         await c.pause_generation("in_place")
-        await c.update_weights_from_disk("/w/v1", weight_version="1")
+        await c.update_weights_from_disk(str(tmp_path), weight_version="1", flush_cache=False)
         await c.continue_generation()
         result = await asyncio.wait_for(task, 5.0)
     switch = result.token_versions.index("1")
@@ -688,7 +697,7 @@ async def test_abort_request_returns_partial_output_with_abort_finish(
     assert fake.requests[-1].json() == {"rid": "victim"}
     result = await asyncio.wait_for(task, 2.0)
     assert result.finish_reason == "abort"
-    assert result.abort_message == "Abort by abort_request."
+    assert result.abort_message == "Aborted"  # FINISH_ABORT()'s default message
     assert 0 < len(result.output_ids) < 1000
     assert len(result.logprobs) == len(result.output_ids) == result.completion_tokens
 
@@ -701,7 +710,7 @@ async def test_pause_in_abort_mode_aborts_running_and_holds_new_requests(
     await fake.wait_running(1)
     await client.pause_generation("abort")
     aborted = await asyncio.wait_for(running, 2.0)
-    assert aborted.finish_reason == "abort" and aborted.abort_message == "Abort by pause_generation."
+    assert aborted.finish_reason == "abort" and aborted.abort_message == "Aborted"
     held = asyncio.create_task(client.generate([1], SamplingParams(max_new_tokens=2), "held"))
     await asyncio.sleep(0.05)
     assert not held.done()
@@ -747,7 +756,7 @@ async def test_flush_cache_returns_plain_text_and_fails_while_requests_run(
     await fake.wait_running(1)
     with pytest.raises(EngineHTTPError) as info:
         await client.flush_cache()
-    assert info.value.status == 400 and info.value.message.startswith("Cache not flushed.")
+    assert info.value.status == 400 and info.value.message == "Flush cache failed."
     await task
 
 
@@ -779,13 +788,14 @@ async def test_single_response_is_compact_json_in_sglang_key_order(fake: FakeSGL
         "finish_reason",
         "prompt_tokens",
         "weight_version",
+        "num_retractions",
         "completion_tokens",
         "cached_tokens",
         "input_token_logprobs",
         "output_token_logprobs",
         "e2e_latency",
     ]
-    assert obj["meta_info"]["input_token_logprobs"] == [[None, 3, None]]
+    assert obj["meta_info"]["input_token_logprobs"] == []  # observed with logprob_start_len's default
     assert obj["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
 
 
@@ -842,9 +852,10 @@ async def test_invalid_sampling_params_give_400_error_object(fake: FakeSGLang) -
     for sampling, message in [({"top_p": 0.0}, "top_p"), ({"max_new_tokens": -2}, "max_new_tokens")]:
         status, _, raw = await post_generate(fake.base_url, {"input_ids": [1], "sampling_params": sampling})
         error = json.loads(raw)
-        assert status == 400 and list(error) == ["error"] and message in error["error"]["message"]
+        assert status == 400 and list(error) == ["object", "message", "type", "param", "code"]
+        assert error["object"] == "error" and message in error["message"] and error["code"] == 400
     status, _, raw = await post_generate(fake.base_url, {"input_ids": [[1], [2]], "rid": ["d", "d"]})
-    assert status == 400 and "Duplicate request IDs" in json.loads(raw)["error"]["message"]
+    assert status == 400 and "Duplicate request IDs" in json.loads(raw)["message"]
 
 
 async def test_stream_sends_cumulative_sse_chunks_then_done(fake: FakeSGLang) -> None:
@@ -871,3 +882,54 @@ async def test_batch_stream_chunks_carry_their_index(fake: FakeSGLang) -> None:
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"] is not None}
     assert sorted(finals) == [0, 1]
     assert [finals[i]["meta_info"]["id"] for i in (0, 1)] == ["bs_0", "bs_1"]
+
+
+def test_a_reply_aborted_in_the_waiting_queue_parses_without_prompt_or_cached_tokens() -> None:
+    """tokenizer_manager._handle_abort_req: a queued request's reply has a shorter meta_info."""
+    reply = {
+        "output_ids": [],
+        "meta_info": {
+            "id": "q",
+            "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+            "weight_version": "4",
+            "completion_tokens": 0,
+            "input_token_logprobs": [],
+            "output_token_logprobs": [],
+            "e2e_latency": 0.01,
+        },
+    }
+    result = parse_generate_response(reply, expected_rid="q")
+    assert (result.finish_reason, result.abort_message) == ("abort", "Abort in waiting queue")
+    assert (result.prompt_tokens, result.cached_tokens, result.output_ids) == (None, 0, [])
+    finished = {
+        **reply,
+        "meta_info": {**reply["meta_info"], "finish_reason": {"type": "length", "length": 0}},
+    }
+    with pytest.raises(EngineProtocolError, match=r"meta_info\.prompt_tokens is None"):
+        parse_generate_response(finished, expected_rid="q")  # only an abort may leave it out
+
+
+def test_weight_version_spans_become_per_token_versions_and_bad_spans_are_named() -> None:
+    meta = {
+        "id": "s",
+        "finish_reason": {"type": "length", "length": 3},
+        "prompt_tokens": 2,
+        "weight_version": "2",
+        "weight_versions": [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 1, "end": 3}],
+        "completion_tokens": 3,
+        "cached_tokens": 0,
+        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
+    }
+    result = parse_generate_response({"output_ids": [5, 6, 7], "meta_info": meta}, expected_rid="s")
+    assert result.token_versions == ["1", "2", "2"] and result.versions_exact
+    gap = [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}]
+    with pytest.raises(EngineProtocolError, match=r"weight_versions\[1\]"):
+        parse_generate_response(
+            {"output_ids": [5, 6, 7], "meta_info": {**meta, "weight_versions": gap}}, expected_rid="s"
+        )
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf])
+def test_a_temperature_sglang_would_refuse_never_leaves_the_client(temperature: float) -> None:
+    with pytest.raises(ValueError, match="finite number"):
+        SamplingParams(temperature=temperature)

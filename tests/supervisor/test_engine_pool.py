@@ -6,6 +6,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool, rendezvous_score
 from pipeline.supervisor.engines.protocol import EngineHTTPError, EngineUnavailable, SamplingParams
-from tests.fakes.sglang_fake import FakeSGLang, free_port
+from pipeline.tools.fake_sglang import FakeSGLang, free_port
 
 SAMPLING = SamplingParams(max_new_tokens=2)
 FAST_BACKOFF: dict[str, Any] = {"backoff_base_s": 0.001, "backoff_max_s": 0.004}
@@ -202,7 +203,9 @@ async def test_all_members_ejected_raises_unavailable() -> None:
         await pool.close()
 
 
-async def test_fan_out_control_calls_reach_every_member_and_report_each(fakes: list[FakeSGLang]) -> None:
+async def test_fan_out_control_calls_reach_every_member_and_report_each(
+    fakes: list[FakeSGLang], tmp_path: Path
+) -> None:
     dead_url = f"http://127.0.0.1:{free_port()}"
     pool = EnginePool([fast_client(f.base_url) for f in fakes] + [fast_client(dead_url)])
     try:
@@ -213,11 +216,11 @@ async def test_fan_out_control_calls_reach_every_member_and_report_each(fakes: l
         assert isinstance(paused[3].error, EngineUnavailable)
         assert all(0.0 < o.seconds < 5.0 for o in paused)  # each member's own duration, not a timestamp
 
-        updated = await pool.update_all("/runs/r/weights/v1", "1")
+        updated = await pool.update_all(str(tmp_path), "1", flush_cache=False)  # paused in place: no flush
         assert [o.ok for o in updated] == [True, True, True, False]
         assert all(o.value is not None and o.value["success"] for o in updated[:3])
         assert [f.weight_version for f in fakes] == ["1", "1", "1"]
-        assert all(f.update_calls[-1]["model_path"] == "/runs/r/weights/v1" for f in fakes)
+        assert all(f.update_calls[-1]["model_path"] == str(tmp_path) for f in fakes)
 
         continued = await pool.continue_all()
         assert [o.ok for o in continued] == [True, True, True, False]
@@ -230,17 +233,17 @@ async def test_fan_out_control_calls_reach_every_member_and_report_each(fakes: l
         await pool.close()
 
 
-async def test_fan_out_runs_members_concurrently(fakes: list[FakeSGLang]) -> None:
+async def test_fan_out_runs_members_concurrently(fakes: list[FakeSGLang], tmp_path: Path) -> None:
     pool = EnginePool([fast_client(f.base_url) for f in fakes])
     try:
         for f in fakes:
-            f.update_delay_s = 0.25  # one member after the other would take 0.75 s
+            f.update_delay_s = 0.5  # one member after the other would take 1.5 s
         started = time.perf_counter()
-        outcomes = await pool.update_all("/w/v2", "2")
+        outcomes = await pool.update_all(str(tmp_path), "2")
         elapsed = time.perf_counter() - started
         assert all(o.ok for o in outcomes)
-        assert all(0.25 <= o.seconds < elapsed + 1e-6 for o in outcomes)
-        assert elapsed < 0.6
+        assert all(0.5 <= o.seconds < elapsed + 1e-6 for o in outcomes)
+        assert elapsed < 1.2  # concurrent: 0.5 s plus scheduling, far from the serial 1.5 s
     finally:
         await pool.close()
 

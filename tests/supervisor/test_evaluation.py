@@ -16,7 +16,7 @@ import pytest
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from pipeline.contracts.config import ConfigError, load_config, write_resolved
-from pipeline.supervisor.actors.heldout import EvalPlan, run_evaluation, summarise
+from pipeline.supervisor.actors.heldout import EvalPlan, ModeResult, run_evaluation, summarise
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
@@ -28,9 +28,10 @@ from pipeline.supervisor.eval_schedule import (
     resolve_eval,
     training_holdout,
 )
+from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.metrics import REGISTRY
 from pipeline.supervisor.progress import JsonProgress
-from tests.fakes.sglang_fake import FakeSGLang, GenerateCall, Plan
+from pipeline.tools.fake_sglang import FakeSGLang, GenerateCall, Plan
 
 WIN, LOSE = "7", "3"
 
@@ -462,3 +463,77 @@ async def test_the_daemons_training_stream_skips_the_held_out_tasks(
     trained = list(itertools.islice(scheduler._tasks, 300))
     assert not [t for t in trained if is_held_out(t, 0.5)]
     assert {t.data["secret"] for t in trained} == set(range(1, 17)) - held_out
+
+
+# --- training vs held-out success ----------------------------------------------------------------------
+def mode_result(success: float) -> ModeResult:
+    return ModeResult("greedy", 1, 10, 10, int(success * 10), success, success, 0.0, 1.0, {"stop": 10}, None)
+
+
+def test_the_gap_is_training_success_since_the_last_evaluation_minus_held_out_success(tmp_path: Path) -> None:
+    env = "coin-gap"
+    setup = EvalSetup(env, CoinEnv, {}, plan(2), 5, 0.0, max_concurrent=4, priority=-100)
+    evaluator = Evaluator(
+        setup,
+        engine=None,
+        tokenizer=None,
+        settings=settings(),
+        every_versions=7,
+        log_path=tmp_path / "eval.jsonl",
+        progress=JsonProgress(io.StringIO()),
+        started_at=0.0,
+        training_env=env,
+    )
+
+    def gap() -> float | None:
+        return REGISTRY.get_sample_value("rollwise_eval_success_gap_ratio", {"env": env, "mode": "greedy"})
+
+    assert gap() == 0.0  # a series from the start, like every eval gauge
+    assert REGISTRY.get_sample_value("rollwise_eval_interval_versions", {"env": env}) == 7
+    metrics.EPISODES.labels(env=env, reason="stop").inc(8)
+    metrics.EPISODES.labels(env=env, reason="timeout").inc(2)
+    metrics.EPISODE_SUCCESSES.labels(env=env).inc(8)
+    evaluator.record_gap({"greedy": mode_result(0.5)})
+    assert gap() == pytest.approx(0.8 - 0.5)
+    evaluator.record_gap({"greedy": mode_result(0.1)})  # no training episode since: the last gap stands
+    assert gap() == pytest.approx(0.3)
+    metrics.EPISODES.labels(env=env, reason="stop").inc(10)
+    metrics.EPISODE_SUCCESSES.labels(env=env).inc(2)
+    evaluator.record_gap({"greedy": mode_result(0.5)})  # only the 10 episodes since the last evaluation
+    assert gap() == pytest.approx(0.2 - 0.5)
+
+
+def test_no_gap_when_eval_plays_another_env(tmp_path: Path) -> None:
+    setup = EvalSetup("coin-other", CoinEnv, {}, plan(2), 5, 0.0, max_concurrent=4, priority=-100)
+    evaluator = Evaluator(
+        setup,
+        engine=None,
+        tokenizer=None,
+        settings=settings(),
+        every_versions=1,
+        log_path=tmp_path / "eval.jsonl",
+        progress=JsonProgress(io.StringIO()),
+        started_at=0.0,
+    )
+    evaluator.record_gap({"greedy": mode_result(0.5)})
+    labels = {"env": "coin-other", "mode": "greedy"}
+    assert REGISTRY.get_sample_value("rollwise_eval_success_gap_ratio", labels) is None
+
+
+async def test_each_evaluation_row_reaches_on_result(pool: EnginePool, tok: Any, tmp_path: Path) -> None:
+    rows: list[dict[str, Any]] = []
+    evaluator = Evaluator(
+        coin_setup(),
+        engine=pool,
+        tokenizer=tok,
+        settings=settings(),
+        every_versions=1,
+        log_path=tmp_path / "eval.jsonl",
+        progress=JsonProgress(io.StringIO()),
+        started_at=0.0,
+        on_result=rows.append,
+    )
+    evaluator.on_version(0, step=0)
+    assert evaluator.running is not None
+    await evaluator.running
+    assert [(r["version"], r["greedy"]["success"]) for r in rows] == [(0, 0.5)]

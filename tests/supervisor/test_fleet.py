@@ -22,6 +22,7 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import EngineHTTPError, SamplingParams
 from pipeline.supervisor.fleet_membership import FleetMembership, MembershipError, scaled_concurrency
+from pipeline.tools.fake_sglang import FakeSGLang
 from pipeline.transport.weights_http import (
     FetchError,
     WeightServer,
@@ -29,7 +30,6 @@ from pipeline.transport.weights_http import (
     fetch_version,
     request_fetch,
 )
-from tests.fakes.sglang_fake import FakeSGLang
 
 SAMPLING = SamplingParams(max_new_tokens=40)
 
@@ -115,7 +115,7 @@ async def test_a_joining_engine_loads_the_served_version_before_it_gets_work(
     assert "/update_weights_from_disk" in paths and "/generate" not in paths
     assert fakes[1].update_calls[-1]["model_path"] == str(membership.fleet.run_dir.weights_of(3))
     assert membership.fleet.pool_urls() == [fakes[0].base_url, fakes[1].base_url]
-    assert membership.capacities == [2]  # type: ignore[attr-defined]
+    assert membership.capacities == [2 * 256]  # type: ignore[attr-defined]  # each reports 256 running
     with pytest.raises(MembershipError, match="already in the fleet"):
         await membership.add(fakes[1].base_url)
 
@@ -134,7 +134,7 @@ async def test_draining_an_engine_finishes_or_hands_back_its_turns_and_refuses_t
     assert report["handed_back"] == 1
     assert (await turn).finish_reason != "abort"
     assert membership.fleet.pool_urls() == [fakes[1].base_url]
-    assert membership.capacities[-1] == 1  # type: ignore[attr-defined]
+    assert membership.capacities[-1] == 256  # type: ignore[attr-defined]
     with pytest.raises(MembershipError, match="last engine"):
         await membership.drain(fakes[1].base_url)
 
@@ -251,3 +251,19 @@ async def test_nccl_weight_update_requests_have_sglangs_exact_fields(fakes: list
         "abort_all_requests",
         "weight_version",
     }
+
+
+async def test_an_engine_counts_as_idle_by_its_own_get_load(fakes: list[FakeSGLang]) -> None:
+    """Issue 29, problem 7: `internal_states` of /server_info hold no request counts, so a drained
+    engine looked idle at once; /get_load counts running and queued requests (the router 404s it: each
+    engine is asked directly)."""
+    from pipeline.supervisor.fleet_membership import _engine_idle
+
+    async with EngineClient(fakes[0].base_url) as client:
+        assert await _engine_idle(client)
+        turn = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=100), "busy"))
+        await fakes[0].wait_running(1)
+        assert not await _engine_idle(client) and await client.load() == 1
+        await client.abort_request("busy")
+        await turn
+        assert await _engine_idle(client)

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from pipeline.contracts import events
-from tests.fakes.sglang_fake import FakeSGLang
+from pipeline.tools.fake_sglang import FakeSGLang
 from tests.helpers.lineage import lineage_for
 
 

@@ -21,7 +21,7 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.observability.metrics import REGISTRY
-from tests.fakes.sglang_fake import FakeSGLang, GenerateCall, Plan
+from pipeline.tools.fake_sglang import FakeSGLang, GenerateCall, Plan
 
 TASK = Task(id="t0", seed=3, data={"question": "What is 2 + 3?"})
 CALC = {

@@ -25,7 +25,7 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import GenerateResult, SamplingParams
 from pipeline.supervisor.observability.metrics import REGISTRY
-from tests.fakes.sglang_fake import FakeSGLang, GenerateCall, Plan
+from pipeline.tools.fake_sglang import FakeSGLang, GenerateCall, Plan
 
 # Qwen3-style: earlier assistant turns lose their <think></think> block when the history is rendered.
 STRIP_THINK_TEMPLATE = (
@@ -212,6 +212,14 @@ async def test_three_turn_episode_keeps_an_exact_token_buffer(
     assert all(r["sampling_params"]["max_new_tokens"] == 16 for r in sent)
     assert episodes_counter("scripted-exact", "stop") == before + 1
     assert len(result.turn_seconds) == len(result.engine_seconds) == 3
+    # Prefill books: every turn sends its whole context; the engine's radix cache holds what it saw
+    # (prompt and reply) the turn before, so only the env's reply and the new prompt are prefilled.
+    labels = {"env": "scripted-exact"}
+    assert REGISTRY.get_sample_value("rollwise_prompt_tokens_total", labels) == sum(
+        len(r["input_ids"]) for r in sent
+    )
+    cached = 0 + len(prompt + outs[0]) + len(prompt + outs[0] + env1 + outs[1])
+    assert REGISTRY.get_sample_value("rollwise_prompt_tokens_cached_total", labels) == cached
 
 
 async def test_tokens_carry_the_weight_version_that_produced_them(
@@ -522,20 +530,50 @@ async def test_aborted_generation_is_resubmitted_with_its_partial_output(
     assert result.num_turns == 1 and validate_segment(row) is None
 
 
-async def test_abort_without_retry_or_past_the_bound_is_an_engine_error(
+async def test_abort_without_retry_or_without_progress_is_an_engine_error(
     fake: FakeSGLang, pool: EnginePool, tok: Any
 ) -> None:
-    partial = enc(tok, "I say")
-    fake.script = lambda call: Plan(partial, finish="abort")
+    fake.script = lambda call: Plan([], finish="abort")  # aborted in the queue, again and again
     before = engine_errors("abort")
     no_retry = await play(pool, tok, ScriptedEnv([]), settings(tok))
     assert no_retry.finish_reason == "engine_error" and len(fake.generate_requests()) == 1
-    assert no_retry.num_turns == 1 and validate_segment(no_retry.rows[0]) is None
 
     bounded = await play(pool, tok, ScriptedEnv([]), settings(tok, retry_aborted=True, max_abort_retries=2))
     assert bounded.finish_reason == "engine_error"
-    assert len(fake.generate_requests()) == 1 + 3  # first try + 2 resubmissions
+    assert len(fake.generate_requests()) == 1 + 3  # the first play; then a try + 2 fruitless retries
     assert engine_errors("abort") == before + 2
+
+
+async def test_a_turn_aborted_in_the_waiting_queue_is_resubmitted_not_an_engine_error(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    """Issue 29, problem 4: SGLang's reply to a request aborted before it ran has no prompt_tokens and no
+    cached_tokens; it was counted as a protocol error and its turn lost (49 of 64 in a repro)."""
+    eos = tok.eos_token_id
+    answers = iter([Plan([], finish="abort"), Plan([*enc(tok, "8"), eos])])
+    fake.script = lambda call: next(answers)
+    outcome = await play(pool, tok, ScriptedEnv([]), settings(tok, retry_aborted=True))
+    assert outcome.finish_reason == "stop" and len(fake.generate_requests()) == 2
+    assert [r["rid"] for r in fake.generate_requests()] == ["ep-t0", "ep-t0-r1"]
+
+
+async def test_an_aborted_turn_is_resubmitted_as_long_as_each_try_keeps_new_tokens(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    """Weight syncs in abort mode may cut one long turn many times: it goes on while it progresses."""
+    partial = enc(tok, "I say")
+    fake.script = lambda call: Plan(partial, finish="abort")
+    max_new = 6 * len(partial)
+    outcome = await play(
+        pool,
+        tok,
+        ScriptedEnv([]),
+        settings(tok, retry_aborted=True, max_abort_retries=1, max_new_tokens=max_new),
+    )
+    [row] = outcome.rows
+    generated = [t for t, m in zip(row.token_ids, row.loss_mask, strict=True) if m]
+    assert generated == partial * 6  # every kept token, in order
+    assert len(fake.generate_requests()) == 6
 
 
 async def test_cancelled_episode_cancels_the_step_in_progress_and_closes_its_env(

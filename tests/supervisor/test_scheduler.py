@@ -23,15 +23,15 @@ from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.observability import metrics
 from pipeline.tools.bench.async_speedup import CharTokenizer, CoinEnv
+from pipeline.tools.fake_sglang import FakeSGLang
 from pipeline.transport.spool import SpoolEntry, SpoolReader, SpoolWriter
-from tests.fakes.sglang_fake import FakeSGLang
 
 G = 2
 
 
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeSGLang]:
-    server = FakeSGLang(vocab_size=256, eos_token_id=CharTokenizer.eos_token_id)
+    server = FakeSGLang(vocab_size=CharTokenizer.vocab_size, eos_token_id=CharTokenizer.eos_token_id)
     await server.start()
     yield server
     await server.stop()
@@ -462,3 +462,83 @@ async def test_the_warning_says_how_the_episodes_ended(
     )
     assert untrainable_summary([]) == "no episodes"
     assert untrainable_summary([_ended("env_error", "x" * 400)]) == "1 env_error; first: " + "x" * 300
+
+
+async def test_admission_waits_while_no_engine_can_serve_and_resumes_when_one_answers(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Issue 29, problem 2: with every engine gone, groups started anyway and each episode ended
+    engine_error at once (2,812 in 60 s); now admission waits for an engine."""
+    up = False
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=0)
+    sched.engines_up = lambda: up
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await _settle()
+    assert sched.started == 0 and sched.capacity() == 0
+    up = True
+    sched.on_engines_changed()
+    await until(lambda: sched.written == 2)
+    stop.set()
+    await runner
+
+
+async def test_a_straggler_from_an_older_version_holds_admission_for_its_patience_only(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Issue 34: a group still running from version 0 would be overtaken by groups admitted at version
+    1 and arrive stale; admission budgets from its version while it is protected, then lets go."""
+    release = asyncio.Event()
+    started: list[Task] = []
+
+    class FirstGroupWaits(CoinEnv):
+        async def reset(self, task: Task) -> list[dict[str, str]]:
+            started.append(task)
+            if task.id.endswith("-0"):  # the first task's episodes wait: the straggler
+                await release.wait()
+            return await super().reset(task)
+
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=1, factory=FirstGroupWaits)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    # Budget (η + 0 + 1)·B = 2 at version 0: the straggler and one more group, which finishes.
+    await until(lambda: sched.written == 1 and sched.started == 2)
+    median_s = sched._durations[0]
+    sched.straggler_patience = 0.6 / median_s  # protected for 0.6 s from its start
+    sched.on_version(1)
+    await _settle()
+    # Version 1 alone would allow (1 + 1 + 1)·1 - (1 written + 1 running) = 1 more; the straggler's
+    # version 0 allows none, and admission holds.
+    floor, until_s = sched.floor()
+    assert floor == 0 and until_s is not None
+    assert (sched.started, sched.capacity()) == (2, 0)
+    # Past its patience it is on its own: the held group starts without any other event.
+    await until(lambda: sched.started == 3, timeout_s=3.0)
+    assert sched.floor() == (None, None)
+    release.set()
+    await until(lambda: sched.running == 0)
+    stop.set()
+    await runner
+
+
+async def test_no_straggler_protection_with_patience_zero(pool: EnginePool, tmp_path: Path) -> None:
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=1)
+    sched.straggler_patience = 0.0
+    sched._admitted["g"] = (0, 0.0)
+    sched._durations.append(1.0)
+    sched.on_version(1)
+    assert sched.floor() == (None, None)
+    with pytest.raises(ValueError, match="straggler_patience"):
+        GroupScheduler(
+            engine=pool,
+            tokenizer=CharTokenizer(),
+            factory=CoinEnv,
+            env_name="x",
+            env_options=None,
+            settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
+            group_size=G,
+            admission=AdmissionController(batch_groups=1, max_staleness=1, max_concurrent=4),
+            spool=SpoolWriter(tmp_path),
+            tasks=_tasks(),
+            straggler_patience=-1.0,
+        )

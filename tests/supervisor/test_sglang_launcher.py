@@ -17,7 +17,7 @@ from pipeline.supervisor.children import Child, ChildSpec
 from pipeline.supervisor.engine_fleet import ready_or_exited
 from pipeline.supervisor.engine_launch import SGLangLaunchSpec, build_sglang_command
 from pipeline.supervisor.engines.client import EngineClient
-from tests.fakes.sglang_fake import free_port
+from pipeline.tools.fake_sglang import free_port
 
 STUB = Path(__file__).resolve().parents[1] / "fakes" / "stub_sglang_server.py"
 

@@ -406,7 +406,7 @@ async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
     that makes the start slow."""
     import pipeline.supervisor.daemon as daemon
     from pipeline.supervisor.daemon import Supervisor
-    from tests.fakes.sglang_fake import FakeSGLang
+    from pipeline.tools.fake_sglang import FakeSGLang
 
     fake = FakeSGLang()
     await fake.start()

@@ -19,10 +19,27 @@ def test_bench_actors_runs_both_sides_and_reports_a_ratio(capsys: pytest.Capture
     sizes = report["runner"]["payload_sizes"]
     assert len(sizes) == 3 and sizes[0] < sizes[1] < sizes[2]  # the buffer grows every turn
     assert report["ratio"] == pytest.approx(report["runner"]["turns_per_s"] / report["bare"]["turns_per_s"])
-    assert report["meets_goal"] == (report["ratio"] >= 0.5)
+    unique = report["unique"]
+    assert unique["runner"]["turns"] == 30 and unique["bare"]["turns"] == 30
+    assert report["meets_goal"] == (min(report["ratio"], unique["ratio"]) >= 0.6)
     assert report["runner"]["overhead_p50_us"] <= report["runner"]["overhead_p99_us"]
+    # A prefix cache that sees a whole group prefills far less than the requests' whole prompts.
+    for section in (report, unique):
+        assert 0 < section["prefill_per_generated_cached"] < section["prefill_per_generated_uncached"]
     text = actors.format_report(report)
-    assert "ratio runner/bare" in text and "p99" in text
+    assert "ratio runner/bare" in text and "p99" in text and "replies never repeat" in text
+    assert "prefill tokens per generated token" in text
+
+
+def test_prefill_tokens_counts_a_groups_first_prompt_once_and_then_what_each_turn_appended() -> None:
+    # Requests start where a generated run starts: at 3 (prompt of 3 ids) and at 7 (after 2 generated
+    # ids and 2 appended ones).
+    mask = [0, 0, 0, 1, 1, 0, 0, 1]
+    uncached, cached = actors.prefill_tokens([[(3, mask), (3, mask)]])
+    assert uncached == 2 * (3 + 7)
+    # Episode 0: the prompt (3), then the 2 appended ids; episode 1: its cached prompt's last token (1),
+    # then its own 2 appended ids.
+    assert cached == (3 + 2) + (1 + 2)
 
 
 def test_bench_actors_rejects_a_non_positive_count(capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,6 +56,16 @@ async def test_echo_env_ends_after_its_turns() -> None:
     second = await env.step(Action(text="ho"))
     assert (first.done, first.messages) == (False, [{"role": "user", "content": "hi"}])
     assert (second.done, second.outcome) == (True, 1.0)
+
+
+async def test_echo_env_with_unique_replies_never_says_the_same_thing_twice() -> None:
+    replies = []
+    for _ in range(2):
+        env = actors.EchoEnv(turns=3, unique=True)
+        await env.reset(next(env.tasks(0)))
+        for _ in range(2):
+            replies.append((await env.step(Action(text="hi"))).messages[0]["content"])
+    assert len(set(replies)) == 4 and all(r.startswith("hi #") for r in replies)
 
 
 def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(

@@ -69,6 +69,9 @@ class Episodes:
         )  # fmt: skip
 
 
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path, tok: Any) -> Path:
     """A run directory with four spool groups (one of them full of markup), a trace of the first, a step
@@ -84,6 +87,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path, 
     xss = [eps.row("gX", 0, [(XSS_ACTION, XSS_REPLY), ("4", None)], outcome=0.0, version=5),
            eps.row("gX", 1, [("4", None)], outcome=1.0, version=5)]  # fmt: skip
     late = [eps.row("gL", i, [("9", None)], version=6) for i in range(2)]
+    late[0].trace_id = TRACE_ID  # its episode was traced ([tracing]); the other one was not sampled
     spool = SpoolWriter(root / "spool")
     for group in (solved, failed, xss, late):
         spool.write_group(segments_to_batch(group), group_id=group[0].group_id)
@@ -181,6 +185,12 @@ def test_a_group_is_shown_as_chat_blocks_with_token_values_and_trace(view: RunVi
     untraced = view.group_detail("gB")
     assert untraced is not None and "advantage" not in untraced["episodes"][0]["blocks"][1]["tokens"][0]
     assert view.group_detail("nope") is None
+
+
+def test_an_episodes_trace_id_is_shown_when_it_has_one(view: RunView) -> None:
+    detail = view.group_detail("gL")
+    assert detail is not None
+    assert [e["trace_id"] for e in detail["episodes"]] == [TRACE_ID, None]
 
 
 def test_quarantined_files_are_listed_with_their_reason(view: RunView) -> None:

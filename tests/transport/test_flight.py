@@ -11,10 +11,10 @@ import pyarrow.flight as flight
 import pytest
 
 from pipeline.contracts.config import ConfigError, check_exposed_ports, load_config
+from pipeline.tools.fake_sglang import free_port
 from pipeline.transport.flight import FlightSpoolReader, SpoolFlightService
 from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import SpoolReader, SpoolWriter, spool_name
-from tests.fakes.sglang_fake import free_port
 from tests.transport.test_spool import make_group
 
 

@@ -2,7 +2,8 @@
 
 One episode: `env.reset(task)` -> messages; the chat template renders the first prompt once
 (pipeline.supervisor.actors.chat.ChatBuffer); then per turn k = 0, 1, ...: `/generate` with the buffer's ids
-(rid `"{episode_id}-t{k}"`, affinity key = episode id so every turn hits the same server), the
+(rid `"{episode_id}-t{k}"`, affinity key = the group id, so every turn of the group's episodes hits the
+same server, whose prefix cache holds their shared first prompt and each episode's history), the
 output ids are appended verbatim, the decoded text is parsed into an Action (envs.toolcalls),
 `env.step(action)` answers, and only the reply's new tokens are appended.
 
@@ -36,7 +37,8 @@ Rows of failed episodes are kept for accounting (the learner skips them); an epi
 failed has no tokens and so no row. A failing `env.close()` is counted (kind "close"), not raised.
 With `retry_aborted`, a generation aborted with partial output (SGLang's abort-mode weight sync) is
 resubmitted as prompt + partial ids (AReaL-style partial rollout): the partial tokens keep their
-log-probs and versions, the continuation gets the new version, up to `max_abort_retries` times.
+log-probs and versions, the continuation gets the new version (a turn fails after `max_abort_retries`
+aborts in a row that kept no new token).
 `env.close()` is always awaited, also when the episode is cancelled.
 Metric labels: env = the `env_name` argument; engine = "pool" (the pool hides which member served).
 """
@@ -55,8 +57,9 @@ from typing import Any, Protocol
 import pyarrow as pa
 
 from envs.agent import AgentEnvironment
-from envs.api import EnvError, EnvFactory, Environment, StepResult, Task, is_finite_number
+from envs.api import FORMAT_ERROR, EnvError, EnvFactory, Environment, StepResult, Task, is_finite_number
 from envs.toolcalls import get_parser
+from pipeline.contracts import tracing
 from pipeline.contracts.schema import TRAINABLE_FINISH_REASONS, EpisodeSegment, segments_to_batch
 from pipeline.supervisor.actors.chat import ChatBuffer, ChatTokenizer
 from pipeline.supervisor.engines.protocol import (
@@ -97,8 +100,9 @@ class RolloutSettings:
     `max_context_tokens` bounds every segment's length (prompt + generated + replies);
     `sampling.stop_token_ids` empty = the tokenizer's eos token; `tool_parser` names an entry of
     envs.toolcalls.PARSERS. `retry_aborted` resubmits a generation the engine aborted (SGLang's
-    abort-mode weight sync) as prompt + partial output, at most `max_abort_retries` times per turn;
-    set it when the weight sync aborts requests, leave it off otherwise (an abort is then an error).
+    abort-mode weight sync) as prompt + partial output, as often as each resubmission makes progress: a
+    turn fails after `max_abort_retries` aborts in a row that kept no new token; set it when the weight
+    sync aborts requests, leave it off otherwise (an abort is then an error).
     """
 
     sampling: SamplingParams
@@ -194,6 +198,8 @@ class _EnvMetrics:
 
     turns: Any
     generated_tokens: Any
+    prompt_tokens: Any
+    prompt_tokens_cached: Any
     turn_tokens: Any
     turn_reward: Any
     step_latency: Any
@@ -203,6 +209,10 @@ class _EnvMetrics:
     reward_positive: Any
     reward_negative: Any
     successes: Any
+    tool_calls: Any
+    tool_call_errors: Any
+    without_tool_calls: Any
+    format_errors: Any
     env_name: str
 
 
@@ -211,6 +221,8 @@ def _env_metrics(env_name: str) -> _EnvMetrics:
     return _EnvMetrics(
         turns=metrics.TURNS.labels(env=env_name),
         generated_tokens=metrics.GENERATED_TOKENS.labels(env=env_name),
+        prompt_tokens=metrics.PROMPT_TOKENS.labels(env=env_name),
+        prompt_tokens_cached=metrics.PROMPT_TOKENS_CACHED.labels(env=env_name),
         turn_tokens=metrics.TURN_TOKENS.labels(env=env_name),
         turn_reward=metrics.TURN_REWARD.labels(env=env_name),
         step_latency=metrics.ENV_STEP_LATENCY.labels(env=env_name),
@@ -220,6 +232,10 @@ def _env_metrics(env_name: str) -> _EnvMetrics:
         reward_positive=metrics.EPISODE_REWARD_POSITIVE.labels(env=env_name),
         reward_negative=metrics.EPISODE_REWARD_NEGATIVE.labels(env=env_name),
         successes=metrics.EPISODE_SUCCESSES.labels(env=env_name),
+        tool_calls=metrics.TOOL_CALLS.labels(env=env_name),
+        tool_call_errors=metrics.TOOL_CALL_ERRORS.labels(env=env_name),
+        without_tool_calls=metrics.EPISODES_WITHOUT_TOOL_CALLS.labels(env=env_name),
+        format_errors=metrics.ANSWER_FORMAT_ERRORS.labels(env=env_name),
         env_name=env_name,
     )
 
@@ -356,8 +372,10 @@ class _EpisodeRun:
         episode_id: str,
         env_name: str,
         record_metrics: bool = True,
+        affinity_key: str | None = None,
     ) -> None:
         self.engine = engine
+        self.affinity_key = affinity_key or episode_id
         self.tokenizer = tokenizer
         self.env = env
         self.settings = settings
@@ -374,6 +392,10 @@ class _EpisodeRun:
         self.generated_tokens = 0
         self.turn_seconds: list[float] = []
         self.engine_seconds: list[float] = []
+        self.tool_calls = 0
+        self.span: Any = tracing.NO_SPAN  # the episode's span (run_episode), when tracing is on
+        self.trace_id: str | None = None  # its trace, stored with the rows (sampled traces only)
+        self._linked: set[int] = set()  # policy versions the episode span links to
 
     async def _call_env(self, what: str, call: Any) -> Any:
         """Await an env coroutine under the step timeout; failures become _EpisodeEnded."""
@@ -401,30 +423,46 @@ class _EpisodeRun:
             raise self._invalid(f"the chat template cannot render env.reset's messages: {exc!r}") from exc
         chat = self.chat
         for turn in range(spec.max_turns):
-            started = time.perf_counter()
-            engine_finish = await self._generate_turn(chat, turn)
-            action = self.parser(chat.finish_turn())
-            if len(self.turn_rewards) == turn:
-                self.turn_rewards.append(0.0)
-            step = await self._step(action)
-            self.turn_rewards[turn] = step.reward
-            self.metrics.turn_reward.observe(step.reward)
-            if step.outcome is not None:
-                self.outcome = step.outcome
-            finish = _finish_after_step(step, engine_finish)
-            if finish is None:
-                try:
-                    extended = chat.add_env_messages(step.messages, turn, self.settings.max_context_tokens)
-                except Exception as exc:
-                    raise self._invalid(
-                        f"the chat template cannot render env.step's messages: {exc!r}"
-                    ) from exc
-                if extended == "overflow":
-                    finish = "truncated"
-            self.turn_seconds.append(time.perf_counter() - started)
+            # An unsampled or untraced episode opens no child spans: they would cost time, record nothing.
+            span = tracing.span("turn", {"rollwise.turn": turn}) if self.trace_id else tracing.NO_SPAN
+            with span as current:
+                finish = await self._turn(chat, turn, current)
             if finish is not None:
                 return finish
         return "truncated"
+
+    async def _turn(self, chat: ChatBuffer, turn: int, span: Any) -> str | None:
+        """Turn `turn`: generate, parse, step, extend the buffer; how the episode ends, None to go on.
+        `span`: the turn's span (the no-op one unless the episode is traced)."""
+        started = time.perf_counter()
+        engine_finish = await self._generate_turn(chat, turn)
+        action = self.parser(chat.finish_turn())
+        if action.tool_calls:
+            self.tool_calls += len(action.tool_calls)
+            self.metrics.tool_calls.inc(len(action.tool_calls))
+        if action.tool_call_errors:
+            self.metrics.tool_call_errors.inc(len(action.tool_call_errors))
+        if len(self.turn_rewards) == turn:
+            self.turn_rewards.append(0.0)
+        step = await self._step(action)
+        if span.is_recording():
+            span.set_attributes(
+                {"rollwise.reward": step.reward, "rollwise.done": bool(step.done or step.truncated)}
+            )
+        self.turn_rewards[turn] = step.reward
+        self.metrics.turn_reward.observe(step.reward)
+        if step.outcome is not None:
+            self.outcome = step.outcome
+        finish = _finish_after_step(step, engine_finish)
+        if finish is None:
+            try:
+                extended = chat.add_env_messages(step.messages, turn, self.settings.max_context_tokens)
+            except Exception as exc:
+                raise self._invalid(f"the chat template cannot render env.step's messages: {exc!r}") from exc
+            if extended == "overflow":
+                finish = "truncated"
+        self.turn_seconds.append(time.perf_counter() - started)
+        return finish
 
     def _invalid(self, message: str) -> _EpisodeEnded:
         return _env_failure(self.metrics.env_name, "invalid", "env_error", message)
@@ -435,6 +473,9 @@ class _EpisodeRun:
         self.metrics.step_latency.observe(time.perf_counter() - started)
         if not isinstance(step, StepResult):
             raise self._invalid(f"env.step returned {type(step).__name__}, expected StepResult")
+        info = step.info
+        if type(info) is dict and info.get(FORMAT_ERROR):
+            self.metrics.format_errors.inc()
         if not isinstance(step.messages, list):
             raise self._invalid(f"env.step returned messages of type {type(step.messages).__name__}")
         # A non-finite score would make the row invalid for the learner: it is the env's failure.
@@ -475,6 +516,7 @@ class _EpisodeRun:
         produced = 0
         engine_s = 0.0
         attempt = 0
+        fruitless = 0  # aborts in a row that kept no new token
         while True:
             budget = self.settings.max_context_tokens - len(chat.input_ids)
             if budget <= 0:
@@ -485,11 +527,17 @@ class _EpisodeRun:
             sampling = self._sampling(min(max_new - produced, budget))
             rid = f"{self.episode_id}-t{turn}" + (f"-r{attempt}" if attempt else "")
             started = time.perf_counter()
+            span = (
+                tracing.span("engine.generate", {"rollwise.rid": rid}) if self.trace_id else tracing.NO_SPAN
+            )
             try:
-                result = await self.engine.generate(
-                    chat.input_ids, sampling, rid, affinity_key=self.episode_id
-                )
-                versions = self._versions(result.token_versions)
+                with span as current:
+                    result = await self.engine.generate(
+                        chat.input_ids, sampling, rid, affinity_key=self.affinity_key
+                    )
+                    versions = self._versions(result.token_versions)
+                    if current.is_recording():
+                        self._trace_request(current, result, versions, len(chat.input_ids), started)
             except EngineError as exc:
                 raise _engine_failure(_engine_error_kind(exc), str(exc)) from exc
             finally:
@@ -503,11 +551,21 @@ class _EpisodeRun:
             produced += n
             self.generated_tokens += n
             self.metrics.generated_tokens.inc(n)
+            if result.prompt_tokens is not None:  # None: aborted while waiting, nothing was prefilled
+                self.metrics.prompt_tokens.inc(result.prompt_tokens)
+                self.metrics.prompt_tokens_cached.inc(result.cached_tokens)
             if result.finish_reason != "abort":
                 finish = "stop" if result.finish_reason == "stop" else "length"
                 break
-            if not self.settings.retry_aborted or attempt >= self.settings.max_abort_retries:
+            if not self.settings.retry_aborted:
                 raise _engine_failure("abort", f"generation {rid} aborted: {result.abort_message}")
+            fruitless = fruitless + 1 if n == 0 else 0
+            if fruitless > self.settings.max_abort_retries:
+                raise _engine_failure(
+                    "abort",
+                    f"generation {rid} aborted {fruitless} times in a row without a new token: "
+                    f"{result.abort_message}",
+                )
             if produced >= max_new:
                 finish = "length"
                 break
@@ -517,9 +575,28 @@ class _EpisodeRun:
         self.metrics.turn_tokens.observe(produced)
         return finish
 
+    def _trace_request(
+        self, current: Any, result: GenerateResult, versions: list[int], prompt: int, started: float
+    ) -> None:
+        """The attributes of an engine request's span (only computed when it is recorded)."""
+        version = versions[0] if versions else -1
+        current.set_attributes(
+            {
+                "rollwise.policy_version": version,
+                "rollwise.finish_reason": result.finish_reason,
+                "rollwise.latency_s": time.perf_counter() - started,
+                "gen_ai.usage.input_tokens": prompt,
+                "gen_ai.usage.output_tokens": len(result.output_ids),
+            }
+        )
+        if version >= 0 and version not in self._linked:
+            self._linked.add(version)
+            tracing.link_version(self.span, version)
+
     def rows(self, task: Task, group_id: str, env_name: str, finish_reason: str) -> list[EpisodeSegment]:
         if self.chat is None:
             return []
+        trace_id = self.trace_id
         return [
             EpisodeSegment(
                 episode_id=self.episode_id,
@@ -537,6 +614,7 @@ class _EpisodeRun:
                 num_turns=len(self.turn_rewards),
                 finish_reason=finish_reason,
                 segment=index,
+                trace_id=trace_id,
             )
             for index, seg in enumerate(self.chat.segments)
         ]
@@ -599,16 +677,25 @@ async def run_episode(
     if in_flight is not None:
         in_flight.inc()
     error: str | None = None
+    span = tracing.root_span(
+        "episode", {"rollwise.episode_id": episode_id, "rollwise.env": env_name, "rollwise.task_id": task.id}
+    )
     try:
-        episode = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name, record_metrics)
-        try:
-            async with asyncio.timeout(env.spec.episode_timeout_s):
-                finish_reason = await episode.play(task)
-        except _EpisodeEnded as ended:
-            finish_reason, error = ended.finish_reason, ended.message
-        except TimeoutError:
-            finish_reason = "timeout"
-            error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
+        with span as current:
+            episode = _EpisodeRun(
+                engine, tokenizer, env, settings, episode_id, env_name, record_metrics, affinity_key=group_id
+            )
+            episode.span, episode.trace_id = current, tracing.trace_id(current)
+            try:
+                async with asyncio.timeout(env.spec.episode_timeout_s):
+                    finish_reason = await episode.play(task)
+            except _EpisodeEnded as ended:
+                finish_reason, error = ended.finish_reason, ended.message
+            except TimeoutError:
+                finish_reason = "timeout"
+                error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
+            if current.is_recording():
+                current.set_attributes(_episode_attributes(episode, finish_reason))
     finally:
         close_error = await _close_env(env, env_name)
         if in_flight is not None:
@@ -630,7 +717,21 @@ async def run_episode(
     )
     if record_metrics:
         _record_episode(outcome)
+        if episode.tool_calls == 0 and env.spec.tools and outcome.trainable:
+            episode.metrics.without_tool_calls.inc()
     return outcome
+
+
+def _episode_attributes(episode: _EpisodeRun, finish_reason: str) -> dict[str, str | int | float]:
+    attributes: dict[str, str | int | float] = {
+        "rollwise.finish_reason": finish_reason,
+        "rollwise.turns": len(episode.turn_rewards),
+        "rollwise.tool_calls": episode.tool_calls,
+        "gen_ai.usage.output_tokens": episode.generated_tokens,
+    }
+    if episode.outcome is not None:
+        attributes["rollwise.outcome"] = episode.outcome
+    return attributes
 
 
 def _failed_to_start(

@@ -34,6 +34,11 @@ Decisions:
   of actor idle time (work held back by staleness): > 0 means rollout is the bottleneck. 0 once the
   task stream ends or drain starts, since nothing more will be started. The learner-side backlog
   (written, not yet trained) is a different gauge: rollwise_spool_depth_groups.
+- Stragglers (pipeline.supervisor.actors.admission): a running group admitted at an older version than
+  the one served is protected while it has run for less than `straggler_patience` times the median
+  duration of the last groups; admission then budgets from its version, so later groups cannot push it
+  past its staleness bound. Past that patience it is on its own (it may arrive stale and be dropped):
+  one stuck episode must not stop admission for its whole timeout. 0 turns protection off.
 - A group being written when drain cancels it finishes its write (the write is shielded): a group is
   either fully durable and counted, or lost before its write started; never half-written.
 - A write the storage refuses (the run directory is full or read-only:
@@ -49,11 +54,12 @@ pipeline.contracts.durable.storage_fault_kind)
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
+import statistics
 import time
 import uuid
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -67,6 +73,7 @@ from pipeline.supervisor.actors.rollout import (
     AgentRunner,
     EpisodeOutcome,
     GenerateEngine,
+    GroupOutcome,
     RolloutSettings,
     run_group,
 )
@@ -85,7 +92,7 @@ class AgentEndpoint(AgentRunner, Protocol):
 def untrainable_summary(episodes: Sequence[EpisodeOutcome]) -> str:
     """How a group's episodes ended, for a warning: counts by finish reason, most frequent first, and the
     first error message (e.g. "8 engine_error; first: engine refused the request: ... context length")."""
-    reasons = collections.Counter(ep.finish_reason for ep in episodes)
+    reasons = Counter(ep.finish_reason for ep in episodes)
     text = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common()) or "no episodes"
     first = next((ep.error for ep in episodes if ep.error), None)
     return f"{text}; first: {first[:300]}" if first else text
@@ -114,6 +121,8 @@ class GroupScheduler:
         notify: Callable[[str], None] | None = None,
         storage_retry_s: tuple[float, float] = (0.5, 10.0),
         agent_endpoint: AgentEndpoint | None = None,
+        engines_up: Callable[[], bool] | None = None,
+        straggler_patience: float = 0.0,
     ) -> None:
         self.engine = engine
         # Runs agent-function episodes (pipeline.supervisor.actors.openai_endpoint); owned: drain() closes it.
@@ -143,6 +152,14 @@ class GroupScheduler:
         self.notify = notify or (lambda text: None)
         self.storage_retry_s = storage_retry_s
         self.spool_refusals = RefusedWrites(spool.spool_dir)
+        # False while no engine can serve (all stopped answering): admission waits instead of running
+        # episodes into engine errors; `on_engines_changed` wakes it.
+        self.engines_up = engines_up or (lambda: True)
+        if straggler_patience < 0:
+            raise ValueError(f"straggler_patience must be >= 0, got {straggler_patience}")
+        self.straggler_patience = straggler_patience
+        self._admitted: dict[str, tuple[int, float]] = {}  # running group -> (version, start time)
+        self._durations: deque[float] = deque(maxlen=64)  # of the last groups run, for the patience
         # Observability (plain attributes, read by the supervisor and the bench).
         self.started = 0
         self.written = 0
@@ -170,14 +187,32 @@ class GroupScheduler:
     def capacity(self) -> int:
         if self.storage_blocked:
             return 0  # finished groups wait for the spool; starting more would only add to them
-        return self.admission.capacity(self.version, self._accepted, self._running)
+        if not self.engines_up():
+            return 0  # every episode would end engine_error at once
+        return self.admission.capacity(self.version, self._accepted, self._running, self.floor()[0])
+
+    def floor(self, now: float | None = None) -> tuple[int | None, float | None]:
+        """(the oldest admission version of the protected stragglers, when the first of them stops being
+        protected); (None, None) when no group is protected (module docstring)."""
+        if not self.straggler_patience or not self._durations:
+            return None, None
+        now = time.monotonic() if now is None else now
+        patience_s = self.straggler_patience * statistics.median(self._durations)
+        floor: int | None = None
+        expires: float | None = None
+        for version, started in self._admitted.values():
+            if version < self.version and now - started < patience_s:
+                floor = version if floor is None else min(floor, version)
+                until = started + patience_s
+                expires = until if expires is None else min(expires, until)
+        return floor, expires
 
     @property
     def queued(self) -> int:
         """Groups staleness admission allows now that wait for a free actor slot (module docstring)."""
         if self._exhausted or self._draining:
             return 0
-        room = self.admission.staleness_room(self.version, self._accepted, self._running)
+        room = self.admission.staleness_room(self.version, self._accepted, self._running, self.floor()[0])
         return room - self.capacity()
 
     def _publish_queued(self) -> None:
@@ -192,6 +227,10 @@ class GroupScheduler:
     def set_max_concurrent(self, groups: int) -> None:
         """The fleet grew or shrank: allow `groups` to run at once (running ones above it finish)."""
         self.admission = dataclasses.replace(self.admission, max_concurrent=max(1, groups))
+        self._wake.set()
+
+    def on_engines_changed(self) -> None:
+        """An engine stopped answering or answers again: admission looks at the fleet again."""
         self._wake.set()
 
     def on_dropped(self, n: int = 1) -> None:
@@ -216,11 +255,17 @@ class GroupScheduler:
                 self._publish_queued()
                 if self._exhausted and self._running == 0:
                     return
+                floor, protected_until = self.floor()
+                metrics.ADMISSION_FLOOR_LAG.set(0 if floor is None else self.version - floor)
                 held = (
                     backoff_s <= 0
                     and not self._exhausted
-                    and self.admission.held_by_staleness(self.version, self._accepted, self._running)
+                    and self.admission.held_by_staleness(self.version, self._accepted, self._running, floor)
                 )
+                # Wake when the backoff ends or a straggler's protection does (it may free room).
+                timeouts = [backoff_s] if backoff_s > 0 else []
+                if protected_until is not None:
+                    timeouts.append(max(0.0, protected_until - time.monotonic()) + 1e-3)
                 # Constant during this wait: a finished group, a version or a drop ends the wait.
                 idle_share = self.admission.concurrency_room(self._running) / self.admission.max_concurrent
                 waited_from = time.monotonic()
@@ -228,7 +273,7 @@ class GroupScheduler:
                 try:
                     await asyncio.wait(
                         {wake_wait, stop_wait},
-                        timeout=backoff_s if backoff_s > 0 else None,
+                        timeout=min(timeouts) if timeouts else None,
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                 finally:
@@ -252,6 +297,7 @@ class GroupScheduler:
         group_id = f"{self.run_prefix}-g{self._counter:06d}"
         self._running += 1
         self.started += 1
+        self._admitted[group_id] = (self.version, time.monotonic())
         metrics.GROUPS_ADMITTED.inc()
         runner = asyncio.create_task(self._run_group(task, group_id), name=f"group {group_id}")
         self._group_tasks.add(runner)
@@ -261,18 +307,7 @@ class GroupScheduler:
     async def _run_group(self, task: Task, group_id: str) -> None:
         slot_owned_by_write = False
         try:
-            outcome = await run_group(
-                self.engine,
-                self.tokenizer,
-                self.factory,
-                task,
-                self.settings,
-                group_size=self.group_size,
-                group_id=group_id,
-                env_name=self.env_name,
-                env_options=self.env_options,
-                agent_runner=self.agent_endpoint,
-            )
+            outcome = await self._play_group(task, group_id)
             self._note_outcome(group_id, outcome.episodes)
             self.episodes_finished += len(outcome.episodes)
             self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
@@ -295,6 +330,25 @@ class GroupScheduler:
             if not slot_owned_by_write:
                 self._running -= 1
                 self._wake.set()
+
+    async def _play_group(self, task: Task, group_id: str) -> GroupOutcome:
+        try:
+            outcome = await run_group(
+                self.engine,
+                self.tokenizer,
+                self.factory,
+                task,
+                self.settings,
+                group_size=self.group_size,
+                group_id=group_id,
+                env_name=self.env_name,
+                env_options=self.env_options,
+                agent_runner=self.agent_endpoint,
+            )
+        finally:
+            _, started = self._admitted.pop(group_id)
+        self._durations.append(time.monotonic() - started)
+        return outcome
 
     async def _write_durably(self, batch: pa.RecordBatch, group_id: str) -> SpoolEntry:
         """Write the group, retrying while the storage refuses it (module docstring)."""

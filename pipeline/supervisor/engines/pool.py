@@ -5,8 +5,11 @@ growing prompt stays in that server's prefix cache. The member is chosen by rend
 weight) hashing over the healthy members: ejecting a member moves only the keys it owned, and
 readmitting it moves them back.
 
-Health: a member that fails `eject_after_failures` times in a row (EngineUnavailable, or HTTP 5xx) is
-ejected; a background task probes its /health every `probe_interval_s` and readmits it on 200.
+Health: a member that fails `eject_after_failures` times in a row (EngineUnavailable, or HTTP 5xx:
+requests, or the /health checks of `watch_health` when no request reaches it) is ejected; a background
+task probes its /health every `probe_interval_s`, and once it answers, `on_rejoin` loads the version the
+fleet serves into it (a restarted server comes back with the weights it was launched with) before it is
+readmitted. `serving` counts the members that take work; listeners hear every change of it.
 When a member fails a request that certainly never reached it (connection refused, circuit open), the
 pool sends it to the key's next member instead; a request that may have reached a server is never
 resent (it is not idempotent).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -39,8 +43,10 @@ from pipeline.supervisor.engines.protocol import (
     GenerateResult,
     SamplingParams,
 )
+from pipeline.supervisor.observability import metrics
 
 T = TypeVar("T")
+log = logging.getLogger("rollwise.pool")
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,8 @@ class EnginePool:
         if len(set(urls)) != len(urls):
             raise ValueError(f"EnginePool members must have distinct URLs, got {urls}")
         self._members = [_Member(c) for c in clients]
+        for client in clients:
+            _zero_liveness_series(client.base_url)
         self.eject_after_failures = eject_after_failures
         self.probe_interval_s = probe_interval_s
         self.router = router
@@ -108,6 +116,15 @@ class EnginePool:
         self._in_flight: dict[str, str] = {}  # rid -> member URL (the router's URL when routed)
         self._handed_back: set[str] = set()  # rids aborted by hand_back: generate sends them again
         self.handed_back_total = 0
+        # Loads the served version into a member that answers again, before it is readmitted (the
+        # fleet's catch_up); an EngineError keeps it ejected and probed.
+        self.on_rejoin: Callable[[EngineClient], Awaitable[None]] | None = None
+        self._listeners: list[Callable[[], None]] = []  # told whenever `serving` may have changed
+        # What the members serve (the last weight version update_all loaded, or the launch version set by
+        # the fleet), and how many weight syncs started so far: a reply that spans a sync without
+        # per-token versions is labelled with the version its request started on.
+        self.weight_version: str | None = None
+        self._syncs = 0
 
     @property
     def members(self) -> list[EngineClient]:
@@ -116,6 +133,20 @@ class EnginePool:
     @property
     def healthy_members(self) -> list[EngineClient]:
         return [m.client for m in self._members if not m.ejected]
+
+    @property
+    def serving(self) -> int:
+        """Members that take new work: neither ejected nor draining."""
+        return sum(1 for m in self._members if not m.ejected and not m.draining)
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` is called whenever a member is ejected, readmitted, added, drained or removed."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        metrics.ENGINES_SERVING.set(self.serving)
+        for listener in self._listeners:
+            listener()
 
     def member_for(self, affinity_key: str) -> EngineClient:
         """The healthy member that owns `affinity_key`; EngineUnavailable when every member is ejected."""
@@ -180,12 +211,20 @@ class EnginePool:
     ) -> GenerateResult:
         self._in_flight[rid] = client.base_url
         routing_key = affinity_key if client is self.router else None
+        syncs, version = self._syncs, self.weight_version
         try:
-            return await client.generate(
+            result = await client.generate(
                 input_ids, sampling, rid, routing_key=routing_key, priority=priority, lora_path=lora_path
             )
         finally:
             self._in_flight.pop(rid, None)
+        if syncs != self._syncs and not result.versions_exact and version is not None:
+            # It ran across a weight update and the engine says only the version it finished on: some
+            # tokens may be older. The version it started on is the one no token can predate.
+            if version != result.weight_version:
+                metrics.ENGINE_VERSION_AMBIGUOUS_TOKENS.inc(len(result.output_ids))
+            result.token_versions = [version] * len(result.output_ids)
+        return result
 
     async def _generate_direct(
         self,
@@ -240,10 +279,13 @@ class EnginePool:
         if any(m.client.base_url == client.base_url for m in self._members):
             raise ValueError(f"{client.base_url} is already a member of {self._describe()}")
         self._members.append(_Member(client))
+        _zero_liveness_series(client.base_url)
+        self._changed()
 
     def set_draining(self, url: str, draining: bool = True) -> None:
         """A draining member gets no new requests (its episodes' next turns go to another member)."""
         self._member(url).draining = draining
+        self._changed()
 
     def in_flight(self, url: str | None = None) -> list[str]:
         """rids running now: all of them, or those sent to member `url` (through the router: all)."""
@@ -274,27 +316,71 @@ class EnginePool:
             member.probe.cancel()
             await asyncio.gather(member.probe, return_exceptions=True)
         await member.client.close()
+        self._changed()
         return member.client
 
     def _record_failure(self, member: _Member) -> None:
         member.consecutive_failures += 1
         if not member.ejected and member.consecutive_failures >= self.eject_after_failures:
             member.ejected = True
+            url = member.client.base_url
+            metrics.ENGINE_EJECTIONS.labels(engine=url).inc()
+            log.warning(
+                "engine %s stopped answering (%d failures in a row): no work goes to it; probing /health "
+                "every %.1f s (%d engine(s) left)",
+                url,
+                member.consecutive_failures,
+                self.probe_interval_s,
+                self.serving,
+            )
+            self._changed()
             if not self._closed:
                 member.probe = asyncio.create_task(self._probe_until_healthy(member))
 
     async def _probe_until_healthy(self, member: _Member) -> None:
+        url = member.client.base_url
         while True:
             await asyncio.sleep(self.probe_interval_s)
             try:
                 healthy = await member.client.health(timeout_s=max(self.probe_interval_s, 1.0))
             except EngineError:
                 healthy = False
-            if healthy:
-                member.consecutive_failures = 0
-                member.ejected = False
-                member.probe = None
+            if not healthy:
+                continue
+            if self.on_rejoin is not None:
+                try:
+                    await self.on_rejoin(member.client)
+                except EngineError as exc:
+                    log.warning("engine %s answers again but could not load the served version: %s", url, exc)
+                    continue
+            member.consecutive_failures = 0
+            member.ejected = False
+            member.probe = None
+            metrics.ENGINE_REJOINS.labels(engine=url).inc()
+            log.warning("engine %s answers again on the served version: it gets work again", url)
+            self._changed()
+            return
+
+    async def watch_health(self, interval_s: float, stopping: asyncio.Event) -> None:
+        """Every `interval_s`, /health of each member in service: a server that died while nothing was
+        sent to it (admission waiting, an idle fleet) is ejected like one that fails requests."""
+        while not stopping.is_set():
+            try:
+                await asyncio.wait_for(stopping.wait(), interval_s)
+            except TimeoutError:
+                pass
+            else:
                 return
+            watched = [m for m in self._members if not m.ejected]
+            answers = await asyncio.gather(
+                *(m.client.health(timeout_s=interval_s) for m in watched), return_exceptions=True
+            )
+            for member, healthy in zip(watched, answers, strict=True):
+                if healthy is True:
+                    continue
+                if member.ejected or member not in self._members:  # changed while we waited
+                    continue
+                self._record_failure(member)
 
     async def _fan_out(self, call: Callable[[EngineClient], Awaitable[T]]) -> list[MemberOutcome[T]]:
         """Run `call` on every member (ejected ones too: they must not miss a weight update)."""
@@ -310,6 +396,7 @@ class EnginePool:
         return list(await asyncio.gather(*(timed(m.client) for m in self._members)))
 
     async def pause_all(self, mode: PauseMode = "in_place") -> list[MemberOutcome[dict[str, Any]]]:
+        self._syncs += 1
         return await self._fan_out(lambda c: c.pause_generation(mode))
 
     async def update_all(
@@ -323,7 +410,7 @@ class EnginePool:
     ) -> list[MemberOutcome[dict[str, Any]]]:
         """`model_paths` overrides `model_path` per member URL (engines with their own copy)."""
         paths = model_paths or {}
-        return await self._fan_out(
+        outcomes = await self._fan_out(
             lambda c: c.update_weights_from_disk(
                 paths.get(c.base_url, model_path),
                 weight_version=weight_version,
@@ -331,6 +418,9 @@ class EnginePool:
                 flush_cache=flush_cache,
             )
         )
+        if any(o.ok for o in outcomes):
+            self.weight_version = weight_version
+        return outcomes
 
     async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]:
         return await self._fan_out(lambda c: c.continue_generation())
@@ -366,3 +456,9 @@ class EnginePool:
         await asyncio.gather(*(m.client.close() for m in self._members))
         if self.router is not None:
             await self.router.close()
+
+
+def _zero_liveness_series(url: str) -> None:
+    # A counter exists from the start, so increase() sees its first ejection.
+    metrics.ENGINE_EJECTIONS.labels(engine=url).inc(0)
+    metrics.ENGINE_REJOINS.labels(engine=url).inc(0)

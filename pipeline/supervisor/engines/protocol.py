@@ -70,8 +70,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            # SGLang refuses NaN and infinities (as JSON they are not even valid: a 400).
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
@@ -102,7 +105,13 @@ class SamplingParams:
 @dataclass
 class GenerateResult:
     """One completed `/generate` call. `output_ids`, `logprobs` and `token_versions` have equal length;
-    `logprobs[i]` is the engine's log-prob of `output_ids[i]` (finite, <= 0 for a real engine)."""
+    `logprobs[i]` is the engine's log-prob of `output_ids[i]` (finite, <= 0 for a real engine).
+
+    `versions_exact`: the engine said which version produced each token (SGLang's `weight_versions`
+    spans, or the embedded engine's `output_token_weight_versions`); False when it reported one
+    `weight_version` for the whole reply, which is every token's only when no weight update happened
+    while it ran. `prompt_tokens` is None for a request aborted in SGLang's waiting queue (its reply
+    has neither prompt_tokens nor cached_tokens)."""
 
     rid: str
     output_ids: list[int]
@@ -110,10 +119,11 @@ class GenerateResult:
     finish_reason: FinishType
     weight_version: str
     token_versions: list[str]
-    prompt_tokens: int
+    prompt_tokens: int | None
     completion_tokens: int
     cached_tokens: int
     abort_message: str | None = None
+    versions_exact: bool = False
 
 
 def version_to_int(version: str) -> int:
@@ -188,21 +198,57 @@ def _parse_finish(meta: dict[str, Any], rid: str) -> tuple[FinishType, str | Non
     return cast(FinishType, kind), (str(message) if message is not None else None)
 
 
-def _parse_versions(meta: dict[str, Any], n: int, rid: str) -> tuple[str, list[str]]:
+def _parse_versions(meta: dict[str, Any], n: int, rid: str) -> tuple[str, list[str], bool]:
+    """(weight_version, one version per output token, whether the engine said per token)."""
     weight_version = meta.get("weight_version", "default")
     if not isinstance(weight_version, str):
         raise EngineProtocolError(f"meta_info.weight_version {weight_version!r} is not a string", rid=rid)
     per_token = meta.get("output_token_weight_versions")
-    if per_token is None:
-        return weight_version, [weight_version] * n
-    if not isinstance(per_token, list) or not all(isinstance(v, str) for v in per_token):
-        raise EngineProtocolError("meta_info.output_token_weight_versions is not a list of strings", rid=rid)
-    if len(per_token) != n:
+    if per_token is not None:
+        if not isinstance(per_token, list) or not all(isinstance(v, str) for v in per_token):
+            raise EngineProtocolError(
+                "meta_info.output_token_weight_versions is not a list of strings", rid=rid
+            )
+        if len(per_token) != n:
+            raise EngineProtocolError(
+                f"meta_info.output_token_weight_versions has {len(per_token)} entries for {n} output tokens",
+                rid=rid,
+            )
+        return weight_version, list(per_token), True
+    spans = meta.get("weight_versions")
+    if spans is not None:
+        return weight_version, _versions_of_spans(spans, n, rid), True
+    return weight_version, [weight_version] * n, False
+
+
+def _versions_of_spans(spans: object, n: int, rid: str) -> list[str]:
+    """SGLang's `meta_info.weight_versions` (utils/weight_versions.py): `[{"version", "start", "end"}]`,
+    output-token index ranges [start, end) per version, in order, covering the completion."""
+    if not isinstance(spans, list):
         raise EngineProtocolError(
-            f"meta_info.output_token_weight_versions has {len(per_token)} entries for {n} output tokens",
-            rid=rid,
+            f"meta_info.weight_versions is {type(spans).__name__}, expected a list", rid=rid
         )
-    return weight_version, list(per_token)
+    versions: list[str] = []
+    for i, span in enumerate(spans):
+        if (
+            not isinstance(span, dict)
+            or not isinstance(span.get("version"), str)
+            or not _is_int(span.get("start"))
+            or not _is_int(span.get("end"))
+            or span["start"] != len(versions)
+            or span["end"] <= span["start"]
+        ):
+            raise EngineProtocolError(
+                f"meta_info.weight_versions[{i}] is {span!r}, expected "
+                f"{{version, start={len(versions)}, end}}",
+                rid=rid,
+            )
+        versions += [span["version"]] * (span["end"] - span["start"])
+    if len(versions) != n:
+        raise EngineProtocolError(
+            f"meta_info.weight_versions covers {len(versions)} tokens of {n} output tokens", rid=rid
+        )
+    return versions
 
 
 def _int_field(meta: dict[str, Any], key: str, rid: str, default: int | None = None) -> int:
@@ -246,6 +292,7 @@ def _parse_complete_fast(obj: object, expected_rid: str | None) -> GenerateResul
     if (
         type(weight_version) is not str
         or "output_token_weight_versions" in meta
+        or "weight_versions" in meta
         or type(completion_tokens) is not int
         or completion_tokens != n
         or type(prompt_tokens) is not int
@@ -318,7 +365,10 @@ def parse_generate_response(obj: object, *, expected_rid: str | None) -> Generat
         raise EngineProtocolError(
             f"meta_info.completion_tokens={completion_tokens} but {len(output_ids)} output_ids", rid=got_rid
         )
-    weight_version, token_versions = _parse_versions(meta, len(output_ids), got_rid)
+    weight_version, token_versions, exact = _parse_versions(meta, len(output_ids), got_rid)
+    # A request aborted in SGLang's waiting queue gets a shorter meta_info (tokenizer_manager's
+    # _handle_abort_req): no prompt_tokens, no cached_tokens.
+    queued_abort = finish_reason == "abort" and "prompt_tokens" not in meta
     return GenerateResult(
         rid=got_rid,
         output_ids=list(output_ids),
@@ -326,10 +376,11 @@ def parse_generate_response(obj: object, *, expected_rid: str | None) -> Generat
         finish_reason=finish_reason,
         weight_version=weight_version,
         token_versions=token_versions,
-        prompt_tokens=_int_field(meta, "prompt_tokens", got_rid),
+        prompt_tokens=None if queued_abort else _int_field(meta, "prompt_tokens", got_rid),
         completion_tokens=completion_tokens,
         cached_tokens=_int_field(meta, "cached_tokens", got_rid, default=0),
         abort_message=abort_message,
+        versions_exact=exact,
     )
 
 

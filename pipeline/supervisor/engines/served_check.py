@@ -5,16 +5,34 @@ rollout engine, which sampled the initial policy for the whole run while the los
 So with each published version the learner sends a probe (learner.served_probe): token ids and its own
 log-probs of them under the new weights. After the sync, every engine is asked for the same sequence's
 prompt log-probs (`/generate` with `max_new_tokens = 0`, `return_logprob`, `logprob_start_len = 0` ->
-`meta_info.input_token_logprobs`; with LoRA served as adapters, naming the new adapter), and the mean
-absolute difference over the probe is compared with a tolerance:
+`meta_info.input_token_logprobs`; with LoRA served as adapters, naming the new adapter).
+
+Engines do not compute what the fp32 learner computes: a bf16 kernel lands ~0.001-0.03 nats per token
+from it, SGLang's CPU backend in fp16 0.149 (observed), and no fixed tolerance tells "another policy"
+from "other numerics". So the learner also sends the probe's log-probs under the previous version, and
+with d_new = mean |engine - new| and d_prev = mean |engine - previous| the engine serves the new
+version when
+
+    d_new <= tolerance                           within the dtype's tolerance of the new version, or
+    gap <= floor / 2                             the two versions differ (gap = mean |new - previous|)
+                                                 by less than half the engine's numerical floor: they
+                                                 cannot be told apart on this engine, and one is as good
+                                                 as the other; or
+    d_new < d_prev                               closer to the new version than to the old one.
+
+The floor is calibrated once per engine (`calibrate`, before its first sync): its distance to the
+version it serves then, which it was launched with. An engine that kept the old weights is at its floor
+from the previous version and further from the new one, so it fails as soon as an update moves the
+probe by more than half its floor; stuck for longer, it is further from each new version still. Without
+the previous log-probs (a learner of an older rollwise) only the tolerance is applied:
 
     float32 engine   1e-3 nats   the learner and the engine run the same fp32 maths in other orders and
                                  batch shapes (measured gap ~1e-6); one optimizer step moves it far more
     bfloat16 engine  5e-2 nats   bf16 keeps 8 bits of mantissa: log-probs land ~0.01-0.03 from fp32 on
-                                 average (docs/operations.md); the same as SGLang's default dtype (auto)
+                                 average (docs/operations.md); SGLang engines run bf16 unless configured
 
-Verdicts per engine: `ok`, `mismatch` (over the tolerance, or the engine refused the request: it does not
-serve the version) or `error` (unreachable: a restart will reload it). Each mismatch is an error event
+Verdicts per engine: `ok`, `mismatch` (the rule above fails, or the engine refused the request: it does
+not serve the version) or `error` (unreachable: a restart will reload it). Each mismatch is an error event
 and a metric; `max_failures` consecutive mismatches of one engine stop the daemon with a message naming
 it. An engine whose check passes starts counting from zero again.
 """
@@ -45,7 +63,7 @@ def tolerance_for(cfg: Config) -> float:
     if configured is not None:
         return configured
     dtype: str | None = cfg.engine.dtype
-    if dtype is None:  # the engines' own choice: an embedded engine's follows this machine's CPU
+    if dtype is None:  # an embedded engine's follows this machine's CPU; SGLang is launched in bf16
         dtype = auto_cpu_dtype()[0] if cfg.engine.kind == "embedded" else "bfloat16"
     return TOLERANCE_FP32 if dtype == "float32" else TOLERANCE_BF16
 
@@ -58,10 +76,12 @@ def mean_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Probe:
-    """Token ids and the learner's log P(ids[i + 1] | ids[: i + 1]) of the published weights."""
+    """Token ids and the learner's log P(ids[i + 1] | ids[: i + 1]) of the published weights, and of the
+    previously published ones (`previous`; None from an older learner)."""
 
     input_ids: list[int]
     logprobs: list[float]
+    previous: list[float] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) < 2 or len(self.logprobs) != len(self.input_ids) - 1:
@@ -69,6 +89,34 @@ class Probe:
                 f"a probe needs >= 2 ids and one log-prob per id after the first, got "
                 f"{len(self.input_ids)} ids and {len(self.logprobs)} log-probs"
             )
+        if self.previous is not None and len(self.previous) != len(self.logprobs):
+            raise ValueError(
+                f"the previous version's probe log-probs have {len(self.previous)} entries, the new "
+                f"version's {len(self.logprobs)}"
+            )
+
+
+def judge(
+    engine: Sequence[float], probe: Probe, tolerance: float, floor: float | None = None
+) -> tuple[Status, float, str]:
+    """Does an engine whose probe log-probs are `engine`, numerical floor `floor` (None: not calibrated),
+    serve the probe's new version? (status, d_new, why), by the rule of the module docstring."""
+    d_new = mean_abs_diff(engine, probe.logprobs)
+    if d_new <= tolerance:
+        return "ok", d_new, f"mean |engine - new| {d_new:.4g} <= tolerance {tolerance:g}"
+    if probe.previous is None:
+        return "mismatch", d_new, f"mean |engine - learner| log-prob {d_new:.4g} > {tolerance:g}"
+    d_prev = mean_abs_diff(engine, probe.previous)
+    gap = mean_abs_diff(probe.logprobs, probe.previous)
+    distances = (
+        f"mean |engine - new| {d_new:.4g}, |engine - previous| {d_prev:.4g}, |new - previous| {gap:.4g}"
+        + (f", floor {floor:.4g}" if floor is not None else "")
+    )
+    if floor is not None and gap <= floor / 2:
+        return "ok", d_new, f"the versions differ by less than half the engine's floor ({distances})"
+    if d_new < d_prev:
+        return "ok", d_new, f"closer to the new version than to the previous one ({distances})"
+    return "mismatch", d_new, f"closer to the previous version than to the new one ({distances})"
 
 
 @dataclass(frozen=True)
@@ -105,12 +153,28 @@ class ServedPolicyCheck:
         self.fail = fail
         self.names = names or {}  # engine URL -> the daemon's name for it (engine0, ...), for messages
         self.consecutive: dict[str, int] = {}
+        self.floors: dict[str, float] = {}  # engine URL -> mean |engine - learner| on the version it served
         for client in pool.members:
             self.consecutive[client.base_url] = 0
             for status in ("ok", "mismatch", "error"):
                 metrics.SERVED_CHECKS.labels(engine=client.base_url, result=status)
             metrics.SERVED_CHECK_FAILURES.labels(engine=client.base_url).set(0)
             metrics.SERVED_LOGPROB_DIFF.labels(engine=client.base_url).set(0)
+
+    async def calibrate(self, version: int, probe: Probe, *, lora_path: str | None = None) -> None:
+        """Before a sync: the numerical floor of every engine without one, from the version it serves
+        now (`version`, whose log-probs are the probe's `previous`). Engines that do not answer are
+        calibrated at a later sync."""
+        if probe.previous is None or all(c.base_url in self.floors for c in self.pool.members):
+            return
+        rid = f"served-floor-v{version}"
+        for outcome in await self.pool.prompt_logprobs_all(probe.input_ids, rid=rid, lora_path=lora_path):
+            if outcome.value is not None and outcome.url not in self.floors:
+                floor = mean_abs_diff(outcome.value, probe.previous)
+                self.floors[outcome.url] = floor
+                log.info(
+                    "engine %s: numerical floor %.4g nats per token against the learner", outcome.url, floor
+                )
 
     async def run(self, version: int, probe: Probe, *, lora_path: str | None = None) -> list[Verdict]:
         """Ask every engine for the probe's log-probs (naming `lora_path` if given), judge, record."""
@@ -124,13 +188,8 @@ class ServedPolicyCheck:
         verdicts = []
         for outcome in outcomes:
             if outcome.value is not None:
-                diff = mean_abs_diff(outcome.value, probe.logprobs)
-                status: Status = "ok" if diff <= self.tolerance else "mismatch"
-                detail = (
-                    ""
-                    if status == "ok"
-                    else f"mean |engine - learner| log-prob {diff:.4g} > {self.tolerance:g}"
-                )
+                status, diff, why = judge(outcome.value, probe, self.tolerance, self.floors.get(outcome.url))
+                detail = "" if status == "ok" else why
                 moved = base.get(outcome.url)
                 base_diff = mean_abs_diff(outcome.value, moved) if moved is not None else None
                 verdicts.append(Verdict(outcome.url, version, status, diff, detail, base_diff))

@@ -5,9 +5,25 @@ PEFT directory under its versioned name instead, and once it is loaded new reque
 (pipeline.supervisor.engines.adapters); requests in flight keep the adapter they named, which is unloaded
 after them.
 
-`mode` is SGLang's pause mode (the `mode` field of /pause_generation): `in_place` freezes running
-requests with their KV (tokens decoded after the update carry the new version), `retract` requeues them
-(KV recomputed with the new weights), `abort` returns them to their callers (the runner may resubmit).
+`mode` is SGLang's pause mode (the `mode` field of /pause_generation), and it decides whether the update
+may flush the prefix cache, because SGLang 0.5.23 flushes only a fully idle scheduler and *dies* when a
+flushing update meets queued or running requests (weight_updater.flush_cache_after_weight_update:
+"AssertionError: Cache flush failed after updating weights", which takes the whole server down):
+
+    abort     (default) every request in flight returns at once, aborted with the tokens it has (the
+              runner resubmits the turn as prompt + those tokens: a partial rollout); the pause returns
+              only when none is left, so the update flushes the cache (KV of the old weights is never
+              reused) and every token's version is exact. Costs one re-prefill per request in flight.
+    in_place  running requests freeze with their KV and decode on after the update: no re-prefill, but the
+              update must not flush (flush_cache = false), so cached prefixes keep the old weights' KV
+              until evicted, and the tokens of a request that spans the update are of two versions:
+              exact only where the engine reports per-token versions (SGLang's `weight_versions` spans,
+              the embedded engine's extension); otherwise the pool labels them with the version the
+              request started on (EnginePool, `rollwise_engine_version_ambiguous_tokens_total`).
+    retract   running requests go back to the queue with their tokens and are re-prefilled on the new
+              weights after continue; no flush either (retracted requests wait in the queue), versions as
+              for in_place.
+
 The update never aborts requests itself (`abort_all_requests=False`): the pause mode decides.
 
 Invariant: every engine receives continue_generation, whatever failed before it and even when the
@@ -30,6 +46,8 @@ from pipeline.supervisor.observability import metrics
 log = logging.getLogger(__name__)
 
 SyncMode = Literal["in_place", "retract", "abort"]
+# Whether the update may flush the prefix cache after each pause mode (module docstring).
+FLUSH_SAFE: dict[str, bool] = {"abort": True, "in_place": False, "retract": False}
 
 
 class ControlPool(Protocol):
@@ -99,7 +117,11 @@ async def sync_weights(
         load_started = time.perf_counter()
         if adapter is None:
             update_outcomes = await pool.update_all(
-                model_path, str(version), abort_all_requests=False, model_paths=model_paths
+                model_path,
+                str(version),
+                abort_all_requests=False,
+                flush_cache=FLUSH_SAFE[mode],
+                model_paths=model_paths,
             )
         else:
             update_outcomes = await pool.load_lora_all(adapter_name(version) or "", model_path)

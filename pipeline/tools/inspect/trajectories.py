@@ -206,7 +206,8 @@ class RunView:
             return []  # pruned or being replaced: read again next time
         if table.num_rows:
             batch = table.combine_chunks().to_batches()[0]
-            rows, _ = batch_to_segments(batch.select(TRAJECTORY_SCHEMA.names))
+            present = set(batch.schema.names)
+            rows, _ = batch_to_segments(batch.select([n for n in TRAJECTORY_SCHEMA.names if n in present]))
             values = batch.select(["step", "learner_version", *_TRACE_VALUES]).to_pylist()
             for row, v in zip(rows, values, strict=False):
                 step, version = int(v["step"]), int(v["learner_version"])
@@ -348,6 +349,7 @@ class RunView:
             "turn_rewards": list(first.turn_rewards),
             "segments": len(segments),
             "traced": any((s.episode_id, s.segment) in group.traced for s in segments),
+            "trace_id": first.trace_id,  # the episode's OpenTelemetry trace ([tracing]), None without one
             "blocks": blocks,
         }
 

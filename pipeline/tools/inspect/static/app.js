@@ -167,6 +167,9 @@ function renderEpisode(ep, ch, range) {
     el("h3", { text: ep.episode_id }),
     el("div", { class: "meta", text: `${outcome}, ${ep.finish_reason}, ${ep.num_turns} turns, turn rewards ` +
       ep.turn_rewards.map((r) => fmt(r, 2)).join(" ") + (ep.traced ? ", traced" : "") }));
+  if (ep.trace_id) {
+    column.append(el("div", { class: "meta trace-id", text: `trace ${ep.trace_id}` }));
+  }
   for (const block of ep.blocks) {
     const div = el("div", { class: `block ${block.role}` }, el("span", { class: "role", text: roleName(block) }));
     for (const token of block.tokens) {

@@ -1,0 +1,205 @@
+"""What SGLang 0.5.23 accepts and how it refuses, as rules the fake applies.
+
+Every rule names the SGLang source it follows (sgl-project/sglang, python/sglang/srt/...), or the
+observation of a real server (built from SGLang's sources for its CPU backend, serving the tiny preset;
+rollwise issue 29) where the two disagree: the observation wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from aiohttp import web
+
+# GenerateReqInput fields (managers/io_struct.py). SGLang ignores any other top-level field (a pydantic
+# dataclass with extra = ignore; sglang#36213 relies on it): the fake ignores them too, and records
+# them so that a test can hold rollwise's client to the fields SGLang knows.
+GENERATE_FIELDS = frozenset(
+    {
+        "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "sampling_params",
+        "rid", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+        "return_text_in_logprobs", "stream", "log_metrics", "return_hidden_states", "modalities",
+        "session_params", "lora_path", "lora_id", "custom_logit_processor", "bootstrap_host",
+        "bootstrap_port", "bootstrap_room", "data_parallel_rank", "routed_dp_rank", "background",
+        "priority", "extra_key", "no_logs", "custom_labels", "return_bytes", "return_entropy",
+        "return_routed_experts", "routed_experts_start_len", "return_sampling_mask",
+    }
+)  # fmt: skip
+# SamplingParams keywords (sampling/sampling_params.py, a msgspec Struct). SGLang builds
+# SamplingParams(**sampling_params): an unknown key is a TypeError, which generate_request does not
+# catch (it catches ValueError only), so Starlette answers 500 "Internal Server Error". Observed: the
+# request's state then leaks (its rid stays registered; the server ignores SIGTERM until killed).
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+        "logit_bias", "sampling_seed",
+    }
+)  # fmt: skip
+# The control routes' request structs (io_struct.py). They are FastAPI bodies: an unknown field is
+# ignored like /generate's; the fake records it.
+CONTROL_FIELDS: dict[str, frozenset[str]] = {
+    # UpdateWeightFromDiskReqInput
+    "/update_weights_from_disk": frozenset(
+        {
+            "model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache", "is_async",
+            "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "manifest",
+        }
+    ),
+    "/load_lora_adapter": frozenset({"lora_name", "lora_path", "pinned", "lora_id"}),
+    "/unload_lora_adapter": frozenset({"lora_name", "lora_id"}),
+    "/pause_generation": frozenset({"mode"}),  # PauseGenerationReqInput
+    "/continue_generation": frozenset({"torch_empty_cache"}),  # ContinueGenerationReqInput
+    "/abort_request": frozenset({"rid", "abort_all", "finished_reason", "abort_message"}),  # AbortReq
+}  # fmt: skip
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+# entrypoints/http_server.py, /flush_cache: "Cache flushed..." 200, or 400 with `ret.message or
+# "Flush cache failed.\n"` (text/plain) when the scheduler is not fully idle.
+FLUSH_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+    "requests, the operation will not be performed.)\n"
+)
+FLUSH_FAILED = "Flush cache failed.\n"
+# managers/scheduler_components/weight_updater.py, flush_cache_after_weight_update: the assertion a
+# flushing weight update hits when requests are queued or running (a paused scheduler: in_place keeps
+# its running batch, retract moves it to the waiting queue). Nothing catches it: run_scheduler_process
+# logs "Scheduler hit an exception" and SIGQUITs the server, which kills its whole process tree.
+FLUSH_CRASH = (
+    "Scheduler hit an exception: flush_cache_after_weight_update: AssertionError: Cache flush failed "
+    "after updating weights"
+)
+
+
+def dumps(obj: object) -> str:
+    """SGLang answers with ORJSONResponse: compact separators, UTF-8 kept as is. (For fault injection the
+    fake can still write the NaN literal Python's json writes; orjson never would.)"""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    # ORJSONResponse sends "application/json" with no charset parameter.
+    return web.Response(status=status, body=dumps(obj).encode(), headers={"Content-Type": "application/json"})
+
+
+def request_error(message: str, status: int = 400) -> web.Response:
+    """A refused request: the OpenAI-style ErrorResponse of http_server.py's validation handler
+    (`{"object": "error", "message", "type": <the status phrase>, "param": null, "code"}`). The real
+    server observed answered every validation error of /generate this way."""
+    phrase = {400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}.get(status, str(status))
+    body = {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
+    return json_response(body, status)
+
+
+def internal_server_error() -> web.Response:
+    """Starlette's answer to an exception the route does not catch (a TypeError in /generate)."""
+    return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _checked_int(text: str) -> int:
+    value = int(text)
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"integer {text} does not fit 64 bits")
+    return value
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """http_server.py's ORJSONRequest: stricter than Python's json on bare NaN/Infinity and on integers
+    beyond 64 bits ("those now 400 instead of parsing"). ValueError naming the problem."""
+    return json.loads(raw, parse_constant=_no_constant, parse_int=_checked_int)
+
+
+def sampling_problem(sp: dict[str, Any]) -> str | None:
+    """SamplingParams.verify (sampling/sampling_params.py): the message of the ValueError, or None."""
+    temperature = sp.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0.0:
+        return f"temperature must be a non-negative finite number, got {temperature}."
+    top_p = sp.get("top_p", 1.0)
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {top_p}."
+    min_p = sp.get("min_p", 0.0)
+    if not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {min_p}."
+    top_k = sp.get("top_k", -1)
+    if not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+        return f"top_k must be -1 (disable) or at least 1, got {top_k}."
+    max_new = sp.get("max_new_tokens", 128)
+    if not isinstance(max_new, int) or max_new < 0:
+        return f"max_new_tokens must be at least 0, got {max_new}."
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        return f"stop_token_ids must be a list of ints, got {stop_ids!r}."
+    stop = sp.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        return f"stop must be a string or a list of strings, got {stop!r}."
+    return None
+
+
+def context_problem(prompt_tokens: int, max_new_tokens: int, context_length: int) -> str | None:
+    """TokenizerManager._validate_one_request (managers/tokenizer_manager.py): a prompt as long as the
+    context, or one that leaves no room for max_new_tokens, is refused (400); SGLang truncates only with
+    --allow-auto-truncate."""
+    if prompt_tokens >= context_length:
+        return (
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+            f"({context_length} tokens)."
+        )
+    total = prompt_tokens + max_new_tokens
+    if total > context_length:
+        return (
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {total} tokens: {prompt_tokens} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+            "messages or the completion to fit within the limit."
+        )
+    return None
+
+
+def out_of_vocab(ids: list[int], vocab_size: int) -> int | None:
+    """The first id outside [0, vocab_size), or None. TokenizerManager has `_validate_input_ids_in_vocab`
+    but 0.5.23 never calls it: observed, such an id reaches the embedding lookup and kills the server."""
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            return token
+    return None
+
+
+def abort_finish(*, waiting: bool) -> dict[str, Any]:
+    """finish_reason of an aborted request (managers/tokenizer_manager.py, _handle_abort_req and
+    _handle_batch_output): one aborted while still in the waiting queue reports "Abort in waiting
+    queue" and no status_code/err_type keys (its meta_info has no prompt_tokens or cached_tokens); one
+    aborted while running is FINISH_ABORT() ("Aborted", status_code and err_type null) and its output
+    holds the token of the one more decode step it still ran."""
+    if waiting:
+        return {"type": "abort", "message": "Abort in waiting queue"}
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def unknown_fields(path: str, body: object) -> list[str]:
+    """Fields of a JSON object body that SGLang 0.5.23 does not define for `path` (top level)."""
+    allowed = GENERATE_FIELDS if path == "/generate" else CONTROL_FIELDS.get(path)
+    if allowed is None or not isinstance(body, dict):
+        return []
+    return sorted(k for k in body if k not in allowed)
+
+
+def unknown_sampling_keys(body: object) -> list[str]:
+    """Keys of /generate's sampling_params that SamplingParams does not take (a 500, see above)."""
+    if not isinstance(body, dict):
+        return []
+    params = body.get("sampling_params")
+    unknown: list[str] = []
+    for item in params if isinstance(params, list) else [params]:
+        if isinstance(item, dict):
+            unknown += sorted(k for k in item if k not in SAMPLING_FIELDS)
+    return unknown

@@ -129,3 +129,27 @@ def test_a_config_or_an_override_keeps_the_bare_recipe_out(tmp_path: Path) -> No
 def test_the_bare_run_command_without_the_recipe_on_disk_names_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"is not installed: pass --config FILE, or --set"):
         bare_run_config(_bare(), recipe=tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("name", "attempts", "digits"),
+    [("smollm2_arithmetic.toml", 1, 1), ("smollm2_arithmetic_retry.toml", 3, 2)],
+)
+def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
+    name: str, attempts: int, digits: int
+) -> None:
+    pytest.importorskip(
+        "reasoning_gym", reason="reasoning-gym is not installed (pip install 'rollwise[reasoning-gym]')"
+    )
+    setup = resolve_config(_ns(ROOT / "examples" / name, []))
+    cfg = setup.cfg
+    assert (cfg.model.preset, cfg.env.name) == ("smollm2-135m-instruct", "reasoning-gym/basic_arithmetic")
+    assert setup.env.spec.max_turns == attempts
+    assert cfg.env.options["answer_format"] == "number"
+    assert cfg.env.options["config"]["max_digits"] == digits
+    assert cfg.learner.lora.enabled and cfg.eval.every_versions == 4 and cfg.eval.tasks == 64
+    text = (ROOT / "examples" / name).read_text()
+    for key in ('preset = "smollm2-135m-instruct"', "lr = 1e-4", "tolerance = 0.15", "threads = 1"):
+        # every value that differs from a default carries its reason on the comment line above it
+        before = text.split(key)[0].rstrip().splitlines()[-1]
+        assert before.startswith("#"), (name, key)

@@ -132,11 +132,11 @@ def test_the_bare_run_command_without_the_recipe_on_disk_names_what_to_pass(tmp_
 
 
 @pytest.mark.parametrize(
-    ("name", "attempts", "digits"),
-    [("smollm2_arithmetic.toml", 1, 1), ("smollm2_arithmetic_retry.toml", 3, 2)],
+    ("name", "attempts", "digits", "every"),
+    [("smollm2_arithmetic.toml", 1, 1, 2), ("smollm2_arithmetic_retry.toml", 3, 2, 4)],
 )
 def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
-    name: str, attempts: int, digits: int
+    name: str, attempts: int, digits: int, every: int
 ) -> None:
     pytest.importorskip(
         "reasoning_gym", reason="reasoning-gym is not installed (pip install 'rollwise[reasoning-gym]')"
@@ -147,7 +147,7 @@ def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
     assert setup.env.spec.max_turns == attempts
     assert cfg.env.options["answer_format"] == "number"
     assert cfg.env.options["config"]["max_digits"] == digits
-    assert cfg.learner.lora.enabled and cfg.eval.every_versions == 4 and cfg.eval.tasks == 64
+    assert cfg.learner.lora.enabled and cfg.eval.every_versions == every and cfg.eval.tasks == 64
     text = (ROOT / "examples" / name).read_text()
     for key in ('preset = "smollm2-135m-instruct"', "lr = 1e-4", "tolerance = 0.15", "threads = 1"):
         # every value that differs from a default carries its reason on the comment line above it

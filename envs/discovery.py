@@ -130,6 +130,24 @@ def list_envs() -> list[EnvInfo]:
     return sorted(infos, key=lambda i: i.name)
 
 
+def import_failures() -> dict[str, str]:
+    """Name (as `list_envs` shows it) -> why its entry point cannot be loaded, for every installed
+    environment and family whose extras are present. This imports each plugin's module (`rollwise envs`
+    runs it, a run never does): a plugin that lists fine but does not import would otherwise only fail
+    when a run names it."""
+    failures: dict[str, str] = {}
+    for group in (ENTRY_POINT_GROUP, FAMILY_GROUP):
+        for infos in _candidates(group).values():
+            for info, entry_point in infos:
+                if info.note:  # its extras are missing: the install hint says more than the ImportError
+                    continue
+                try:
+                    entry_point.load()
+                except Exception as exc:
+                    failures[info.name] = f"{type(exc).__name__}: {exc}"
+    return failures
+
+
 def load_family(name: str) -> EnvFamily:
     """The EnvFamily an entry point of ``rollwise.env_families`` names (imports its module only)."""
     target = _load_entry_point(name, FAMILY_GROUP)
@@ -273,12 +291,16 @@ def main_list(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollwise envs", description="List installed environments.")
     parser.add_argument("family", nargs="?", help="list the members of this family (e.g. textarena)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.add_argument(
+        "--no-import", action="store_true", help="read metadata only (do not check that each one imports)"
+    )
     args = parser.parse_args(argv)
     if args.family is not None:
         return _main_family(args.family, args.json)
     infos = list_envs()
+    failures = {} if args.no_import else import_failures()
     if args.json:
-        print(json.dumps([asdict(info) for info in infos], indent=2))
+        print(json.dumps([{**asdict(i), "import_error": failures.get(i.name)} for i in infos], indent=2))
         return 0
     if not infos:
         print(f"no environments installed (entry-point group {ENTRY_POINT_GROUP!r})")
@@ -289,7 +311,12 @@ def main_list(argv: Sequence[str] | None = None) -> int:
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     for row, info in zip(rows, [None, *infos], strict=True):
         line = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[3]
-        print(line + (f"  ({info.note})" if info is not None and info.note else ""))
+        notes = [] if info is None else [info.note] if info.note else []
+        if info is not None and info.name in failures:
+            notes.append(f"IMPORT FAILS: {failures[info.name]}")
+        print(line + "".join(f"  ({note})" for note in notes))
+    if failures:
+        print(f"{len(failures)} of {len(infos)} cannot be imported: a run naming one stops at its start")
     return 0
 
 

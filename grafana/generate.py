@@ -326,6 +326,14 @@ def learner() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Importance-ratio spread: tokens vs sequences",
+                    "rollwise_learner_log_ratio_spread{level}: standard deviation of the last step's log "
+                    "importance ratios per token (log r_t, what GRPO clips) and per sequence (log s_i, the "
+                    "mean over a sequence's tokens, what GSPO clips).",
+                    "none",
+                    (q(f"rollwise_learner_log_ratio_spread{{{SEL}}}", "std of log ratio, {{level}}"),),
+                ),
+                PanelSpec(
                     "Mismatch correction",
                     "learner.mismatch: rollwise_learner_is_weight{stat} (truncated importance weights), "
                     "rollwise_learner_is_truncated_ratio (weights at the cap) and "
@@ -336,6 +344,59 @@ def learner() -> DashboardSpec:
                         q(f"rollwise_learner_is_weight{{{SEL}}}", "IS weight {{stat}}"),
                         q(f"rollwise_learner_is_truncated_ratio{{{SEL}}}", "truncated"),
                         q(f"rollwise_learner_rejected_tokens_ratio{{{SEL}}}", "rejected"),
+                    ),
+                ),
+            ],
+        )
+    )
+    d.rows.append(
+        (
+            "Mixture of Experts (MoE models only; no data for a dense model)",
+            [
+                PanelSpec(
+                    "Routing change after an update",
+                    "rollwise_learner_moe_routing_change_ratio{stat}: share of token positions whose set of "
+                    "top-k experts changed after the step's first update, on the same inputs (mean over the "
+                    "layers, and the most volatile layer). The GSPO paper reports ~10% on Qwen3-30B-A3B.",
+                    "percentunit",
+                    (q(f"rollwise_learner_moe_routing_change_ratio{{{SEL}}}", "{{stat}} over layers"),),
+                    width=8,
+                ),
+                PanelSpec(
+                    "Expert load imbalance",
+                    "rollwise_learner_moe_load_imbalance{stat}: the most loaded expert's assignments over "
+                    "the mean per expert in the last step's training forwards (1 = balanced), mean over the "
+                    "layers and the worst layer.",
+                    "none",
+                    (q(f"rollwise_learner_moe_load_imbalance{{{SEL}}}", "{{stat}} over layers"),),
+                    width=8,
+                ),
+                PanelSpec(
+                    "Router's share of the engine/learner mismatch",
+                    "1 - rollwise_learner_router_mismatch_abs{routing=replayed} / {routing=own}: the part "
+                    "of the mean |learner - engine| log-prob that replaying the engine's routing removes "
+                    "(needs learner.moe.record_routing or routing_replay).",
+                    "percentunit",
+                    (
+                        q(
+                            f'1 - rollwise_learner_router_mismatch_abs{{{SEL}, routing="replayed"}} / '
+                            f'ignoring(routing) rollwise_learner_router_mismatch_abs{{{SEL}, routing="own"}}',
+                            "router's share",
+                        ),
+                    ),
+                    width=8,
+                ),
+                PanelSpec(
+                    "Engine/learner mismatch by routing",
+                    "rollwise_learner_router_mismatch_abs{routing}: mean |learner - engine| log-prob of the "
+                    "last step's generated tokens at the step's start, with the learner's own routing and "
+                    "with the engine's replayed.",
+                    "none",
+                    (
+                        q(
+                            f"rollwise_learner_router_mismatch_abs{{{SEL}}}",
+                            "mean |dlogp|, {{routing}} routing",
+                        ),
                     ),
                 ),
             ],

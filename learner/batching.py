@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeline.contracts.schema import EpisodeSegment
+from pipeline.contracts.schema import EpisodeSegment, RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class TrainSequence:
     advantages: list[float]
     versions: list[int] | None = None  # policy version of each generated token (-1 elsewhere)
     source: EpisodeSegment | None = None  # the trajectory row it came from (the learner's trace names it)
+    routed_experts: RoutedExperts | None = None  # the engine's routing of its positions (MoE, learner.moe)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -57,7 +58,8 @@ class PackedBatch:
     (long, pad id in padding). loss_mask (float 0/1), old_logprobs, advantages: float32, 0 in padding.
     versions (long): the policy version of each scored generated token, -1 elsewhere.
     The trainer may add the learner's own step-start log-probs (`proximal_logprobs`) and importance
-    weights (`token_weights`, learner.mismatch); None until then.
+    weights (`token_weights`, learner.mismatch); None until then. `routed` (B, T, layers, topk) int16:
+    the engine's experts of each input position, -1 where unrecorded (learner.moe_routing.replay_tensor).
     """
 
     input_ids: torch.Tensor
@@ -69,6 +71,7 @@ class PackedBatch:
     versions: torch.Tensor
     proximal_logprobs: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
     rows: tuple[int, ...] | None = None  # index of each row's sequence in the step (learner.trace)
 
     @property

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_model
 
 from learner.checkpoint_state import (
     ADAPTER_DIR,
@@ -38,7 +37,7 @@ from learner.checkpoint_state import (
     python_state,
     write_text_atomically,
 )
-from learner.model import quiet_transformers, replace_dir_atomically, save_tokenizer
+from learner.model import hf_weights, quiet_transformers, replace_dir_atomically, save_tokenizer
 from learner.trainer import Trainer
 from pipeline.contracts.run_dir import (
     CHECKPOINT_STATE,
@@ -133,8 +132,9 @@ def restore(trainer: Trainer, ckpt: Checkpoint, *, adapter: LoraPolicy | None = 
         weights = ckpt.model_dir / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"checkpoint {ckpt.path} has no {weights.name} under model/")
-        # strict: a key mismatch raises naming the keys; tied embeddings are saved once, matched by storage.
-        load_model(trainer.model, weights, strict=True, device=str(trainer.device))
+        # strict: a key mismatch raises naming the keys; tied embeddings are saved once, both names filled;
+        # a layout transformers converts on load (an MoE's experts) is read through it (learner.model).
+        trainer.model.load_state_dict(hf_weights(ckpt.model_dir, trainer.model), strict=True)
     tensors = torch.load(ckpt.path / "trainer_state.pt", map_location="cpu", weights_only=True)
     check_optimizer_layout(ckpt, tensors["optimizer"], trainer.optimizer)
     trainer.optimizer.load_state_dict(tensors["optimizer"])

@@ -10,7 +10,9 @@ Drop reasons:
   otherwise crash every restart of the learner on the same group);
 - too_few_members: fewer than two trainable episodes (leave-one-out baselines need peers);
 - stale: its oldest generated token is older than `learner_version - max_staleness` (the learner's
-  half of the admission rule, pipeline.supervisor.actors.admission.is_stale).
+  half of the admission rule, pipeline.supervisor.actors.admission.is_stale);
+- routing_mismatch: a row's routing record (MoE, learner.moe) does not fit the model's layers, top-k
+  or expert count: the engine served another model, and replaying it would be wrong.
 The learner process adds `quarantined` (unreadable file) and `no_update` (a step that changed no weight).
 """
 
@@ -54,11 +56,17 @@ def triage_group(
     max_staleness: int,
     rejected: Sequence[RejectedRow] = (),
     vocab_size: int | None = None,
+    routing: tuple[int, int, int] | None = None,
 ) -> TrainGroup | str:
     """The group to train, or the reason it is dropped (see the module docstring). `rows` are the group's
-    valid rows; `rejected` the ones that broke an invariant (they never train, and are kept for counts)."""
+    valid rows; `rejected` the ones that broke an invariant (they never train, and are kept for counts).
+    `routing` = (layers, topk, num_experts) of an MoE model, whose routing records are checked."""
     if vocab_size is not None and any(t < 0 or t >= vocab_size for row in rows for t in row.token_ids):
         return "invalid_tokens"
+    if routing is not None:
+        for row in rows:
+            if row.routed_experts is not None and row.routed_experts.model_problem(*routing) is not None:
+                return "routing_mismatch"
     episodes: dict[str, list[EpisodeSegment]] = collections.defaultdict(list)
     for row in rows:
         if row.trainable:

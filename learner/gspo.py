@@ -141,6 +141,9 @@ def gspo_token_loss(
         - mismatch_k3: token-weighted mean of (r - 1) - log r with log r = lp - old: the k3 estimator of
           KL(behaviour || trained) on tokens sampled from the behaviour policy (verl's rollout_corr/k3_kl).
         - seq_log_ratio_abs_mean: mean over non-empty sequences of |log s_i| (compare with the clip band).
+        - token_log_ratio_mean / token_log_ratio_sq_mean: token-weighted mean of log r_t = lp - old and of
+          its square; seq_log_ratio_mean / seq_log_ratio_sq_mean: the same of log s_i over non-empty
+          sequences (the spread of the token ratios against the sequence ratio's, whatever the level).
         - num_sequences, num_tokens: non-empty sequences and unmasked tokens in this call.
     """
     if level not in LEVELS:
@@ -256,6 +259,10 @@ def _stats(
         "mismatch_abs_mean": _masked_mean(log_ratio_tokens.abs(), keep),
         "mismatch_k3": _masked_mean(k3, keep),
         "seq_log_ratio_abs_mean": _masked_mean(seq_log_ratio.abs(), non_empty),
+        "token_log_ratio_mean": _masked_mean(log_ratio_tokens, keep),
+        "token_log_ratio_sq_mean": _masked_mean(log_ratio_tokens.square(), keep),
+        "seq_log_ratio_mean": _masked_mean(seq_log_ratio, non_empty),
+        "seq_log_ratio_sq_mean": _masked_mean(seq_log_ratio.square(), non_empty),
         "num_sequences": non_empty.sum(),
         "num_tokens": keep.sum(),
     }

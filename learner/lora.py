@@ -168,12 +168,27 @@ def apply_lora(model: Any, cfg: LoraConfig, *, seed: int = 0) -> LoraPolicy:
     from `seed` without touching the global RNG, so a run's initial adapter depends on its seed only."""
     from peft import get_peft_model
 
+    from learner.moe_routing import find_routers, moe_shape
+
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     unknown = sorted(set(cfg.target_modules) - names)
+    moe = moe_shape(getattr(model, "config", None)) is not None
     if unknown:
+        hint = (
+            "; an MoE model keeps its experts as 3D parameters (experts.gate_up_proj, experts.down_proj), "
+            "which peft's LoRA layers do not adapt here: target the attention projections"
+            if moe
+            else ""
+        )
         raise ValueError(
             f"learner.lora.target_modules: {unknown} match no module of {type(model).__name__} "
-            f"(its linear layers include {sorted(n for n in names if n.endswith('_proj'))})"
+            f"(its linear layers include {sorted(n for n in names if n.endswith('_proj'))}){hint}"
+        )
+    routers = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m in find_routers(model)}
+    if moe and (hit := sorted(routers & set(cfg.target_modules))):
+        raise ValueError(
+            f"learner.lora.target_modules: {hit} are the MoE routers of {type(model).__name__}, not linear "
+            "layers; LoRA cannot adapt them"
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

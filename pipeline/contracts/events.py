@@ -131,6 +131,17 @@ class StorageFault:
 
 
 @dataclass(frozen=True)
+class Unreachable:
+    """The learner cannot reach `what` (the spool service over the network) and keeps retrying
+    (`blocked`), or reaches it again (`blocked` false): once each, however long it lasts."""
+
+    name: ClassVar[str] = "unreachable"
+    what: str
+    blocked: bool
+    message: str
+
+
+@dataclass(frozen=True)
 class Finished:
     """The learner stops on its own (it reached run.max_steps) and checkpoints; the daemon stops too."""
 
@@ -149,11 +160,22 @@ class Error:
 
 
 LearnerEvent = Union[  # noqa: UP007
-    Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, StorageFault, Finished, Error
+    Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, StorageFault, Unreachable, Finished, Error
 ]
 EVENT_TYPES: dict[str, type[LearnerEvent]] = {
     cls.name: cls
-    for cls in (Ready, Dropped, Step, Published, CheckpointSaved, Quarantined, StorageFault, Finished, Error)
+    for cls in (
+        Ready,
+        Dropped,
+        Step,
+        Published,
+        CheckpointSaved,
+        Quarantined,
+        StorageFault,
+        Unreachable,
+        Finished,
+        Error,
+    )
 }
 
 

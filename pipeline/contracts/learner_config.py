@@ -8,6 +8,7 @@
     [learner.regularizers]   KL, entropy bonus, action prior, over-long penalty
     [learner.mismatch]       training/inference mismatch correction
     [learner.lora]           LoRA adapters instead of full weights
+    [learner.moe]            Mixture-of-Experts: routing records, routing replay, routing metrics
     [learner.distributed]    ranks and nodes (torchrun, FSDP2)
     [learner.remote]         a learner that does not share the run directory
 
@@ -255,6 +256,55 @@ class LoraConfig(Section):
     )
 
 
+class MoeConfig(Section):
+    """Mixture-of-Experts models (docs/operations.md, "Mixture-of-Experts"). Every key needs an MoE model
+    (a config with num_experts and num_experts_per_tok); a dense one is refused before the run starts."""
+
+    routing_replay: bool = Field(
+        False,
+        description=(
+            "Force the learner's top-k expert choice of every token to the experts the engine routed it to "
+            "when it sampled (routing replay), in every forward of the step; the router still learns through "
+            "the replayed experts' gate weights. GRPO's remedy for routing volatility on MoE models; GSPO "
+            "does not need it. Implies record_routing."
+        ),
+    )
+    record_routing: bool = Field(
+        False,
+        description=(
+            "Ask the engines for each token's routed experts (SGLang's return_routed_experts; engines "
+            "started with --enable-return-routed-experts) and keep them in the trajectory rows, without "
+            "replaying them: the learner then measures the router's share of the engine/learner log-prob "
+            "mismatch (one more no-grad forward per mini-batch)."
+        ),
+    )
+    load_balance_coef: float = Field(
+        0.0,
+        ge=0,
+        description=(
+            "Weight of the load-balancing loss (the Switch Transformer's, transformers' "
+            "load_balancing_loss_func; 0 = off): num_experts x sum_e (share of the top-k assignments to "
+            "expert e) x (mean router probability of e), per layer, mean over layers: 1 when the load is "
+            "even. A mean over each micro-batch (and rank), as transformers' and Megatron's. Without it a "
+            "router trained by RL alone can send every token to the same experts (the moe-tiny toy does "
+            "within a few steps: docs/training_curve.md)."
+        ),
+    )
+    routing_metrics: bool = Field(
+        True,
+        description=(
+            "Per step on an MoE model: expert load balance (from the training forward) and the expert-"
+            "activation change after the step's first update on the same inputs (one more no-grad forward "
+            "of its mini-batch)."
+        ),
+    )
+
+    @property
+    def records_routing(self) -> bool:
+        """The engines must return routed experts (replay or the router-mismatch measurement)."""
+        return self.routing_replay or self.record_routing
+
+
 class DistributedConfig(Section):
     nproc: int = Field(
         1,
@@ -355,6 +405,14 @@ class RemoteConfig(Section):
         ),
     )
 
+    tls_cert_file: str | None = Field(
+        None, description="The learner machine's certificate for its weight server (None: tls.cert_file)."
+    )
+    tls_key_file: str | None = Field(None, description="Its private key (None: tls.key_file).")
+    tls_ca_file: str | None = Field(
+        None, description="The CA bundle the learner trusts, for Flight (None: tls.ca_file)."
+    )
+
     @model_validator(mode="after")
     def _own_run_dir_rules(self) -> RemoteConfig:
         if self.run_dir is not None and self.spool_url is None:
@@ -362,8 +420,13 @@ class RemoteConfig(Section):
                 "learner.remote.run_dir (the learner's own directory) needs learner.remote.spool_url = "
                 "'grpc://supervisor:port': the spool is on the supervisor's disk, not the learner's"
             )
-        if self.spool_url is not None and not self.spool_url.startswith(("grpc://", "grpc+tcp://")):
-            raise ValueError(f"learner.remote.spool_url must be grpc://host:port, got {self.spool_url!r}")
+        if self.spool_url is not None and not self.spool_url.startswith(
+            ("grpc://", "grpc+tcp://", "grpc+tls://")
+        ):
+            raise ValueError(
+                "learner.remote.spool_url must be grpc://host:port or grpc+tls://host:port, got "
+                f"{self.spool_url!r}"
+            )
         if self.weights_url is not None and not self.weights_url.startswith(("http://", "https://")):
             raise ValueError(
                 f"learner.remote.weights_url must be http(s)://host:port, got {self.weights_url!r}"
@@ -392,6 +455,7 @@ class LearnerConfig(Section):
     regularizers: RegularizersConfig = Field(default_factory=RegularizersConfig)
     mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Learner device.")

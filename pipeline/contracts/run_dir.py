@@ -110,6 +110,43 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
+def rotated_parts(path: Path) -> list[Path]:
+    """`path` and its rotated copies (`path.1` newest ... `path.N` oldest: the supervisor's log rotation),
+    oldest first; only those that exist."""
+    older = []
+    n = 1
+    while (part := path.with_name(f"{path.name}.{n}")).exists():
+        older.append(part)
+        n += 1
+    return [*reversed(older), *([path] if path.exists() else [])]
+
+
+def log_lines(path: Path) -> list[str]:
+    """Every line of a log and its rotated copies, oldest first (a copy removed meanwhile is skipped)."""
+    lines: list[str] = []
+    for part in rotated_parts(path):
+        try:
+            lines += part.read_text(encoding="utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+    return lines
+
+
+# The context length of rollwise's presets (learner.model_init builds them with it): known before the
+# preset exists, so the config check can use it.
+PRESET_CONTEXT_TOKENS = 1024
+
+
+def model_context_length(model_dir: Path) -> int | None:
+    """`max_position_embeddings` of an HF model directory's config.json; None when it does not say."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def is_published_dir(path: Path) -> bool:
     """A complete published version: an HF model directory, or a PEFT adapter directory (LoRA served as
     adapters: adapter_config.json; both are renamed into place whole)."""

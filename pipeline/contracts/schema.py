@@ -7,11 +7,17 @@ Optional columns (OPTIONAL_COLUMNS) came after schema version 1 and keep it: a w
 a reader accepts a file without them (the field is then None), and a reader that predates them ignores
 them (it reads only the columns it knows). `trace_id`: the episode's OpenTelemetry trace ([tracing]), 32
 hex digits, null when tracing is off or the trace was not sampled.
+
+`routed_experts` (ROUTED_EXPERTS_FIELD) is optional the other way round: a writer adds it only to a batch
+in which some row has a routing record (an MoE run with learner.moe asking for them), so batches of every
+other run are byte for byte what they were; a reader accepts its absence (None) and checks its type.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
@@ -52,6 +58,103 @@ OPTIONAL_COLUMNS = frozenset({"trace_id"})
 
 _INT16_MAX = 2**15 - 1
 
+# Optional column: present in a batch only when some row carries a routing record (an MoE run that asked
+# its engines for them: learner.moe). Batches without it, and files written before it existed, read as
+# routed_experts = None. Readers that predate it ignore the column.
+ROUTED_EXPERTS_TYPE = pa.struct(
+    [
+        pa.field("layers", pa.int16(), nullable=False),
+        pa.field("topk", pa.int16(), nullable=False),
+        pa.field("width", pa.int8(), nullable=False),
+        pa.field("ids", pa.binary(), nullable=False),
+    ]
+)
+ROUTED_EXPERTS_FIELD = pa.field("routed_experts", ROUTED_EXPERTS_TYPE, nullable=True)
+TRAJECTORY_SCHEMA_WITH_ROUTING = TRAJECTORY_SCHEMA.append(ROUTED_EXPERTS_FIELD)
+_ID_TYPECODES = {1: "B", 2: "H"}
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """The experts the engine routed each token position to: for positions 0 .. `positions` - 1 of the
+    row's token_ids, per MoE layer, the `topk` expert ids it chose (SGLang's `routed_experts`, shape
+    (tokens, layers, topk)). The engine never forwards the last sampled token, so a complete record
+    covers len(token_ids) - 1 positions.
+
+    `ids` holds them C-ordered (position, layer, k) as unsigned integers of `width` bytes, little endian:
+    1 byte for models with at most 256 experts per layer, else 2."""
+
+    layers: int
+    topk: int
+    width: int
+    ids: bytes
+
+    @property
+    def per_position(self) -> int:
+        return self.layers * self.topk
+
+    @property
+    def positions(self) -> int:
+        return len(self.ids) // (self.per_position * self.width) if self.per_position > 0 else 0
+
+    @staticmethod
+    def width_for(num_experts: int) -> int:
+        """Bytes per expert id for a model with `num_experts` experts per layer."""
+        if not 1 <= num_experts <= 2**16:
+            raise ValueError(f"num_experts must be in [1, 65536], got {num_experts}")
+        return 1 if num_experts <= 256 else 2
+
+    @classmethod
+    def encode(cls, values: Sequence[int], *, layers: int, topk: int, width: int) -> bytes:
+        """`values` (expert ids, C-ordered (position, layer, k)) as the `ids` bytes of width `width`.
+        ValueError when one does not fit."""
+        if width not in _ID_TYPECODES:
+            raise ValueError(f"width must be 1 or 2 bytes, got {width}")
+        if len(values) % (layers * topk):
+            raise ValueError(f"{len(values)} expert ids are not a whole number of ({layers} x {topk}) rows")
+        try:
+            packed = array(_ID_TYPECODES[width], values)
+        except OverflowError as exc:
+            raise ValueError(f"an expert id does not fit {width} byte(s) (or is negative): {exc}") from None
+        if width > 1 and sys.byteorder != "little":
+            packed.byteswap()
+        return packed.tobytes()
+
+    def values(self) -> list[int]:
+        """Every expert id, C-ordered (position, layer, k)."""
+        unpacked = array(_ID_TYPECODES[self.width])
+        unpacked.frombytes(self.ids)
+        if self.width > 1 and sys.byteorder != "little":
+            unpacked.byteswap()
+        return unpacked.tolist()
+
+    def model_problem(self, layers: int, topk: int, num_experts: int) -> str | None:
+        """Why this record cannot be replayed on a model routing `layers` layers to the top `topk` of
+        `num_experts` experts, or None."""
+        if (self.layers, self.topk) != (layers, topk):
+            return (
+                f"routed_experts records {self.layers} layers x top-{self.topk}; the model routes {layers} "
+                f"layers x top-{topk} (the engine serves another model?)"
+            )
+        if self.ids and max(self.values()) >= num_experts:
+            return f"routed_experts names an expert id >= the model's {num_experts} experts"
+        return None
+
+    def problem(self, num_tokens: int) -> str | None:
+        """Why this record cannot belong to a row of `num_tokens` tokens, or None."""
+        if self.layers < 1 or self.topk < 1:
+            return f"routed_experts has layers={self.layers}, topk={self.topk}; both must be >= 1"
+        if self.width not in _ID_TYPECODES:
+            return f"routed_experts.width={self.width}, expected 1 or 2 bytes"
+        if len(self.ids) % (self.per_position * self.width):
+            return (
+                f"routed_experts holds {len(self.ids)} bytes, not a whole number of positions of "
+                f"{self.layers} layers x {self.topk} experts x {self.width} byte(s)"
+            )
+        if self.positions > num_tokens:
+            return f"routed_experts covers {self.positions} positions of a row of {num_tokens} tokens"
+        return None
+
 
 @dataclass
 class EpisodeSegment:
@@ -73,6 +176,7 @@ class EpisodeSegment:
     finish_reason: str
     segment: int = 0
     trace_id: str | None = None
+    routed_experts: RoutedExperts | None = None
 
     @property
     def trainable(self) -> bool:
@@ -126,6 +230,8 @@ def validate_segment(ep: EpisodeSegment) -> str | None:
             return f"turn_rewards[{k}]={r} is not finite"
     if ep.outcome is not None and not math.isfinite(ep.outcome):
         return f"outcome={ep.outcome} is not finite"
+    if ep.routed_experts is not None and (problem := ep.routed_experts.problem(n)) is not None:
+        return problem
     if _tokens_valid(ep):
         return None
     return _first_token_violation(ep)
@@ -194,7 +300,16 @@ def segments_to_batch(episodes: Sequence[EpisodeSegment]) -> pa.RecordBatch:
             raise InvalidSegmentError(f"episode {ep.episode_id!r} (segment {ep.segment}): {reason}")
     columns = {f.name: [getattr(ep, f.name) for ep in episodes] for f in TRAJECTORY_SCHEMA}
     arrays = [pa.array(columns[f.name], type=f.type) for f in TRAJECTORY_SCHEMA]
-    return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+    if all(ep.routed_experts is None for ep in episodes):
+        return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA)
+    routed = [
+        None
+        if (r := ep.routed_experts) is None
+        else {"layers": r.layers, "topk": r.topk, "width": r.width, "ids": r.ids}
+        for ep in episodes
+    ]
+    arrays.append(pa.array(routed, type=ROUTED_EXPERTS_TYPE))
+    return pa.RecordBatch.from_arrays(arrays, schema=TRAJECTORY_SCHEMA_WITH_ROUTING)
 
 
 def check_schema(schema: pa.Schema) -> str | None:
@@ -212,6 +327,12 @@ def check_schema(schema: pa.Schema) -> str | None:
             return f"missing column {f.name!r}"
         if schema.field(idx).type != f.type:
             return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
+    idx = schema.get_field_index(ROUTED_EXPERTS_FIELD.name)
+    if idx >= 0 and schema.field(idx).type != ROUTED_EXPERTS_TYPE:
+        return (
+            f"column {ROUTED_EXPERTS_FIELD.name!r} has type {schema.field(idx).type}, "
+            f"expected {ROUTED_EXPERTS_TYPE}"
+        )
     return None
 
 
@@ -226,11 +347,13 @@ def batch_to_segments(batch: pa.RecordBatch) -> tuple[list[EpisodeSegment], list
     data = batch.to_pydict()
     for name in OPTIONAL_COLUMNS:
         data.setdefault(name, [None] * batch.num_rows)  # a file written before the column existed
+    routed = data.get(ROUTED_EXPERTS_FIELD.name, [None] * batch.num_rows)
     episodes: list[EpisodeSegment] = []
     rejected: list[RejectedRow] = []
     for i in range(batch.num_rows):
         row = {f.name: data[f.name][i] for f in TRAJECTORY_SCHEMA}
-        ep = EpisodeSegment(**row)
+        record = routed[i]
+        ep = EpisodeSegment(**row, routed_experts=None if record is None else RoutedExperts(**record))
         reason = validate_segment(ep)
         if reason is None:
             episodes.append(ep)

@@ -40,6 +40,15 @@ log-softmax of the raw logits (SGLang's `input_token_logprobs`: one entry per to
 first null). A request with max_new_tokens = 0 that needs them is scored by a prefill of its own and
 never joins the running batch.
 
+Routed experts (MoE, `--enable-return-routed-experts`): a request with `return_routed_experts` records
+the top-k experts of every position the engine forwards for it: its prefill's positions (all of them
+again after a retraction) and, per decode step, the token fed. So a finished request holds prompt +
+completion - 1 positions, the last sampled token never forwarded, as SGLang's capturer
+(pipeline.engine.routed_experts). The prefix cache holds KV, not routing: such a request's prefill takes
+from it only positions before its `routed_experts_start` (those the reply leaves out; filler rows in the
+record), so every position it returns was computed by this request's own forwards. (SGLang's reply
+covers [routed_experts_start_len, seqlen - 1) whatever its radix cache held; so does this one.)
+
 Weight versions: every generated token is stamped with the weight version active when it was sampled
 (`EngineRequest.versions`, sent as `meta_info.output_token_weight_versions`); `meta_info.weight_version`
 is the version at finish. Weight swaps happen between two steps, never inside one. Rows that keep their
@@ -50,6 +59,7 @@ retracted rows recompute their KV with whatever weights are active when they are
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import queue
@@ -57,7 +67,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,8 +75,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from pipeline.engine import routed_experts
 from pipeline.engine.engine_metrics import EngineMetrics, version_value
 from pipeline.engine.prefix_cache import LayerKV, PrefixCache, PrefixMatch
+from pipeline.engine.routed_experts import Captured
 from pipeline.engine.sampling import (
     RequestSampling,
     batch_sampling,
@@ -85,7 +97,10 @@ GROW_MIN = 64  # spare KV positions added at least when a GrowableLayer is (re)a
 # more than it should; the embedded engine is the CPU stand-in for SGLang, not a GPU server.
 PREFILL_CALL_COST_TOKENS = 128
 # Shape-defining config fields: weights whose config differs here cannot reuse the running KV cache.
-_ARCH_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size")
+_ARCH_FIELDS = (
+    "num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size", "num_experts",
+    "num_experts_per_tok",
+)  # fmt: skip
 
 
 def cache_kwarg(model: Any) -> str:
@@ -121,6 +136,11 @@ class EngineRequest:
     adapter: str | None = None  # LoRA adapter the request runs with (its name inside the model)
     logprob_start_len: int | None = None  # first prompt position of input_logprobs; None = not wanted
     input_logprobs: list[float | None] | None = None  # set by the first prefill
+    return_routed_experts: bool = False  # record routed experts (needs a capturing batcher)
+    # First position whose routed experts the reply carries: a prefill never takes positions from this one
+    # on from the prefix cache (their routing must be computed; the record's earlier rows may be filler).
+    routed_experts_start: int = 0
+    routed: list[torch.Tensor] = field(default_factory=list)  # (positions, layers, topk) int32 chunks
     cached_tokens: int | None = None  # tokens the first prefill took from the prefix cache
     kv_epoch: int = -1  # the batcher's kv_epoch when this request's KV was last computed from scratch
     generator: torch.Generator = field(init=False)
@@ -368,9 +388,12 @@ class ContinuousBatcher:
         max_batch: int = 64,
         batch_wait_s: float = 0.003,
         max_prefill_tokens: int = 16384,
+        capture_routing: bool = False,
         prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
+        # Record routed experts for the requests that ask (--enable-return-routed-experts, MoE only).
+        self.capture_routing = capture_routing
         self.weight_version = weight_version
         self.vocab_size = int(model.config.vocab_size)
         self.context_length = context_length
@@ -704,7 +727,8 @@ class ContinuousBatcher:
             if request.sampling.max_new_tokens == 0:
                 self._waiting.popleft()
                 start = request.logprob_start_len
-                if start is not None and start < len(request.prompt_ids) - 1:
+                wants_routing = self.capture_routing and request.return_routed_experts
+                if (start is not None and start < len(request.prompt_ids) - 1) or wants_routing:
                     scored.append(request)  # score-only: a prefill of its own below
                     continue
                 self._metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -776,14 +800,16 @@ class ContinuousBatcher:
         """Prompt log-probs of max_new_tokens = 0 requests: one prefill without a KV cache."""
         sequences = [r.prompt_ids for r in requests]
         ids, mask, positions = self._left_padded(sequences)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=self._kept_positions(requests, sequences),
-            **self._forward_kwargs(requests),
-        )
+        with self._routing(requests) as captured:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=self._kept_positions(requests, sequences),
+                **self._forward_kwargs(requests),
+            )
+        self._record_routing(requests, sequences, captured, replace=True)
         self._metrics.prompt_tokens.inc(sum(len(s) for s in sequences))
         self._record_input_logprobs(requests, sequences, out.logits)
         for request in requests:
@@ -791,10 +817,13 @@ class ContinuousBatcher:
 
     def _reuse_limit(self, request: EngineRequest) -> int:
         """Most leading tokens a prefill of `request` may take from the prefix cache: all but the last
-        (its logits pick the next token), and none past the first prompt log-prob wanted."""
+        (its logits pick the next token), none past the first prompt log-prob wanted, and none past the
+        first position whose routed experts it returns."""
         limit = len(request.prompt_ids) + len(request.output_ids) - 1
         if self._needs_input_logprobs(request):
             limit = min(limit, request.logprob_start_len or 0)
+        if self.capture_routing and request.return_routed_experts:
+            limit = min(limit, request.routed_experts_start)  # the routing it returns must be computed
         return limit
 
     def _prefill_with_prefixes(self, admitted: list[EngineRequest]) -> None:
@@ -834,15 +863,18 @@ class ContinuousBatcher:
             mask = torch.cat([prefix_mask, mask], dim=1)
         else:
             cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=self._kept_positions(requests, sequences),
-            **{self._cache_kwarg: cache},
-            **self._forward_kwargs(requests),
-        )
+        with self._routing(requests) as captured:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=self._kept_positions(requests, sequences),
+                **{self._cache_kwarg: cache},
+                **self._forward_kwargs(requests),
+            )
+        # A retracted request is prefilled again over prompt + output: its record starts over.
+        self._record_routing(requests, sequences, captured, replace=True, reused=reused)
         self._count_prefill(requests, sequences, reused)
         self._record_input_logprobs(requests, sequences, out.logits)
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device=self._device)
@@ -912,19 +944,58 @@ class ContinuousBatcher:
         assert batch is not None
         self.peak_batch = max(self.peak_batch, batch.size)
         mask = torch.cat([batch.mask, batch.mask.new_ones(batch.size, 1)], dim=1)
-        out = self.model(
-            input_ids=batch.last_tokens.unsqueeze(1),
-            attention_mask=mask,
-            position_ids=batch.next_pos.unsqueeze(1),
-            use_cache=True,
-            **{self._cache_kwarg: batch.cache},
-            **self._forward_kwargs(batch.rows),
-        )
+        with self._routing(batch.rows) as captured:
+            out = self.model(
+                input_ids=batch.last_tokens.unsqueeze(1),
+                attention_mask=mask,
+                position_ids=batch.next_pos.unsqueeze(1),
+                use_cache=True,
+                **{self._cache_kwarg: batch.cache},
+                **self._forward_kwargs(batch.rows),
+            )
+        self._record_routing(batch.rows, [[0]] * batch.size, captured, replace=False)
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1
         self._sample_into(batch, out.logits[:, -1, :])
         if any(r.finished for r in batch.rows):
             self._keep_unfinished()
+
+    @contextlib.contextmanager
+    def _routing(self, rows: list[EngineRequest]) -> Iterator[Captured | None]:
+        """Capture the forward's routed experts when a row asked for them (and the engine records)."""
+        if not self.capture_routing or not any(r.return_routed_experts for r in rows):
+            yield None
+            return
+        with routed_experts.capture(self.model, len(rows)) as captured:
+            yield captured
+
+    @staticmethod
+    def _record_routing(
+        rows: list[EngineRequest],
+        sequences: list[list[int]],
+        captured: Captured | None,
+        *,
+        replace: bool,
+        reused: list[int] | None = None,
+    ) -> None:
+        """Each asking row's positions of the captured forward (its last len(seq) - reused, rows being
+        left padded): its record's start (`replace`, a prefill) or one more decoded position. The
+        `reused` leading positions a prefill took from the prefix cache were not forwarded: their rows
+        are filler (-1), never sent (`_reuse_limit` keeps them before routed_experts_start)."""
+        if captured is None or captured.ids is None:
+            return
+        for row, (request, seq) in enumerate(zip(rows, sequences, strict=True)):
+            if not request.return_routed_experts:
+                continue
+            skipped = reused[row] if reused is not None else 0
+            positions = captured.ids[row, captured.ids.shape[1] - (len(seq) - skipped) :]
+            if skipped:
+                filler = positions.new_full((skipped, *positions.shape[1:]), -1)
+                positions = torch.cat([filler, positions])
+            if replace:
+                request.routed = [positions]
+            else:
+                request.routed.append(positions)
 
     def _sample_into(self, batch: RunningBatch, logits: torch.Tensor) -> None:
         """Sample each row's next token, record it on the request, finish rows that are done."""

@@ -18,8 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from aiohttp import web
 
+from pipeline.engine import routed_experts
 from pipeline.engine.batcher import ContinuousBatcher, EngineRequest
 from pipeline.engine.engine_metrics import EngineMetrics
 from pipeline.engine.lora_slots import EngineAdapters
@@ -41,6 +43,7 @@ class Tracked:
     text_in_logprobs: bool = False
     index: int | None = None
     lora_name: str | None = None  # the adapter name the request gave (held until it finishes)
+    routed_experts_start: int = 0  # first position of meta_info.routed_experts (when recorded)
 
 
 @dataclass
@@ -77,6 +80,8 @@ class EngineState:
         self.dtype, self.dtype_reason = resolve_dtype(cfg.dtype, cfg.device)
         log.info("serving in %s (%s)", self.dtype, self.dtype_reason)
         model = await loop.run_in_executor(self.loader, load_model, cfg.model, cfg.device, self.dtype)
+        if cfg.enable_return_routed_experts:
+            routed_experts.check_routable(model)
         self.tokenizer = await loop.run_in_executor(self.loader, load_tokenizer, cfg.model)
         context = cfg.context_length or int(getattr(model.config, "max_position_embeddings", 2048))
         self.scheduler = ContinuousBatcher(
@@ -88,6 +93,7 @@ class EngineState:
             max_batch=cfg.max_batch,
             batch_wait_s=cfg.batch_wait_ms / 1000.0,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            capture_routing=cfg.enable_return_routed_experts,
             prefix_cache_bytes=int(cfg.prefix_cache_mb * 2**20),
         )
         self.scheduler.start()
@@ -150,6 +156,13 @@ class EngineState:
         self.inflight[rid] = tracked
         return tracked
 
+    def untrack(self, tracked: Tracked) -> None:
+        """Forget a request that was tracked but never submitted (its batch was refused)."""
+        if self.inflight.pop(tracked.request.rid, None) is tracked:
+            self.adapters.release(tracked.lora_name)
+        if not tracked.done.done():
+            tracked.done.cancel()
+
     async def generate_internal(self, prefix: str, max_new_tokens: int) -> EngineRequest:
         """A greedy request on prompt [0] (warmup and /health_generate)."""
         scheduler = self.require_scheduler()
@@ -211,6 +224,11 @@ class EngineState:
                 [lp, t, s] for lp, t, s in zip(request.logprobs[:n], ids, texts, strict=True)
             ]
         meta["output_token_weight_versions"] = request.versions[:n]
+        if finished and request.routed:
+            # SGLang's rows [routed_experts_start_len, prompt + completion - 1) (engine.routed_experts).
+            end = len(request.prompt_ids) + n - 1  # a prompt-only request forwarded its last token too
+            rows = torch.cat(request.routed)[tracked.routed_experts_start : end]
+            meta["routed_experts"] = routed_experts.encode(rows)
         if finished and request.finish_time is not None:
             meta["e2e_latency"] = round(request.finish_time - request.arrival, 6)
         obj: dict[str, Any] = {}

@@ -4,13 +4,15 @@ stream cumulative SSE chunks; a client that goes away has its requests aborted a
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 
 from pipeline.engine.engine_state import EngineState, Tracked, state_of
-from pipeline.engine.http_json import bad_reply, dumps, json_body, json_reply
+from pipeline.engine.http_json import bad_reply, dumps, error_reply, json_body, json_reply
 from pipeline.engine.request_parsing import build_requests
 
+log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 
 
@@ -21,6 +23,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         tracked, is_batch = build_requests(body, state)
     except ValueError as exc:
         return bad_reply(exc)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a defect, not the client's: still JSON, and nothing left registered
+        log.exception("/generate failed before its requests were submitted")
+        return error_reply(f"internal error: {type(exc).__name__}: {exc}", status=500)
     scheduler = state.require_scheduler()
     scheduler.submit([t.request for t in tracked])
     if body.get("stream", False):

@@ -4,6 +4,7 @@ for a bad request, and request bodies read through the door (pipeline.contracts.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from aiohttp import web
@@ -13,7 +14,22 @@ from pipeline.engine.engine_state import state_of
 
 
 def dumps(obj: object) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    """Compact JSON. A non-finite float (a log-prob of -inf) is written as null, as SGLang's orjson
+    writes it: NaN and Infinity are not JSON, and a client's strict parser would refuse the reply."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), separators=(",", ":"), allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: _finite(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(value) for value in obj]
+    return obj
 
 
 def json_reply(obj: object, status: int = 200) -> web.Response:

@@ -31,6 +31,8 @@ def _prompts(body: dict[str, Any], state: EngineState) -> tuple[list[list[int]],
         texts = text if isinstance(text, list) else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ValueError("'text' must be a string or a non-empty list of strings")
+        for i, t in enumerate(texts):
+            _check_unicode(t, f"text[{i}]" if isinstance(text, list) else "text")
         return [list(state.tokenizer.encode(t)) for t in texts], isinstance(text, list)
     ids = body["input_ids"]
     if not isinstance(ids, list) or not ids:
@@ -43,15 +45,30 @@ def _prompts(body: dict[str, Any], state: EngineState) -> tuple[list[list[int]],
     return [ids], False
 
 
+def _check_unicode(text: str, where: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which are not text: no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{where} holds a lone surrogate ({text[exc.start]!a}) at position {exc.start}: not valid "
+            "Unicode text"
+        ) from None
+
+
 def _check_prompt(ids: list[Any], where: str, vocab_size: int, context_length: int) -> None:
-    for pos, token in enumerate(ids):
-        if not _is_int(token) or not 0 <= token < vocab_size:
-            raise ValueError(f"{where}[{pos}] = {token!r} is not a token id in [0, {vocab_size})")
     if len(ids) >= context_length:
         raise ValueError(
             f"The input ({len(ids)} tokens) is longer than the model's context length "
             f"({context_length} tokens)."
         )
+    # The common case in C (a long batch would hold the event loop in a Python loop); the slow walk
+    # below only finds the position of a bad entry.
+    if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return
+    for pos, token in enumerate(ids):
+        if not _is_int(token) or not 0 <= token < vocab_size:
+            raise ValueError(f"{where}[{pos}] = {token!r} is not a token id in [0, {vocab_size})")
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -100,6 +117,21 @@ def logprob_starts(body: dict[str, Any], prompts: list[list[int]], n: int) -> li
     return starts
 
 
+def routed_experts_starts(body: dict[str, Any], prompts: list[list[int]]) -> int | None:
+    """`routed_experts_start_len` of a request with `return_routed_experts` (None without): an int in [0,
+    the shortest prompt's length] (SGLang's GenerateReqInput: "Must be in [0, prompt_tokens]"). ValueError
+    -> 400."""
+    if not body.get("return_routed_experts", False):
+        return None
+    start = body.get("routed_experts_start_len", 0)
+    shortest = min(len(p) for p in prompts)
+    if not _is_int(start) or not 0 <= start <= shortest:
+        raise ValueError(
+            f"routed_experts_start_len must be an int in [0, {shortest}] (the prompt), got {start!r}"
+        )
+    return int(start)
+
+
 def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Tracked], bool]:
     """Validate a /generate body into tracked requests (not yet submitted). Raises ValueError."""
     scheduler = state.require_scheduler()
@@ -107,7 +139,7 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
         raise ValueError("top_logprobs_num > 0 is not supported by the embedded engine")
     if body.get("token_ids_logprob") is not None:
         raise ValueError("token_ids_logprob is not supported by the embedded engine")
-    for flag in ("return_logprob", "stream", "return_text_in_logprobs"):
+    for flag in ("return_logprob", "stream", "return_text_in_logprobs", "return_routed_experts"):
         if not isinstance(body.get(flag, False), bool):
             raise ValueError(f"{flag} must be a boolean, got {body[flag]!r}")
     prompts, is_batch = _prompts(body, state)
@@ -153,13 +185,25 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
     adapters = state.adapters.resolve(body.get("lora_path"), len(prompts) // n)
     adapters = [a for a in adapters for _ in range(n)]
     starts = logprob_starts(body, prompts, n)
-    tracked = []
-    for i, (rid, ids, sampling) in enumerate(zip(rids, prompts, params, strict=True)):
-        item = state.track(rid, list(ids), sampling, stream=stream, lora_name=adapters[i])
-        item.request.logprob_start_len = starts[i]
-        item.return_logprob = bool(body.get("return_logprob", False))
-        item.text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
-        item.index = i if (is_batch and stream) else None
-        item.request.priority = priority if priority is not None else 0
-        tracked.append(item)
+    routed = routed_experts_starts(body, prompts)
+    tracked: list[Tracked] = []
+    try:
+        for i, (rid, ids, sampling) in enumerate(zip(rids, prompts, params, strict=True)):
+            item = state.track(rid, list(ids), sampling, stream=stream, lora_name=adapters[i])
+            tracked.append(item)
+            item.request.logprob_start_len = starts[i]
+            item.return_logprob = bool(body.get("return_logprob", False))
+            item.text_in_logprobs = bool(body.get("return_text_in_logprobs", False))
+            item.index = i if (is_batch and stream) else None
+            item.request.priority = priority if priority is not None else 0
+            if routed is not None:  # recorded only when the engine runs with --enable-return-routed-experts
+                item.request.return_routed_experts = state.config.enable_return_routed_experts
+                item.routed_experts_start = routed
+                item.request.routed_experts_start = routed
+    except BaseException:
+        # All or nothing: a batch refused halfway must not leave its first items registered (their rids
+        # would be "still running" forever, and each held its prompt and adapter).
+        for item in tracked:
+            state.untrack(item)
+        raise
     return tracked, is_batch

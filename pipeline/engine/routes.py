@@ -10,6 +10,10 @@ with SGLang's JSON shapes, key order and status codes:
   the raw logits); `max_new_tokens = 0` scores the prompt without generating. `top_logprobs_num > 0` and
   `token_ids_logprob` are rejected with 400. `lora_path` names a loaded LoRA adapter (one per batch
   item, or one for all; null = the base).
+- `return_routed_experts` (with `--enable-return-routed-experts`, MoE models): the final object's
+  `meta_info.routed_experts` = base64 of int32 (positions, layers, topk) for positions
+  [`routed_experts_start_len`, prompt + completion - 1), as SGLang (pipeline.engine.routed_experts);
+  without the flag no key, as SGLang. `routed_experts_start_len` outside [0, prompt length]: 400.
 - LoRA (`--enable-lora`, `--max-lora-rank`, `--lora-target-modules`, `--lora-paths NAME=PATH`):
   /load_lora_adapter, /unload_lora_adapter as SGLang 0.5.x defines them (pipeline.engine.lora_slots).
 - Fault injection, for tests of the served-policy check only: `--fault-stale-weights` acknowledges every
@@ -49,6 +53,7 @@ from pathlib import Path
 from aiohttp import web
 
 from pipeline.contracts.http_guard import api_key_middleware
+from pipeline.contracts.tls import client_context
 from pipeline.engine.control_routes import (
     abort_request,
     continue_generation,
@@ -121,5 +126,10 @@ def build_app(config: ServerConfig) -> web.Application:
         from pipeline.transport.weights_http import add_fetch_route
 
         Path(config.weights_dir).mkdir(parents=True, exist_ok=True)
-        add_fetch_route(app, Path(config.weights_dir))
+        add_fetch_route(
+            app,
+            Path(config.weights_dir),
+            ssl_context=client_context(config.tls),
+            allow_plaintext=config.allow_plaintext,
+        )
     return app

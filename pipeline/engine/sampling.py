@@ -16,6 +16,7 @@ vocabulary at T = 1, 3 of 8 fp32 sequences and 8 of 8 bf16 ones differed within 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +93,13 @@ def _number(params: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"sampling_params.{key} must be a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"sampling_params.{key} must be a finite number, got {value!r:.40}")
+    return number
 
 
 def _integer(params: Mapping[str, Any], key: str, default: int | None) -> int | None:
@@ -149,6 +156,8 @@ def parse_sampling_params(
         raise ValueError(f"sampling_params.min_p must be in [0, 1], got {min_p}")
     if n < 1:
         raise ValueError(f"sampling_params.n must be >= 1, got {n}")
+    if seed is not None and not 0 <= seed < 2**64:  # a torch generator's seed is 64 bits
+        raise ValueError(f"sampling_params.sampling_seed must be in [0, 2**64), got {seed}")
 
     stop_raw = raw.get("stop_token_ids") or []
     if not isinstance(stop_raw, list) or not all(

@@ -8,21 +8,33 @@ the model; `serve` wraps it with signal handling and the process exit code; `mai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from aiohttp import web
 
+from pipeline.contracts import memory_trace
 from pipeline.contracts.cpu_features import usable_cores
 from pipeline.contracts.http_guard import (
     ENGINE_API_KEY_ENV,
+    CannotListen,
     ExposedWithoutKey,
     bind_notice,
+    listen,
     require_key_off_loopback,
     runner_options,
+)
+from pipeline.contracts.tls import (
+    PlaintextRefused,
+    TlsFileError,
+    check_files,
+    require_tls_off_loopback,
+    server_context,
 )
 from pipeline.engine.engine_state import STATE, EngineState
 from pipeline.engine.routes import OPEN_PATHS, build_app
@@ -45,7 +57,8 @@ class RunningServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.state.config.host}:{self.port}"
+        config = self.state.config
+        return f"{'https' if config.tls.serves else 'http'}://{config.host}:{self.port}"
 
     async def close(self) -> None:
         await self.state.stop()
@@ -56,13 +69,21 @@ async def start_server(config: ServerConfig) -> RunningServer:
     """Bind the HTTP port (so /health answers 503 at once), then load and warm the model. Raises
     ExposedWithoutKey for a non-loopback host without an API key (before binding anything)."""
     require_key_off_loopback("the engine", config.host, config.api_key, f"--api-key or {ENGINE_API_KEY_ENV}")
+    how = "--ssl-certfile, --ssl-keyfile"
+    require_tls_off_loopback("the engine", config.host, config.tls.serves, config.allow_plaintext, how)
+    check_files(config.tls, "engine")
     app = build_app(config)
     runner = web.AppRunner(app, access_log=None, **runner_options(config.limits))
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=server_context(config.tls))
+    try:
+        await listen(site, "the engine", config.host, config.port, "--port")
+    except CannotListen:
+        await runner.cleanup()
+        raise
     port = int(runner.addresses[0][1]) if runner.addresses else config.port
     log.info("%s", bind_notice("engine", config.host, port, config.api_key, OPEN_PATHS))
+    app[STATE].config = dataclasses.replace(config, port=port)  # /server_info tells the bound port
     running = RunningServer(app=app, runner=runner, port=port)
     try:
         await running.state.start()
@@ -83,9 +104,13 @@ async def serve(config: ServerConfig) -> int:
     try:
         try:
             running = await start_server(config)
-        except ExposedWithoutKey as exc:
+        except (ExposedWithoutKey, PlaintextRefused, TlsFileError) as exc:
             log.error("%s", exc)
             return 2
+        except CannotListen as exc:
+            log.error("%s", exc)
+            print(f"rollwise engine: {exc}", file=sys.stderr, flush=True)
+            return 1
         except Exception:
             log.exception("engine failed to start with model %s", config.model)
             return 1
@@ -109,4 +134,5 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight update would flood the engine's log
+    memory_trace.start_from_env("engine")
     return asyncio.run(serve(config))

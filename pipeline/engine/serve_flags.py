@@ -2,7 +2,8 @@
 
 `rollwise engine serve --model DIR --host 127.0.0.1 --port N [--weight-version 0] [--max-batch 64]
 [--batch-wait-ms 3] [--context-length L] [--enable-metrics] [--threads T] [--seed S] [--device cpu]
-[--dtype auto|float32|bfloat16|float16] [--prefix-cache-mb 1024 | --disable-radix-cache]`;
+[--enable-return-routed-experts] [--dtype auto|float32|bfloat16|float16]
+[--prefix-cache-mb 1024 | --disable-radix-cache]`;
 what the served API does with these settings is in pipeline.engine.routes.
 
 Defaults that depend on the machine: `--dtype auto` is bfloat16 on a CPU with native bf16 matmuls (AMX or
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV, DoorLimits
+from pipeline.contracts.tls import TlsFiles
 from pipeline.engine.model_loading import DTYPES
 
 DEFAULT_PREFIX_CACHE_MB = 1024.0
@@ -52,7 +54,16 @@ class ServerConfig:
     lora_target_modules: tuple[str, ...] | None = None
     lora_paths: tuple[tuple[str, str], ...] = ()
     fault_stale_weights: bool = False
+    enable_return_routed_experts: bool = False  # MoE: record routed experts for requests that ask
+    ssl_certfile: str | None = None  # SGLang's flag names: TLS, needed beyond loopback
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # what an https weight source (its fetch route) is checked against
+    allow_plaintext: bool = False
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # 0 = no prefix cache
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
     def weights_roots(self) -> list[Path]:
         dirs = self.allowed_weights_dirs or (str(Path(self.model).resolve().parent),)
@@ -122,6 +133,24 @@ def parse_args(argv: list[str]) -> ServerConfig:
         "--lora-paths", nargs="+", default=[], metavar="NAME=PATH", help="adapters loaded at start"
     )
     p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each layer's routed experts for requests with return_routed_experts (MoE models; "
+        "SGLang's flag)",
+    )
+    p.add_argument(
+        "--ssl-certfile", help="PEM certificate: serve https (SGLang's flag; needed beyond loopback)"
+    )
+    p.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
+    p.add_argument(
+        "--ssl-ca-certs", help="PEM CA bundle an https weight source (--weights-dir) is checked against"
+    )
+    p.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="serve plain HTTP beyond loopback (keys and data in clear), fetch weights from http://",
+    )
+    p.add_argument(
         "--fault-stale-weights",
         action="store_true",
         help="TESTS ONLY: acknowledge weight updates and adapter loads but keep serving the start weights",
@@ -141,6 +170,8 @@ def parse_args(argv: list[str]) -> ServerConfig:
         if not sep or not name or not path:
             p.error(f"--lora-paths takes NAME=PATH items, got {item!r}")
         lora_paths.append((name, path))
+    if (a.ssl_certfile is None) != (a.ssl_keyfile is None):
+        p.error("--ssl-certfile and --ssl-keyfile are given together")
     if (lora_paths or a.max_lora_rank or a.lora_target_modules) and not a.enable_lora:
         a.enable_lora = True  # SGLang turns LoRA on when adapters are given at launch
     return ServerConfig(
@@ -168,5 +199,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
         lora_target_modules=tuple(a.lora_target_modules) if a.lora_target_modules else None,
         lora_paths=tuple(lora_paths),
         fault_stale_weights=a.fault_stale_weights,
+        enable_return_routed_experts=a.enable_return_routed_experts,
+        ssl_certfile=a.ssl_certfile,
+        ssl_keyfile=a.ssl_keyfile,
+        ssl_ca_certs=a.ssl_ca_certs,
+        allow_plaintext=a.allow_plaintext,
         prefix_cache_mb=0.0 if a.disable_radix_cache else a.prefix_cache_mb,
     )

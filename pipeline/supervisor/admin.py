@@ -22,17 +22,27 @@ import argparse
 import asyncio
 import json
 import os
+import ssl
 import sys
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from pipeline.contracts.http_guard import BadBody, DoorLimits, api_key_middleware, read_json, runner_options
+from pipeline.contracts.http_guard import (
+    BadBody,
+    DoorLimits,
+    api_key_middleware,
+    listen,
+    read_json,
+    runner_options,
+)
+from pipeline.contracts.tls import PlaintextRefused, TlsFiles, check_url, client_context
 from pipeline.supervisor.fleet_membership import FleetMembership, MembershipError
 from pipeline.transport.weights_http import WeightServer
 
 TOKEN_ENV = "ROLLWISE_ADMIN_TOKEN"
+CA_ENV = "ROLLWISE_CA_FILE"
 # Bodies are a URL or two; the limits of every rollwise door (pipeline.contracts.http_guard) otherwise.
 ADMIN_LIMITS = DoorLimits(max_body_bytes=64 * 1024)
 
@@ -98,15 +108,18 @@ def make_admin_app(membership: FleetMembership, weights: WeightServer, token: st
 class AdminEndpoint:
     """Serve `make_admin_app` on host:port (port 0 = any free port; `port` tells which after start)."""
 
-    def __init__(self, host: str, port: int, app: web.Application) -> None:
+    def __init__(
+        self, host: str, port: int, app: web.Application, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.host = host
         self.port = port
+        self.ssl_context = ssl_context  # TLS beyond loopback (pipeline.contracts.tls), None = plain
         self._runner = web.AppRunner(app, access_log=None, **runner_options(ADMIN_LIMITS))
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
+        await listen(site, "the admin endpoint", self.host, self.port, "admin.port")
         if self._runner.addresses:
             self.port = int(self._runner.addresses[0][1])
 
@@ -116,17 +129,24 @@ class AdminEndpoint:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{host}:{self.port}"
 
 
 # --- `rollwise engines ...` ------------------------------------------------------------------------------
 async def admin_call(
-    base: str, method: str, path: str, body: dict[str, Any] | None, token: str | None, timeout_s: float
+    base: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    token: str | None,
+    timeout_s: float,
+    ca_file: str | None = None,
 ) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+    connector = aiohttp.TCPConnector(ssl=client_context(TlsFiles(ca_file=ca_file)))
     async with (
-        aiohttp.ClientSession(timeout=timeout, headers=headers) as http,
+        aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as http,
         http.request(method, base.rstrip("/") + path, json=body) as resp,
     ):
         text = await resp.text()
@@ -141,6 +161,14 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rollwise engines", description=main.__doc__)
     p.add_argument("--admin", default="http://127.0.0.1:9401", help="the daemon's admin endpoint")
     p.add_argument("--token", help=f"admin token (default: ${TOKEN_ENV})")
+    p.add_argument(
+        "--ca-file", help=f"CA bundle that signed an https admin endpoint's certificate (default: ${CA_ENV})"
+    )
+    p.add_argument(
+        "--allow-plaintext",
+        action="store_true",
+        help="send the token to an http:// endpoint on another host (in clear)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the daemon's answer")
     sub = p.add_subparsers(dest="action", required=True)
     sub.add_parser("list", help="engines, their state and weight version")
@@ -151,6 +179,12 @@ def main(argv: list[str]) -> int:
     drain.add_argument("url")
     args = p.parse_args(argv)
     token = args.token or os.environ.get(TOKEN_ENV)
+    try:
+        check_url(args.admin, "--admin", args.allow_plaintext)
+    except PlaintextRefused as exc:
+        print(f"rollwise engines: {exc} (--allow-plaintext)", file=sys.stderr)
+        return 2
+    ca_file = args.ca_file or os.environ.get(CA_ENV)
     call: tuple[str, str, dict[str, Any] | None]
     if args.action == "list":
         call = ("GET", "/engines", None)
@@ -161,8 +195,8 @@ def main(argv: list[str]) -> int:
         call = ("POST", "/engines/drain", {"url": args.url})
     try:
         method, path, body = call
-        status, reply = asyncio.run(admin_call(args.admin, method, path, body, token, args.timeout))
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        status, reply = asyncio.run(admin_call(args.admin, method, path, body, token, args.timeout, ca_file))
+    except (aiohttp.ClientError, TimeoutError, ssl.SSLError) as exc:
         print(f"rollwise engines: cannot reach {args.admin}: {exc}", file=sys.stderr)
         return 1
     if status != 200:

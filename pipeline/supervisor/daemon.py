@@ -26,9 +26,11 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from pipeline.contracts import events, tracing
+from pipeline.contracts import events, memory_trace, tracing
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
+from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
+from pipeline.contracts.tls import context_for, pem_pair
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
@@ -41,6 +43,7 @@ from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
 from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
 from pipeline.supervisor.lineage import Lineage
+from pipeline.supervisor.log_rotation import keep_logs_small
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.loop_lag import measure_loop_lag
 from pipeline.supervisor.observability.service_health import watch_fleet, watch_run_dir
@@ -125,8 +128,13 @@ class Supervisor:
             fail=self.fail,
             config=config_message(cfg) if cfg.learner.remote.run_dir is not None else None,
         )
+        tls = cfg.tls.files()
         self.endpoints = HttpEndpoints(
-            cfg.metrics.host, cfg.metrics.port, self.not_ready, api_key=reveal(cfg.metrics.api_key)
+            cfg.metrics.host,
+            cfg.metrics.port,
+            self.not_ready,
+            api_key=reveal(cfg.metrics.api_key),
+            ssl_context=context_for(cfg.metrics.host, tls),
         )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
         self.membership = FleetMembership(
@@ -137,6 +145,7 @@ class Supervisor:
             cfg.admin.host,
             cfg.admin.port,
             make_admin_app(self.membership, WeightServer(self.run_dir.weights_of), reveal(cfg.admin.token)),
+            ssl_context=context_for(cfg.admin.host, tls),
         )
         self.initial_capacity = 0
         self.flight: SpoolFlightService | None = None
@@ -148,6 +157,9 @@ class Supervisor:
         with hold_supervisor_lock(self.run_dir), stray_stdout_to_log(self.progress, log):
             log_to_run_dir(self.run_dir, quiet_stderr=isinstance(self.progress, RichProgress))
             write_resolved(cfg, self.run_dir.root)
+            # The ports first: a taken one (another daemon on this host) is one line before any work.
+            await self.endpoints.start()
+            await self.start_fleet_services()
             await ensure_initial_model(self.setup)
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
@@ -156,11 +168,17 @@ class Supervisor:
             metrics.init_service_label_values()
             self.start_observers()
             self.learner_events.step_log.open()
-            await self.endpoints.start()
-            await self.start_fleet_services()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
-            background: list[asyncio.Task[None]] = []
+            logs = cfg.logs
+            background: list[asyncio.Task[None]] = [
+                asyncio.create_task(
+                    keep_logs_small(
+                        self.run_dir.logs, logs.max_bytes, logs.keep, self.stopping, logs.check_every_s
+                    ),
+                    name="log rotation",
+                )
+            ]
             try:
                 # 1. The learner resumes its checkpoint; the engines serve the version it published.
                 ready = await self.until_stopping(self.start_children())
@@ -170,7 +188,7 @@ class Supervisor:
                     self.start_evaluator()
                     log.info("start-up heap frozen: %d objects", freeze_startup_heap())
                     unavailable_s = cfg.engine.unavailable_timeout_s
-                    background = [
+                    background += [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
                         self.watch(self.engines.guard_availability(unavailable_s), "engine guard"),
                         self.watch(self.report_status(), "status"),
@@ -228,8 +246,10 @@ class Supervisor:
         self.engines.weight_token = reveal(cfg.admin.token)
         if cfg.transport.kind == "flight":
             t = cfg.transport
+            tls = cfg.tls.files()
+            pem = pem_pair(tls) if context_for(t.flight_host, tls) is not None else None
             self.flight = SpoolFlightService(
-                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=reveal(t.token)
+                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=reveal(t.token), tls=pem
             )
             self.flight.start()
             self.progress.message(f"spool served over Arrow Flight at {self.flight.url}")
@@ -422,8 +442,9 @@ def main_run(ns: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    memory_trace.start_from_env("supervisor")
     try:
         return asyncio.run(Supervisor(setup).run())
-    except RunDirInUse as exc:
+    except (RunDirInUse, CannotListen) as exc:
         print(f"rollwise: {exc}", file=sys.stderr)
         return 1

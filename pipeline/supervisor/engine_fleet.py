@@ -35,8 +35,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.run_dir import RunDir
+from pipeline.contracts.tls import client_context, scheme_of
 from pipeline.supervisor.actors.rollout import GenerateEngine
 from pipeline.supervisor.children import Child, ChildSpec, keep_running
 from pipeline.supervisor.engine_launch import EngineSlot, engine_child_spec, free_port, plan_engines
@@ -47,12 +50,16 @@ from pipeline.supervisor.engines.protocol import EngineError
 from pipeline.supervisor.engines.router import RouterAdmin, RouterError, router_argv
 from pipeline.supervisor.engines.weightsync import SyncMode, SyncTimings, sync_weights
 from pipeline.supervisor.observability import metrics
-from pipeline.transport.weights_http import request_fetch
+from pipeline.transport.weights_http import FetchError, request_fetch
 
 log = logging.getLogger("rollwise.engine_fleet")
 
 MAX_FAILED_STARTS = 3
 ROUTER_READY_TIMEOUT_S = 60.0
+# A fetcher that cannot be reached, or whose connection breaks, is asked again after these delays; then
+# its engine sits this sync out (it keeps its version until the next one) rather than fail the run.
+FETCH_RETRY_S = (0.5, 2.0)
+_FETCH_FAILURES = (FetchError, aiohttp.ClientError, TimeoutError, OSError)
 HEALTH_WATCH_S = 5.0  # /health of every engine in service this often (an idle fleet's deaths)
 
 
@@ -69,6 +76,8 @@ class EngineFleet:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        # What this machine's clients trust (engines, fetchers and the router over https).
+        self.client_tls = client_context(self.cfg.tls.files())
         self.slots: list[EngineSlot] = plan_engines(self.cfg)
         self.up: dict[str, bool] = {s.name: False for s in self.slots}
         self._up_events = {s.name: asyncio.Event() for s in self.slots}
@@ -91,11 +100,11 @@ class EngineFleet:
         if e.router == "sglang-router":
             port = e.router_port or free_port(e.router_host)
             self._router_prometheus_port = free_port(e.router_host)
-            self.router_url = f"http://{e.router_host}:{port}"
+            self.router_url = f"{scheme_of(e.router_host, self.cfg.tls.files())}://{e.router_host}:{port}"
             self.router_metrics_url = f"http://{e.router_host}:{self._router_prometheus_port}/metrics"
             self._router_port = port
             router_client = self.make_client(self.router_url)
-            self.router_admin = RouterAdmin(self.router_url)
+            self.router_admin = RouterAdmin(self.router_url, ssl_context=self.client_tls)
         self.pool = EnginePool(self.clients, router=router_client)
         lora = self.cfg.learner.lora
         self.adapters: AdapterRegistry | None = None
@@ -113,7 +122,9 @@ class EngineFleet:
 
     def make_client(self, url: str) -> EngineClient:
         e = self.cfg.engine
-        return EngineClient(url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s)
+        return EngineClient(
+            url, api_key=reveal(e.api_key), request_timeout_s=e.request_timeout_s, ssl_context=self.client_tls
+        )
 
     async def sync(self, path: str, version: int, mode: SyncMode) -> SyncTimings:
         """Load published `version` (at `path`) on every engine: its weights (each engine's own copy when
@@ -234,12 +245,45 @@ class EngineFleet:
         if self.weight_source is None:
             raise RuntimeError("weights over HTTP need the admin endpoint, which is not started")
         source, token = self.weight_source, self.weight_token
-        return await request_fetch(fetcher, source=source, version=version, token=token)
+        return await request_fetch(
+            fetcher,
+            source=source,
+            version=version,
+            token=token,
+            ssl_context=self.client_tls,
+            api_key=reveal(self.cfg.engine.api_key),
+        )
 
-    async def stage(self, version: int, published_path: str) -> dict[str, str]:
-        """Each engine's path for `version`, fetched in parallel where needed (before any pause)."""
+    async def stage(self, version: int, published_path: str) -> dict[str, str | None]:
+        """Each engine's path for `version`, fetched in parallel where needed (before any pause); None for
+        an engine whose fetcher failed FETCH_RETRY_S tries over (the network between here and it): that
+        engine sits this sync out, counted as its error, and loads the next version."""
+
+        async def fetched(url: str) -> str | None:
+            for delay in (*FETCH_RETRY_S, None):
+                try:
+                    return await self.weights_for(url, version, published_path)
+                except _FETCH_FAILURES as exc:
+                    why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                    if delay is None:
+                        log.error("engine %s: its fetcher could not fetch version %d: %s", url, version, why)
+                        self.progress_message(
+                            f"engine {url} could not fetch version {version} ({why}); it serves its current "
+                            "version until the next sync"
+                        )
+                        return None
+                    log.warning(
+                        "engine %s: fetching version %d failed (%s); again in %.1f s",
+                        url,
+                        version,
+                        why,
+                        delay,
+                    )
+                    await asyncio.sleep(delay)
+            return None
+
         urls = [c.base_url for c in self.pool.members]
-        paths = await asyncio.gather(*(self.weights_for(u, version, published_path) for u in urls))
+        paths = await asyncio.gather(*(fetched(u) for u in urls))
         return dict(zip(urls, paths, strict=True))
 
     @staticmethod
@@ -321,6 +365,7 @@ class EngineFleet:
                 prometheus_port=self._router_prometheus_port,
                 api_key=reveal(e.api_key),
                 extra_args=e.router_args,
+                tls=self.cfg.tls.files(),
             ),
             log_path=self.run_dir.log_file("router"),
         )

@@ -20,6 +20,7 @@ from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.cpu_features import usable_cores
 from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV
 from pipeline.contracts.run_dir import RunDir
+from pipeline.contracts.tls import scheme_of
 from pipeline.supervisor.children import ChildSpec
 from pipeline.supervisor.engines.adapters import lora_launch_flags
 
@@ -33,10 +34,11 @@ class EngineSlot:
     port: int
     managed: bool
     external_url: str | None = None
+    scheme: str = "http"  # https: a managed engine beyond loopback with [tls] (pipeline.contracts.tls)
 
     @property
     def url(self) -> str:
-        return self.external_url or f"http://{self.host}:{self.port}"
+        return self.external_url or f"{self.scheme}://{self.host}:{self.port}"
 
 
 @dataclass
@@ -108,7 +110,25 @@ def plan_engines(cfg: Config) -> list[EngineSlot]:
             for i, url in enumerate(e.urls)
         ]
     ports = [free_port(e.host) if e.port == 0 else e.port + i for i in range(e.num_engines)]
-    return [EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True) for i, p in enumerate(ports)]
+    scheme = scheme_of(e.host, cfg.tls.files())
+    return [
+        EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True, scheme=scheme)
+        for i, p in enumerate(ports)
+    ]
+
+
+def tls_flags(cfg: Config, slot: EngineSlot) -> list[str]:
+    """The TLS flags of a managed engine (SGLang's names; the embedded engine takes the same): its
+    certificate beyond loopback, and the CA an embedded engine's fetches check the admin endpoint with."""
+    tls = cfg.tls
+    flags: list[str] = []
+    if slot.scheme == "https":
+        flags += ["--ssl-certfile", str(tls.cert_file), "--ssl-keyfile", str(tls.key_file)]
+    if tls.ca_file is not None and cfg.engine.kind == "embedded":
+        flags += ["--ssl-ca-certs", tls.ca_file]
+    if tls.allow_plaintext and cfg.engine.kind == "embedded":
+        flags.append("--allow-plaintext")
+    return flags
 
 
 def priority_scheduling_args(cfg: Config) -> list[str]:
@@ -139,6 +159,8 @@ def engine_argv(
     its versioned name."""
     e = cfg.engine
     lora_flags = lora_launch_flags(cfg.learner.lora, version=version, adapter=adapter)
+    # SGLang's flag for routed experts in replies (MoE; learner.moe.record_routing / routing_replay).
+    routing_flags = ["--enable-return-routed-experts"] if cfg.learner.moe.records_routing else []
     if e.kind == "embedded":
         fetch = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
         run = RunDir.at(cfg.run.run_dir, cfg.model.path)
@@ -169,7 +191,9 @@ def engine_argv(
             str(run.initial_model),
             "--enable-metrics",
             *fetch,
+            *tls_flags(cfg, slot),
             *lora_flags,
+            *routing_flags,
             *e.extra_args,
         ]
     if e.kind == "sglang":
@@ -188,7 +212,9 @@ def engine_argv(
                 "--dtype",
                 e.dtype or SGLANG_DEFAULT_DTYPE,
                 *priority_scheduling_args(cfg),
+                *tls_flags(cfg, slot),
                 *lora_flags,
+                *routing_flags,
                 *e.extra_args,
             ),
         )

@@ -33,6 +33,7 @@ from typing import Any
 from envs.api import EnvFactory, Environment
 from envs.task_split import TaskSplitError, eval_tasks
 from pipeline.contracts.config import Config, ConfigError
+from pipeline.contracts.run_dir import log_lines
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.heldout import EvalPlan, Mode, ModeResult, PriorityEngine, run_evaluation
 from pipeline.supervisor.actors.rollout import RolloutSettings
@@ -299,10 +300,8 @@ def append_line(path: Path, row: dict[str, Any]) -> None:
 
 def read_eval_log(path: Path) -> list[dict[str, Any]]:
     """The evaluation rows of a run, oldest first (lines cut by a crash are skipped)."""
-    if not path.exists():
-        return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in log_lines(path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.contracts.tls import PlaintextRefused, check_url
 from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import EngineError
@@ -101,6 +102,13 @@ class FleetMembership:
         url = url.rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise MembershipError(f"engine URL must start with http:// or https://, got {url!r}", 400)
+        allow = self.fleet.cfg.tls.allow_plaintext
+        try:
+            check_url(url, "the engine's URL", allow)
+            if fetch_url is not None:
+                check_url(fetch_url, "its fetch_url", allow)
+        except PlaintextRefused as exc:
+            raise MembershipError(str(exc), 400) from None
         if url in self.fleet.pool_urls():
             raise MembershipError(f"{url} is already in the fleet")
         if self.fleet.cfg.engine.weight_transport == "http":

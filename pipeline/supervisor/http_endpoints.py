@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import Callable
 
 from aiohttp import web
@@ -23,6 +24,7 @@ from pipeline.contracts.http_guard import (
     DoorLimits,
     api_key_middleware,
     bind_notice,
+    listen,
     require_key_off_loopback,
     runner_options,
 )
@@ -63,11 +65,18 @@ class HttpEndpoints:
     """Serve `make_app` on host:port (port 0 = any free port; `port` tells which after `start`)."""
 
     def __init__(
-        self, host: str, port: int, not_ready: ReadinessProbe, *, api_key: str | None = None
+        self,
+        host: str,
+        port: int,
+        not_ready: ReadinessProbe,
+        *,
+        api_key: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.api_key = api_key
+        self.ssl_context = ssl_context  # TLS (pipeline.contracts.tls.context_for), None = plain
         self._runner = web.AppRunner(
             make_app(not_ready, api_key), access_log=None, **runner_options(DoorLimits())
         )
@@ -76,8 +85,8 @@ class HttpEndpoints:
         """Bind and serve. ExposedWithoutKey for a non-loopback host without a key (nothing bound)."""
         require_key_off_loopback("the metrics endpoint", self.host, self.api_key, "metrics.api_key")
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
+        await listen(site, "the metrics endpoint", self.host, self.port, "metrics.port")
         server = site._server
         sockets = getattr(server, "sockets", None) or []
         if sockets:
@@ -89,4 +98,4 @@ class HttpEndpoints:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"

@@ -160,6 +160,9 @@ class LearnerEvents:
             case events.Quarantined():
                 learner_metrics.record_quarantined(event)
                 self.progress.message(f"spool file quarantined: {event.file}: {event.reason}")
+            case events.Unreachable():
+                (log.warning if event.blocked else log.info)("learner: %s", event.message)
+                self.progress.message(f"learner: {event.message}")
             case events.Error():
                 self.progress.message(f"learner error: {event.message}")
 

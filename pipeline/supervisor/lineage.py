@@ -286,7 +286,9 @@ class Lineage:
         while True:
             started = time.monotonic()
             try:
-                path = await fetch_version(source, version, self.run_dir.weights, token=token)
+                path = await fetch_version(
+                    source, version, self.run_dir.weights, token=token, ssl_context=self.engines.client_tls
+                )
             except (
                 FetchError,
                 aiohttp.ClientError,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import importlib.util
 import itertools
 import json
@@ -22,8 +21,8 @@ from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
 from envs.task_split import training_tasks
 from pipeline.contracts import events
-from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, load_config
-from pipeline.contracts.run_dir import RunDir, is_model_dir
+from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, check_tls_files, load_config
+from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS, RunDir, is_model_dir, model_context_length
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
@@ -96,6 +95,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
     cfg = load_config(ns.config, overrides)
     check_exposed_ports(cfg)
+    check_tls_files(cfg)
     check_observer_libraries(cfg)
     from envs.discovery import EnvDiscoveryError, resolve_env
 
@@ -120,8 +120,102 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     run = RunDir.at(cfg.run.run_dir, cfg.model.path)
     if cfg.model.path is not None and not is_model_dir(run.initial_model):
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
+    check_moe(cfg, run.initial_model)
+    check_context_fits(cfg, run)
     evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
     return RunSetup(cfg, run, factory, env, evaluation)
+
+
+# The experts of an MoE model are no linear modules LoRA could adapt (learner.lora.apply_lora refuses them).
+_EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_routing_shape(model_dir: Path) -> tuple[int, int, int] | None:
+    """(layers, topk, num_experts) of the MoE model in `model_dir` (its config.json), None when dense."""
+    config = json.loads((model_dir / "config.json").read_text())
+    experts = next(
+        (config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)), None
+    )
+    topk, layers = config.get("num_experts_per_tok"), config.get("num_hidden_layers")
+    if not isinstance(experts, int) or not isinstance(topk, int) or not isinstance(layers, int):
+        return None
+    return layers, topk, experts
+
+
+def check_moe(cfg: Config, model_dir: Path) -> None:
+    """The [learner.moe] keys and LoRA against the model, before anything starts (ConfigError naming the
+    key): routing records need an MoE model; LoRA cannot adapt an MoE model's experts. A preset not yet
+    built is judged by its name (the moe-* presets are Qwen3-MoE, every layer routed)."""
+    if cfg.model.path is not None or is_model_dir(model_dir):
+        is_moe = moe_routing_shape(model_dir) is not None
+        described = f"the model in {model_dir}"
+    else:
+        is_moe = cfg.model.preset.startswith("moe-")
+        described = f"model.preset = {cfg.model.preset!r}"
+    moe = cfg.learner.moe
+    for key, wanted in (
+        ("routing_replay", moe.routing_replay),
+        ("record_routing", moe.record_routing),
+        ("load_balance_coef", moe.load_balance_coef > 0.0),
+    ):
+        if wanted and not is_moe:
+            raise ConfigError(
+                f"learner.moe.{key} needs a Mixture-of-Experts model, and {described} is dense (no "
+                "num_experts / num_experts_per_tok in its config): use model.preset = 'moe-tiny' or an MoE "
+                f"checkpoint, or unset learner.moe.{key}"
+            )
+    wanted_experts = sorted(set(cfg.learner.lora.target_modules) & set(_EXPERT_MODULES))
+    if wanted_experts and cfg.learner.lora.enabled and is_moe:
+        raise ConfigError(
+            f"learner.lora.target_modules: {wanted_experts} are expert weights in {described}, an MoE "
+            "model whose experts are 3D parameters, not linear layers LoRA can adapt: set "
+            "learner.lora.target_modules to the attention projections, e.g. "
+            '["q_proj", "k_proj", "v_proj", "o_proj"]'
+        )
+
+
+def model_context(cfg: Config, run: RunDir) -> tuple[int, str] | None:
+    """The context length the engines will serve and where that is known from; None when unknown."""
+    args = cfg.engine.extra_args
+    if "--context-length" in args[:-1]:
+        try:
+            return int(args[args.index("--context-length") + 1]), "engine.extra_args --context-length"
+        except ValueError:
+            return None
+    if cfg.model.path is None:
+        return PRESET_CONTEXT_TOKENS, f"the {cfg.model.preset!r} preset"
+    length = model_context_length(run.initial_model)
+    return (length, f"{cfg.model.path}/config.json") if length is not None else None
+
+
+def check_context_fits(cfg: Config, run: RunDir) -> None:
+    """Where the model's context is known: refuse a reply longer than the whole context (every engine
+    refuses such a request), and cut the episode budget to the context. The runner asks each turn for
+    at most `env.max_context_tokens - prompt` tokens, so with the budget cut prompt + reply always fit;
+    with a budget beyond the context a turn overflowed it (SGLang refuses the request; the embedded
+    engine cut the reply, and the next turn's prompt no longer fitted): an engine_error per episode
+    instead of a truncated one. Raises ConfigError; the cut is logged and written to the run's
+    config.toml."""
+    known = model_context(cfg, run)
+    if known is None:
+        return
+    context, source = known
+    new = cfg.sampling.max_new_tokens
+    if new > context:
+        raise ConfigError(
+            f"sampling.max_new_tokens: {new} is longer than the model's whole context of {context} tokens "
+            f"({source}): no engine accepts such a request. Set it below {context} minus the prompts' length"
+        )
+    if cfg.env.max_context_tokens > context:
+        log.warning(
+            "env.max_context_tokens = %d exceeds the model's context of %d tokens (%s): episodes are cut "
+            "(finish reason truncated) at %d",
+            cfg.env.max_context_tokens,
+            context,
+            source,
+            context,
+        )
+        cfg.env.max_context_tokens = context
 
 
 def check_observer_libraries(cfg: Config) -> None:
@@ -187,56 +281,23 @@ def initial_accepted(version: int, batch_groups: int, unconsumed_groups: int) ->
     return version * batch_groups + unconsumed_groups
 
 
-@functools.lru_cache(maxsize=8)
-def model_context_length(model_dir: Path) -> int | None:
-    """The positions the model at `model_dir` was built for (config.json's max_position_embeddings), None
-    when it does not say. An engine refuses a request longer than that."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
-    return positions if isinstance(positions, int) and positions > 1 else None
-
-
-def context_budget(cfg: Config, model_dir: Path | None) -> int:
-    """env.max_context_tokens, capped at the model's context length (warned once per model): a budget
-    beyond it only lets turns ask the engine for positions it refuses (the tiny preset has 1024, the
-    default budget is 8192: every long turn of the bare `rollwise run` was an engine_error)."""
-    budget = cfg.env.max_context_tokens
-    if model_dir is None:
-        return budget
-    limit = model_context_length(model_dir)
-    if limit is None or budget <= limit:
-        return budget
-    if (model_dir, budget) not in _WARNED_BUDGETS:
-        _WARNED_BUDGETS.add((model_dir, budget))
-        log.warning(
-            "env.max_context_tokens = %d exceeds the model's context length (%d positions, %s): episodes "
-            "are capped at %d tokens",
-            budget,
-            limit,
-            model_dir,
-            limit,
-        )
-    return limit
-
-
-_WARNED_BUDGETS: set[tuple[Path, int]] = set()
-
-
 def rollout_settings(cfg: Config, model_dir: Path | None = None) -> RolloutSettings:
-    """The episode runner's settings; with `model_dir`, the context budget fits that model."""
+    """The episode runner's settings; with `model_dir` (the initial model, built) and learner.moe asking
+    for routing records, the runner asks the engines for each turn's routed experts."""
+    routing = (
+        moe_routing_shape(model_dir) if model_dir is not None and cfg.learner.moe.records_routing else None
+    )
     return RolloutSettings(
         # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
         # is per request).
         sampling=SamplingParams(**cfg.sampling.model_dump()),
-        max_context_tokens=context_budget(cfg, model_dir),
+        max_context_tokens=cfg.env.max_context_tokens,
         tool_parser=cfg.env.tool_parser,
         system_prompt=cfg.env.system_prompt,
         # abort-and-retry: an aborted turn is resubmitted with its partial output (AReaL-style), so the
         # tokens already generated keep their old version and the rest comes from the new weights.
         retry_aborted=cfg.async_.weight_sync_mode == "abort",
+        routed_experts=routing,
     )
 
 
@@ -294,7 +355,8 @@ async def start_openai_endpoint(
     engine: GenerateEngine, tokenizer: Any, cfg: Config, model_dir: Path | None = None
 ) -> OpenAIEndpoint:
     """The run's OpenAI endpoint on 127.0.0.1 (agent-function episodes; judges on the run's own engines,
-    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on."""
+    which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on; its
+    settings are the training rollouts' (`rollout_settings(cfg, model_dir)`)."""
     from envs.judge import set_run_endpoint
     from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.observability import judge_metrics
@@ -324,7 +386,7 @@ def build_evaluator(
         setup.evaluation,
         engine=engine,
         tokenizer=tokenizer,
-        settings=rollout_settings(setup.cfg, setup.run.initial_model),
+        settings=rollout_settings(setup.cfg),
         every_versions=setup.cfg.eval.every_versions,
         log_path=setup.run.eval_log,
         progress=progress,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.contracts.run_dir import RunDir
+from pipeline.contracts.run_dir import RunDir, log_lines, rotated_parts
 
 DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
 # (dashboard file, panel title): the panels that answer "is it learning, and is it healthy?"
@@ -123,10 +123,10 @@ def from_prometheus(base: str, since_s: float, step_s: float) -> list[Panel]:
 
 def from_step_log(run_dir: Path) -> list[Panel]:
     path = RunDir.at(run_dir).step_log
-    if not path.exists():
+    if not rotated_parts(path):
         raise ReportError(f"{path} does not exist (and no --prometheus given)")
     steps: list[dict[str, Any]] = []
-    for line in path.read_text().splitlines():
+    for line in log_lines(path):
         try:
             steps.append(json.loads(line))
         except json.JSONDecodeError:

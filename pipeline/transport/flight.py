@@ -24,6 +24,7 @@ Auth: with `token`, every call needs the header `authorization: Bearer <token>`.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -35,6 +36,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from pipeline.contracts.http_guard import CannotListen, check_port_free
 from pipeline.transport.spool import (
     QuarantinedFile,
     SpoolItem,
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 QUARANTINED_KEY = b"rollwise.quarantined"
 MISSING_KEY = b"rollwise.missing"
 LIST_POLL_S = 0.02
+LIST_GRACE_S = 10.0
+# gRPC keepalive: a connection whose peer vanished (a partition) fails its calls within about
+# KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS instead of waiting for each call's timeout.
+KEEPALIVE_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 5_000
 _EMPTY = pa.schema([])
 _CONNECTION_ERRORS = (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightCancelledError)
 
@@ -62,15 +68,18 @@ class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
     def start_call(self, info: Any, headers: dict[str, list[str]]) -> None:
         given = headers.get("authorization", [""])
-        if not given or given[0] != self._expected:
+        if not given or not hmac.compare_digest(given[0].encode(), self._expected.encode()):
             raise flight.FlightUnauthenticatedError("missing or wrong token (authorization: Bearer ...)")
         return None
 
 
 class _SpoolServer(flight.FlightServerBase):
-    def __init__(self, spool_dir: Path, location: str, token: str | None) -> None:
+    def __init__(
+        self, spool_dir: Path, location: str, token: str | None, tls: tuple[bytes, bytes] | None
+    ) -> None:
         middleware = {"token": _TokenMiddlewareFactory(token)} if token else {}
-        super().__init__(location, middleware=middleware)
+        certificates = [flight.CertKeyPair(*tls)] if tls is not None else []
+        super().__init__(location, middleware=middleware, tls_certificates=certificates)
         self.spool_dir = spool_dir
         self._quarantine_lock = threading.Lock()  # do_get calls run on gRPC's thread pool
 
@@ -143,19 +152,38 @@ def _quarantine(spool_dir: Path, seq: int, path: Path, kind: str, reason: str) -
 
 
 class SpoolFlightService:
-    """The Flight service over `spool_dir`, served from its own threads (`start`, `stop`)."""
+    """The Flight service over `spool_dir`, served from its own threads (`start`, `stop`). With `tls`
+    (PEM certificate, PEM key) it speaks gRPC over TLS (grpc+tls://)."""
 
-    def __init__(self, spool_dir: str | Path, *, host: str, port: int, token: str | None = None) -> None:
+    def __init__(
+        self,
+        spool_dir: str | Path,
+        *,
+        host: str,
+        port: int,
+        token: str | None = None,
+        tls: tuple[bytes, bytes] | None = None,
+    ) -> None:
         self.spool_dir = Path(spool_dir)
         self.spool_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
-        self._server = _SpoolServer(self.spool_dir, f"grpc+tcp://{host}:{port}", token)
+        self.scheme = "grpc+tls" if tls is not None else "grpc"
+        # gRPC reports a failed bind as "Server did not start properly": the probe names the cause.
+        check_port_free("the Flight spool service", host, port, "transport.flight_port")
+        location = f"{'grpc+tls' if tls is not None else 'grpc+tcp'}://{host}:{port}"
+        try:
+            self._server = _SpoolServer(self.spool_dir, location, token, tls)
+        except pa.ArrowException as exc:
+            raise CannotListen(
+                f"the Flight spool service cannot listen on {host}:{port}: {exc}; check "
+                "transport.flight_host and transport.flight_port"
+            ) from None
         self.port = int(self._server.port)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"grpc://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._server.serve, name="spool-flight", daemon=True)
@@ -181,21 +209,36 @@ class FlightSpoolReader:
         wait_s: float = 1.0,
         timeout_s: float = 60.0,
         clock: Callable[[], float] = time.perf_counter,
+        tls_root_certs: bytes | None = None,
     ) -> None:
         self.url = url
+        self._tls_root_certs = tls_root_certs  # the CA bundle a grpc+tls:// service is checked against
         self.after_seq = after_seq
         self.wait_s = wait_s
         self.quarantined: list[QuarantinedFile] = []
         self.read_seconds = 0.0
         self.reconnects = 0
+        self.unreachable_since: float | None = None  # monotonic time of the first failed poll in a row
+        self._reachability: list[tuple[bool, str]] = []  # (blocked, message), for drain_reachability
         self._clock = clock
         headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
         self._options = flight.FlightCallOptions(timeout=timeout_s + wait_s, headers=headers)
+        # A listing that the server answers within wait_s: past LIST_GRACE_S more, the network is gone (a
+        # partition drops packets without a word), and the learner should say so, not hang a minute.
+        self._list_options = flight.FlightCallOptions(
+            timeout=wait_s + min(timeout_s, LIST_GRACE_S), headers=headers
+        )
         self._client: flight.FlightClient | None = None
 
     def _connection(self) -> flight.FlightClient:
         if self._client is None:
-            self._client = flight.FlightClient(self.url.replace("grpc://", "grpc+tcp://", 1))
+            location = self.url.replace("grpc://", "grpc+tcp://", 1)
+            roots = {"tls_root_certs": self._tls_root_certs} if self._tls_root_certs is not None else {}
+            keepalive = [
+                ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+                ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ]
+            self._client = flight.FlightClient(location, generic_options=keepalive, **roots)
         return self._client
 
     def close(self) -> None:
@@ -222,18 +265,45 @@ class FlightSpoolReader:
             log.warning(
                 "spool service %s unreachable (%s); resuming after seq %d", self.url, exc, self.after_seq
             )
+            self._lost(exc)
             self.close()
             time.sleep(min(1.0, 0.1 * self.reconnects))
         except (flight.FlightInternalError, OSError) as exc:
             self.reconnects += 1
             log.warning("spool service %s: %s; resuming after seq %d", self.url, exc, self.after_seq)
+            self._lost(exc)
             self.close()
+        else:
+            if self.unreachable_since is not None:
+                lasted = time.monotonic() - self.unreachable_since
+                self.unreachable_since = None
+                self._reachability.append(
+                    (False, f"the spool service {self.url} answers again after {lasted:.1f} s")
+                )
         return items
+
+    def _lost(self, exc: Exception) -> None:
+        if self.unreachable_since is None:
+            self.unreachable_since = time.monotonic()
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._reachability.append(
+                (
+                    True,
+                    f"the spool service {self.url} is unreachable ({first_line}); the learner retries and "
+                    f"resumes after seq {self.after_seq}",
+                )
+            )
+
+    def drain_reachability(self) -> list[tuple[bool, str]]:
+        """Changes of reachability since the last call: (blocked, message), one per outage and recovery."""
+        out, self._reachability = self._reachability, []
+        return out
 
     def _poll(self, limit: int | None, items: list[SpoolItem]) -> None:
         client = self._connection()
         command = {"after_seq": self.after_seq, "limit": limit or 64, "wait_s": self.wait_s}
-        info = client.get_flight_info(flight.FlightDescriptor.for_command(json.dumps(command)), self._options)
+        descriptor = flight.FlightDescriptor.for_command(json.dumps(command))
+        info = client.get_flight_info(descriptor, self._list_options)
         started = self._clock()
         try:
             for endpoint in info.endpoints:

@@ -1,13 +1,14 @@
 """Which spool reader a learner uses: the run directory's files, or a supervisor's Flight service
-(`learner.remote.spool_url`). Both have the same interface (poll, drain_quarantined, depth, prune,
-take_read_seconds) and the same exactly-once rule (pipeline.transport.flight)."""
+(`learner.remote.spool_url`). Both have the same interface (poll, drain_quarantined, drain_reachability,
+depth, prune, take_read_seconds) and the same exactly-once rule (pipeline.transport.flight)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.config import Config, learner_tls, reveal
+from pipeline.contracts.tls import ca_bytes
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader
 
 
@@ -24,6 +25,8 @@ class GroupReader(Protocol):
 
     def take_read_seconds(self) -> float: ...
 
+    def drain_reachability(self) -> list[tuple[bool, str]]: ...
+
 
 def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupReader:
     """The reader `cfg` asks for, positioned after `after_seq` (the checkpoint's consumed sequence)."""
@@ -36,4 +39,5 @@ def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupR
         after_seq=after_seq,
         token=reveal(cfg.transport.token),
         wait_s=cfg.transport.poll_wait_s,
+        tls_root_certs=ca_bytes(learner_tls(cfg)),
     )

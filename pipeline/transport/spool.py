@@ -242,6 +242,10 @@ class SpoolReader:
         seconds, self.read_seconds = self.read_seconds, 0.0
         return seconds
 
+    def drain_reachability(self) -> list[tuple[bool, str]]:
+        """A local directory is never unreachable (FlightSpoolReader's counterpart reports outages)."""
+        return []
+
     def depth(self, after_seq: int | None = None) -> tuple[int, int]:
         return spool_depth(self.spool_dir, self.after_seq if after_seq is None else after_seq)
 

@@ -28,6 +28,8 @@ import os
 import re
 import shutil
 import socket
+import ssl
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,24 @@ import aiohttp
 from aiohttp import web
 
 from pipeline.contracts.http_guard import (
+    ENGINE_API_KEY_ENV,
+    CannotListen,
     DoorLimits,
+    ExposedWithoutKey,
     api_key_middleware,
     bind_notice,
+    check_port_free,
+    listen,
     require_key_off_loopback,
     runner_options,
+)
+from pipeline.contracts.tls import (
+    PlaintextRefused,
+    TlsFiles,
+    check_url,
+    client_context,
+    require_tls_off_loopback,
+    server_context,
 )
 
 log = logging.getLogger(__name__)
@@ -136,9 +151,19 @@ class WeightServerThread:
 
     LIMITS = DoorLimits(max_body_bytes=64 * 1024)
 
-    def __init__(self, weights_of: Any, host: str, port: int, token: str | None, *, what: str) -> None:
+    def __init__(
+        self,
+        weights_of: Any,
+        host: str,
+        port: int,
+        token: str | None,
+        *,
+        what: str,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.server = WeightServer(weights_of)
         self.host, self.port, self.token, self.what = host, port, token, what
+        self.ssl_context = ssl_context  # TLS (pipeline.contracts.tls.context_for); None = plain
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -183,8 +208,8 @@ class WeightServerThread:
         self.server.add_routes(app)
         self._runner = web.AppRunner(app, access_log=None, **runner_options(self.LIMITS))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
+        await listen(site, self.what, self.host, self.port, "learner.remote.weights_port")
         return int(self._runner.addresses[0][1])
 
     async def _close_runner(self) -> None:
@@ -208,13 +233,13 @@ class WeightServerThread:
             loop.close()
 
 
-def advertised_url(host: str, port: int) -> str:
-    """http://host:port as another machine reaches it: a wildcard bind names this machine instead."""
+def advertised_url(host: str, port: int, scheme: str = "http") -> str:
+    """scheme://host:port as another machine reaches it: a wildcard bind names this machine instead."""
     if host in ("", "0.0.0.0", "::", "[::]"):
         host = socket.getfqdn()
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 class FetchError(Exception):
@@ -222,7 +247,13 @@ class FetchError(Exception):
 
 
 async def fetch_version(
-    source: str, version: int, dest_root: Path, *, token: str | None = None, timeout_s: float = 3600.0
+    source: str,
+    version: int,
+    dest_root: Path,
+    *,
+    token: str | None = None,
+    timeout_s: float = 3600.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> Path:
     """Download version `version` from the weight server at `source` into `dest_root/v<version>`.
 
@@ -235,7 +266,8 @@ async def fetch_version(
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = f"{source.rstrip('/')}/weights/v{version}"
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as http:
+    connector = aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as http:
         async with http.get(base + "/manifest") as resp:
             if resp.status != 200:
                 raise FetchError(f"{base}/manifest answered {resp.status}: {(await resp.text())[:200]}")
@@ -329,8 +361,16 @@ def _copies(dest_root: Path) -> list[tuple[int, Path]]:
     return [(seq, path) for seq, _, path in sorted(found)]
 
 
-def add_fetch_route(app: web.Application, dest_root: Path) -> None:
-    """`POST /fetch_weights` (module docstring) storing versions under `dest_root`."""
+def add_fetch_route(
+    app: web.Application,
+    dest_root: Path,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    allow_plaintext: bool = False,
+) -> None:
+    """`POST /fetch_weights` (module docstring) storing versions under `dest_root`. `ssl_context`: what
+    an https source is checked against; a plain http source on another host is refused unless
+    `allow_plaintext` (the request hands the source its token)."""
     lock = asyncio.Lock()  # one download at a time: two syncs never race on the same staging dir
 
     async def fetch(request: web.Request) -> web.Response:
@@ -338,11 +378,12 @@ def add_fetch_route(app: web.Application, dest_root: Path) -> None:
             body = await request.json()
             source, version = str(body["source"]), int(body["version"])
             token = body.get("token")
+            check_url(source, "fetch_weights source", allow_plaintext)
         except (ValueError, KeyError, TypeError) as exc:
             return _failed(f"bad fetch_weights body: {exc}")
         async with lock:
             try:
-                path = await fetch_version(source, version, dest_root, token=token)
+                path = await fetch_version(source, version, dest_root, token=token, ssl_context=ssl_context)
             except (FetchError, aiohttp.ClientError, TimeoutError, OSError, KeyError) as exc:
                 log.error("fetching version %d from %s failed: %r", version, source, exc)
                 return _failed(f"{type(exc).__name__}: {exc}")
@@ -356,13 +397,26 @@ def _failed(message: str) -> web.Response:
 
 
 async def request_fetch(
-    fetcher_url: str, *, source: str, version: int, token: str | None, timeout_s: float = 3600.0
+    fetcher_url: str,
+    *,
+    source: str,
+    version: int,
+    token: str | None,
+    timeout_s: float = 3600.0,
+    ssl_context: ssl.SSLContext | None = None,
+    api_key: str | None = None,
 ) -> str:
-    """Ask the fetcher at `fetcher_url` to download `version`; returns its local model path."""
+    """Ask the fetcher at `fetcher_url` to download `version`; returns its local model path. `api_key`:
+    the fetcher's (the engine's) key; `ssl_context`: what an https fetcher is checked against."""
     body = {"source": source, "version": version, "token": token}
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
     url = fetcher_url.rstrip("/") + "/fetch_weights"
-    async with aiohttp.ClientSession(timeout=timeout) as http, http.post(url, json=body) as resp:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connector = aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None
+    async with (
+        aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as http,
+        http.post(url, json=body) as resp,
+    ):
         text = await resp.text()
     try:
         reply = json.loads(text)
@@ -379,11 +433,34 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", required=True, help="where versions are stored (v<n>/, newest 3 kept)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30100)
+    p.add_argument(
+        "--api-key",
+        help=f"require Authorization: Bearer <key> (default: ${ENGINE_API_KEY_ENV}, the engine's key, which "
+        "the supervisor sends); needed beyond loopback",
+    )
+    p.add_argument("--ssl-certfile", help="PEM certificate: serve https (needed beyond loopback)")
+    p.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
+    p.add_argument("--ssl-ca-certs", help="PEM CA bundle an https weight source is checked against")
+    p.add_argument(
+        "--allow-plaintext", action="store_true", help="serve plain HTTP beyond loopback, fetch from http://"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s fetch-agent %(levelname)s %(message)s")
+    files = TlsFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
+    api_key = args.api_key or os.environ.get(ENGINE_API_KEY_ENV) or None
+    try:
+        require_key_off_loopback("the fetch agent", args.host, api_key, f"--api-key or {ENGINE_API_KEY_ENV}")
+        require_tls_off_loopback(
+            "the fetch agent", args.host, files.serves, args.allow_plaintext, "--ssl-certfile, --ssl-keyfile"
+        )
+        check_port_free("the fetch agent", args.host, args.port, "--port")
+    except (ExposedWithoutKey, PlaintextRefused, CannotListen) as exc:
+        print(f"rollwise engine fetch-agent: {exc}", file=sys.stderr)
+        return 2 if not isinstance(exc, CannotListen) else 1
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    app = web.Application()
-    add_fetch_route(app, root)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    app = web.Application(middlewares=[api_key_middleware(api_key, frozenset())] if api_key else [])
+    add_fetch_route(app, root, ssl_context=client_context(files), allow_plaintext=args.allow_plaintext)
+    log.info("%s", bind_notice("fetch agent", args.host, args.port, api_key, frozenset()))
+    web.run_app(app, host=args.host, port=args.port, print=None, ssl_context=server_context(files))
     return 0

@@ -5,10 +5,12 @@ import pyarrow as pa
 import pytest
 
 from pipeline.contracts.schema import (
+    ROUTED_EXPERTS_FIELD,
     SCHEMA_VERSION_KEY,
     TRAJECTORY_SCHEMA,
     EpisodeSegment,
     InvalidSegmentError,
+    RoutedExperts,
     batch_to_segments,
     segments_to_batch,
     validate_segment,
@@ -201,3 +203,67 @@ def test_an_optional_column_of_the_wrong_type_is_refused() -> None:
     bad = pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields, metadata=good.schema.metadata))
     with pytest.raises(InvalidSegmentError, match="column 'trace_id' has type int64"):
         batch_to_segments(bad)
+
+
+# ---------------------------------------------------------------- routed_experts (optional, MoE)
+def _routed(positions: int, *, width: int = 1, base: int = 0) -> RoutedExperts:
+    values = [(base + i) % 8 for i in range(positions * 2 * 2)]
+    return RoutedExperts(2, 2, width, RoutedExperts.encode(values, layers=2, topk=2, width=width))
+
+
+def test_routed_experts_pack_one_byte_per_id_below_257_experts_else_two() -> None:
+    assert RoutedExperts.width_for(8) == 1 and RoutedExperts.width_for(256) == 1
+    assert RoutedExperts.width_for(257) == 2 and RoutedExperts.width_for(384) == 2
+    small = RoutedExperts(1, 2, 1, RoutedExperts.encode([3, 7, 0, 255], layers=1, topk=2, width=1))
+    assert small.ids == bytes([3, 7, 0, 255]) and small.positions == 2 and small.values() == [3, 7, 0, 255]
+    wide = RoutedExperts(1, 2, 2, RoutedExperts.encode([300, 1], layers=1, topk=2, width=2))
+    assert wide.ids == bytes([44, 1, 1, 0]) and wide.values() == [300, 1]  # little endian
+    with pytest.raises(ValueError, match="does not fit 1 byte"):
+        RoutedExperts.encode([256, 0], layers=1, topk=2, width=1)
+    with pytest.raises(ValueError, match="not a whole number"):
+        RoutedExperts.encode([1, 2, 3], layers=1, topk=2, width=1)
+    with pytest.raises(ValueError, match="num_experts must be in"):
+        RoutedExperts.width_for(0)
+
+
+def test_rows_with_routing_records_round_trip_in_their_own_column() -> None:
+    eps = [make_episode(routed_experts=_routed(7)), make_episode(episode_id="e1")]
+    batch = segments_to_batch(eps)
+    assert batch.schema.field(ROUTED_EXPERTS_FIELD.name).type == ROUTED_EXPERTS_FIELD.type
+    assert batch.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
+    decoded, rejected = batch_to_segments(batch)
+    assert rejected == [] and decoded == eps
+    assert decoded[0].routed_experts is not None and decoded[0].routed_experts.positions == 7
+
+
+def test_a_batch_without_records_has_no_column_and_old_files_read_as_none() -> None:
+    batch = segments_to_batch([make_episode()])
+    assert batch.schema.get_field_index(ROUTED_EXPERTS_FIELD.name) < 0
+    assert batch.schema == TRAJECTORY_SCHEMA  # byte for byte what readers before the column wrote
+    decoded, _ = batch_to_segments(batch)
+    assert decoded[0].routed_experts is None
+    # A reader that predates the column reads the trajectory columns of a new batch.
+    new = segments_to_batch([make_episode(routed_experts=_routed(3))])
+    old_view = new.select(TRAJECTORY_SCHEMA.names)
+    assert batch_to_segments(old_view)[0][0].routed_experts is None
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        (RoutedExperts(2, 2, 1, bytes(9 * 4)), "covers 9 positions of a row of 8 tokens"),
+        (RoutedExperts(2, 2, 1, bytes(5)), "not a whole number of positions"),
+        (RoutedExperts(0, 2, 1, b""), "layers=0, topk=2; both must be >= 1"),
+        (RoutedExperts(2, 2, 3, bytes(12)), "width=3, expected 1 or 2 bytes"),
+    ],
+)
+def test_a_routing_record_that_does_not_fit_its_row_rejects_it(record: RoutedExperts, reason: str) -> None:
+    assert reason in str(validate_segment(make_episode(routed_experts=record)))
+
+
+def test_a_routed_experts_column_of_another_type_refuses_the_batch() -> None:
+    batch = segments_to_batch([make_episode()])
+    column = pa.array([[1, 2]], type=pa.list_(pa.int32()))
+    wrong = batch.append_column(pa.field("routed_experts", pa.list_(pa.int32())), column)
+    with pytest.raises(InvalidSegmentError, match="column 'routed_experts' has type list<item: int32>"):
+        batch_to_segments(wrong)

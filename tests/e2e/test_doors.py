@@ -153,7 +153,10 @@ async def test_a_keyed_engine_wants_the_key_everywhere_but_health_and_never_logs
     model_dirs: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    config = ServerConfig(model=str(model_dirs[0]), host="0.0.0.0", port=0, api_key=KEY, seed=0)
+    # Plain text allowed: this test is about the key (test_tls_doors.py refuses plain text by default).
+    config = ServerConfig(
+        model=str(model_dirs[0]), host="0.0.0.0", port=0, api_key=KEY, seed=0, allow_plaintext=True
+    )
     server = await start_server(config)
     try:
         url = f"http://127.0.0.1:{server.port}"
@@ -250,7 +253,7 @@ def test_a_config_that_binds_beyond_loopback_without_a_key_stops_naming_the_key(
     with pytest.raises(ConfigError, match=r"metrics\.api_key is required"):  # `rollwise run` checks it
         resolve_config(ns)
     monkeypatch.setenv("ROLLWISE_METRICS_API_KEY", KEY)
-    check_exposed_ports(load_config(None, ['metrics.host="0.0.0.0"']))
+    check_exposed_ports(load_config(None, ['metrics.host="0.0.0.0"', "tls.allow_plaintext=true"]))
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
 
 

@@ -134,7 +134,28 @@ def test_main_list_prints_table_and_json(capsys: pytest.CaptureFixture[str]) -> 
     assert main_list(["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["name"] for row in rows} >= BUILTIN_NAMES
-    assert set(rows[0]) == {"name", "value", "distribution", "version", "note"}
+    assert set(rows[0]) == {"name", "value", "distribution", "version", "note", "import_error"}
+    assert all(row["import_error"] is None for row in rows if row["name"] in BUILTIN_NAMES)
+
+
+def test_main_list_marks_an_environment_whose_import_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = _fake_entry_points(
+        ("fine", "envs.guess_number:GuessNumberEnv", "pkg-fine"),
+        ("broken", "no_such_module_xyz:Env", "pkg-broken"),
+    )
+    monkeypatch.setattr(discovery, "_group_entry_points", lambda: rows)
+    monkeypatch.setattr(discovery, "_family_entry_points", list)
+    assert main_list([]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "IMPORT FAILS: ModuleNotFoundError: No module named 'no_such_module_xyz'" in lines["broken"]
+    assert "IMPORT FAILS" not in lines["fine"]
+    assert main_list(["--json"]) == 0
+    listed = {row["name"]: row["import_error"] for row in json.loads(capsys.readouterr().out)}
+    assert listed == {"broken": "ModuleNotFoundError: No module named 'no_such_module_xyz'", "fine": None}
+    assert main_list(["--no-import"]) == 0
+    assert "IMPORT FAILS" not in capsys.readouterr().out
 
 
 def test_main_list_with_nothing_installed(

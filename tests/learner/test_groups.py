@@ -140,6 +140,7 @@ def test_every_event_survives_encode_and_decode() -> None:
         events.CheckpointSaved(step=1, path="/r/checkpoints/step1", consumed_seq=2, seconds=0.5),
         events.Quarantined(seq=7, file="g7.arrow", kind="unreadable", reason="not arrow"),
         events.StorageFault(component="checkpoint", blocked=True, kind="ENOSPC", message="disk full"),
+        events.Unreachable(what="spool", blocked=True, message="the spool service grpc://b:1 is unreachable"),
         events.Finished(step=3, reason="run.max_steps = 3"),
         events.Error(message="boom"),
     ]

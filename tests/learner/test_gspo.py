@@ -675,3 +675,87 @@ def test_bf16_inputs_are_upcast_and_loss_is_fp32() -> None:
     assert loss.dtype == torch.float32
     assert stats["ratio_mean"].dtype == torch.float32
     assert _grad(loss, lp).dtype == torch.bfloat16
+
+
+# ---------------------------------------------- the three [learner.loss] kinds, by hand, paper bands
+# Two sequences (G = 2), fp64. Sequence a: log ratios 0.3, -0.1 with A = +1 (s_a = e^0.1 = 1.1052, above
+# both bands' top). Sequence b: 0.0002, 0.0001, -0.0006 with A = -0.5 (s_b = e^-0.0001, inside both bands).
+HAND_DELTAS = [[0.3, -0.1, 0.0], [0.0002, 0.0001, -0.0006]]
+HAND_MASK = [[1, 1, 0], [1, 1, 1]]
+HAND_ADV = [1.0, -0.5]
+PAPER_BANDS = {"gspo_token": (3e-4, 4e-4), "gspo": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+
+
+def _hand_loss(kind: str, agg: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    from pipeline.contracts.learner_config import LossConfig
+
+    low, high = PAPER_BANDS[kind]
+    cfg = LossConfig(kind=kind, clip_low=low, clip_high=high, agg=agg)  # type: ignore[arg-type]
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.1, -3.0]], dtype=torch.float64)
+    lp = _leaf(old + torch.tensor(HAND_DELTAS, dtype=torch.float64))
+    adv = _seq_constant(HAND_ADV, (2, 3), torch.float64)
+    mask = torch.tensor(HAND_MASK)
+    loss, stats = gspo_token_loss(
+        lp, old, adv, mask, clip_low=low, clip_high=high, level=cfg.level, aggregation=cfg.agg
+    )
+    return loss, stats, _grad(loss, lp)
+
+
+def test_grpo_clips_each_token_by_its_own_ratio_by_hand() -> None:
+    loss, stats, grad = _hand_loss("grpo", "seq_mean_token_mean")
+    r = [[math.exp(d) for d in row] for row in HAND_DELTAS]
+    # a: r = 1.3499 > 1.27 with A > 0 is clipped (term -1.27, no gradient); r = 0.9048 is not.
+    seq_a = (-1.27 - r[0][1]) / 2
+    seq_b = sum(0.5 * x for x in r[1]) / 3  # every b ratio is inside [0.8, 1.27]
+    assert loss.item() == pytest.approx((seq_a + seq_b) / 2, abs=1e-12)
+    assert stats["clip_fraction_token"].item() == pytest.approx(1 / 5)
+    assert stats["clip_fraction"].item() == pytest.approx(1 / 2)
+    assert grad[0, 0].item() == 0.0
+    assert grad[0, 1].item() == pytest.approx(-1.0 * r[0][1] / 2 / 2, abs=1e-12)
+    assert grad[1].tolist() == pytest.approx([0.5 * x / 3 / 2 for x in r[1]], abs=1e-12)
+
+
+def test_grpo_token_mean_weighs_every_token_the_same_by_hand() -> None:
+    loss, _, _ = _hand_loss("grpo", "token_mean")
+    r = [[math.exp(d) for d in row] for row in HAND_DELTAS]
+    terms = [-1.27, -r[0][1], *(0.5 * x for x in r[1])]
+    assert loss.item() == pytest.approx(sum(terms) / 5, abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["gspo", "gspo_token"])
+def test_gspo_clips_each_sequence_once_by_hand(kind: str) -> None:
+    loss, stats, grad = _hand_loss(kind, "seq_mean_token_mean")
+    s_b = math.exp(-0.0001)
+    # a: s = e^0.1 above 1.0004 with A > 0: clipped at -1.0004, no gradient. b: inside the band.
+    assert loss.item() == pytest.approx((-1.0004 + 0.5 * s_b) / 2, abs=1e-12)
+    assert stats["clip_fraction"].item() == pytest.approx(1 / 2)
+    assert stats["clip_fraction_token"].item() == pytest.approx(2 / 5)  # the tokens of the clipped sequence
+    assert grad[0].abs().sum().item() == 0.0
+    # every token of b gets the sequence's weight: -A s_b / |y_b| / G
+    assert grad[1].tolist() == pytest.approx([0.5 * s_b / 3 / 2] * 3, abs=1e-12)
+
+
+def test_ratio_spread_statistics_by_hand() -> None:
+    _, stats, _ = _hand_loss("grpo", "seq_mean_token_mean")
+    tokens = [0.3, -0.1, 0.0002, 0.0001, -0.0006]
+    sequences = [0.1, -0.0001]
+    assert stats["token_log_ratio_mean"].item() == pytest.approx(sum(tokens) / 5, abs=1e-12)
+    assert stats["token_log_ratio_sq_mean"].item() == pytest.approx(sum(x * x for x in tokens) / 5, abs=1e-12)
+    assert stats["seq_log_ratio_mean"].item() == pytest.approx(sum(sequences) / 2, abs=1e-12)
+    assert stats["seq_log_ratio_sq_mean"].item() == pytest.approx(
+        sum(x * x for x in sequences) / 2, abs=1e-12
+    )
+
+
+def test_the_loss_kinds_map_to_their_ratio_levels_and_refuse_others() -> None:
+    from pydantic import ValidationError
+
+    from pipeline.contracts.learner_config import LossConfig
+
+    assert [LossConfig(kind=k).level for k in ("gspo_token", "gspo", "grpo")] == [  # type: ignore[arg-type]
+        "sequence_token",
+        "sequence",
+        "token",
+    ]
+    with pytest.raises(ValidationError, match="kind"):
+        LossConfig(kind="ppo")  # type: ignore[arg-type]

@@ -127,7 +127,7 @@ def test_config_rules_of_a_learner_with_its_own_run_dir(monkeypatch: pytest.Monk
     with pytest.raises(ConfigError, match=r"learner\.remote\.weights_token is required"):
         check_exposed_ports(load_config(None, exposed))
     monkeypatch.setenv("ROLLWISE_LEARNER_TOKEN", TOKEN)
-    check_exposed_ports(load_config(None, exposed))
+    check_exposed_ports(load_config(None, [*exposed, "tls.allow_plaintext=true"]))
     # A section's rule never echoes the section (it may hold a token).
     with pytest.raises(ConfigError) as refused:
         load_config(None, [f'learner.remote.weights_token="{TOKEN}"', 'learner.remote.run_dir="/l"'])

@@ -933,3 +933,81 @@ def test_weight_version_spans_become_per_token_versions_and_bad_spans_are_named(
 def test_a_temperature_sglang_would_refuse_never_leaves_the_client(temperature: float) -> None:
     with pytest.raises(ValueError, match="finite number"):
         SamplingParams(temperature=temperature)
+
+
+# ------------------------------------------------------------------------------ routed experts (MoE)
+def _reply_with_routing(values: list[int] | None, *, prompt: int = 4, finish: str = "stop") -> dict[str, Any]:
+    import base64
+    import struct
+
+    meta: dict[str, Any] = {
+        "id": "r",
+        "finish_reason": {"type": finish},
+        "prompt_tokens": prompt,
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]],
+    }
+    if values is not None:
+        meta["routed_experts"] = base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode()
+    return {"output_ids": [7, 8], "meta_info": meta}
+
+
+def _parse_routing(obj: dict[str, Any], start: int) -> list[int] | None:
+    from pipeline.supervisor.engines.protocol import RoutedExpertsRequest, parse_generate_response
+
+    result = parse_generate_response(obj, expected_rid="r", routed_experts=RoutedExpertsRequest(start, 4))
+    return None if result.routed_experts is None else list(result.routed_experts)
+
+
+def test_routed_experts_cover_the_asked_positions_and_decode_as_int32() -> None:
+    # prompt 4 + completion 2 - 1 = positions 0..4; asked from 2: 3 positions x (2 layers x top-2)
+    values = list(range(12))
+    assert _parse_routing(_reply_with_routing(values), start=2) == values
+
+
+def test_a_server_that_lists_every_position_is_cut_to_the_asked_start() -> None:
+    values = list(range(20))  # 5 positions x 4: an SGLang without routed_experts_start_len
+    assert _parse_routing(_reply_with_routing(values), start=2) == values[8:]
+
+
+@pytest.mark.parametrize(
+    ("obj", "defect"),
+    [
+        (_reply_with_routing(None), "meta_info.routed_experts is missing"),
+        (_reply_with_routing(list(range(8))), "holds 8 ids; positions [2, 5) x 4 per position make 12"),
+        (_reply_with_routing([0] * 11 + [-1]), "negative expert id"),
+    ],
+)
+def test_routed_experts_that_break_the_contract_name_the_defect(obj: dict[str, Any], defect: str) -> None:
+    with pytest.raises(EngineProtocolError, match=re.escape(defect)):
+        _parse_routing(obj, start=2)
+
+
+def test_routed_experts_that_are_not_base64_int32_are_a_protocol_error() -> None:
+    obj = _reply_with_routing(list(range(12)))
+    obj["meta_info"]["routed_experts"] = "not base64!"
+    with pytest.raises(EngineProtocolError, match="not base64 of int32"):
+        _parse_routing(obj, start=2)
+
+
+def test_an_abort_may_carry_no_routed_experts() -> None:
+    assert _parse_routing(_reply_with_routing(None, finish="abort"), start=2) is None
+
+
+async def test_the_client_asks_for_routed_experts_with_sglangs_fields(fake: FakeSGLang) -> None:
+    from pipeline.supervisor.engines.protocol import RoutedExpertsRequest
+
+    fake.routed_experts = (2, 2, 8)
+    fake.script = lambda call: Plan([7, 8, 9])
+    async with EngineClient(fake.base_url) as client:
+        result = await client.generate(
+            [1, 2, 3, 4],
+            SamplingParams(),
+            "r",
+            routed_experts=RoutedExpertsRequest(start_len=4, per_position=4),
+        )
+    assert result.routed_experts is not None and len(result.routed_experts) == (4 + 3 - 1 - 4) * 4
+    body = fake.generate_requests()[0]
+    assert (body["return_routed_experts"], body["routed_experts_start_len"]) == (True, 4)
+    assert fake.ignored_fields == []

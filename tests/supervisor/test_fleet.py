@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import EngineHTTPError, SamplingParams
 from pipeline.supervisor.fleet_membership import FleetMembership, MembershipError, scaled_concurrency
-from pipeline.tools.fake_sglang import FakeSGLang
+from pipeline.tools.fake_sglang import FakeSGLang, free_port
 from pipeline.transport.weights_http import (
     FetchError,
     WeightServer,
@@ -267,3 +268,44 @@ async def test_an_engine_counts_as_idle_by_its_own_get_load(fakes: list[FakeSGLa
         await client.abort_request("busy")
         await turn
         assert await _engine_idle(client)
+
+
+async def test_an_engine_whose_fetcher_cannot_be_reached_sits_the_sync_out_and_the_run_goes_on(
+    tmp_path: Path, fakes: list[FakeSGLang], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: a connection to a fetcher that breaks (reset, partition) failed the whole publish, and
+    the daemon stopped. Now it is asked again, then its engine keeps its version until the next sync."""
+    monkeypatch.setattr("pipeline.supervisor.engine_fleet.FETCH_RETRY_S", (0.01,))
+    run = RunDir.at(str(tmp_path / "run"), None)
+    publish(run, 5)
+    server_app, fetcher_app = web.Application(), web.Application()
+    WeightServer(run.weights_of).add_routes(server_app)
+    add_fetch_route(fetcher_app, tmp_path / "engine-disk")
+    server, source = await serve(server_app)
+    fetcher, fetcher_url = await serve(fetcher_app)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    urls = [f.base_url for f in fakes]
+    cfg = load_config(
+        None,
+        [
+            'engine.kind="external"',
+            f"engine.urls={json.dumps(urls)}",
+            'engine.weight_transport="http"',
+            f"engine.fetch_urls={json.dumps([fetcher_url, dead])}",
+        ],
+    )
+    said: list[str] = []
+    fleet = EngineFleet(cfg, run, asyncio.Event(), served_version=lambda: 0, fail=lambda why: None)
+    fleet.weight_source, fleet.progress_message = source, said.append
+    await fleet.start()
+    try:
+        timings = await fleet.sync(str(run.weights_of(5)), 5, "in_place")
+        assert fakes[0].update_calls[-1] == {**fakes[0].update_calls[-1], "weight_version": "5"}
+        assert fakes[0].update_calls[-1]["model_path"] == str(tmp_path / "engine-disk" / "v5")
+        assert all(call["weight_version"] != "5" for call in fakes[1].update_calls)  # not asked
+        assert list(timings.errors) == [urls[1]] and "its fetcher failed" in timings.errors[urls[1]]
+        assert len(said) == 1 and said[0].startswith(f"engine {urls[1]} could not fetch version 5 (")
+    finally:
+        await fleet.stop(1.0)
+        await server.cleanup()
+        await fetcher.cleanup()

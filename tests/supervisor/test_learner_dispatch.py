@@ -123,3 +123,13 @@ def test_a_full_disk_costs_step_lines_counted_and_logged_once(
     assert metrics.REGISTRY.get_sample_value("rollwise_storage_errors_total", labels) == before + 3
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"cannot append to {run.step_log}"]
     step_log.close()
+
+
+async def test_an_unreachable_spool_is_a_progress_message_while_it_lasts(dispatch: Dispatch) -> None:
+    text = "the spool service grpc://b:1 is unreachable"
+    lost = events.Unreachable(what="spool", blocked=True, message=text)
+    assert events.decode(json.loads(events.encode(lost))) == lost
+    await dispatch.handler.handle(lost)
+    await dispatch.handler.handle(events.Unreachable(what="spool", blocked=False, message="answers again"))
+    said = [json.loads(line)["text"] for line in dispatch.out.getvalue().splitlines()]
+    assert said == ["learner: the spool service grpc://b:1 is unreachable", "learner: answers again"]

@@ -859,3 +859,62 @@ async def test_a_token_version_that_is_not_a_number_is_an_engine_protocol_error(
     assert engine_errors("protocol") == before + 1 and env.closed == 1
     [row] = result.rows  # the prompt alone: the reply with the bad version was not appended
     assert row.num_turns == 0 and row.prompt_len == len(row.token_ids)
+
+
+# ------------------------------------------------------------------------- routed experts (MoE)
+MOE = (2, 2, 8)  # layers, top-k, experts: what the fake's MoE server routes
+
+
+async def test_each_turn_asks_for_the_routing_its_segment_lacks_and_the_row_holds_all_of_it(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    from pipeline.tools.fake_sglang.generation_plans import routed_experts
+
+    fake.routed_experts = MOE
+    eos = tok.eos_token_id
+    outs = [[*enc(tok, "8"), eos], [*enc(tok, "12"), eos], [*enc(tok, "10"), eos]]
+    fake.script = scripted({f"ep-t{k}": Plan(outs[k], [-0.5] * len(outs[k])) for k in range(3)})
+    result = await play(pool, tok, ScriptedEnv(["higher", "lower"]), settings(tok, routed_experts=MOE))
+
+    assert result.finish_reason == "stop" and result.error is None
+    [row] = result.rows
+    record = row.routed_experts
+    assert record is not None and (record.layers, record.topk, record.width) == (2, 2, 1)
+    assert record.positions == len(row.token_ids) - 1  # the last sampled token was never forwarded
+    expected = routed_experts(fake.served_weights, row.token_ids, 0, layers=2, topk=2, num_experts=8)
+    assert record.values() == expected
+    asked = [(r["return_routed_experts"], r["routed_experts_start_len"]) for r in fake.generate_requests()]
+    ends = [len(r["input_ids"]) + len(outs[k]) - 1 for k, r in enumerate(fake.generate_requests())]
+    assert asked == [(True, 0), (True, ends[0]), (True, ends[1])]
+    assert fake.ignored_fields == []
+
+
+async def test_an_engine_that_returns_no_routing_ends_the_episode_naming_the_launch_flag(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), tok.eos_token_id])})
+    before = engine_errors("protocol")
+    result = await play(pool, tok, ScriptedEnv([]), settings(tok, routed_experts=MOE))
+    assert result.finish_reason == "engine_error"
+    assert "--enable-return-routed-experts" in (result.error or "")
+    assert engine_errors("protocol") == before + 1
+
+
+async def test_an_expert_id_beyond_the_models_ends_the_episode(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    fake.routed_experts = (2, 2, 16)  # the engine routes over 16 experts, the runner's model has 8
+    fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), *enc(tok, "9"), tok.eos_token_id])})
+    result = await play(pool, tok, ScriptedEnv([]), settings(tok, routed_experts=MOE))
+    assert result.finish_reason == "engine_error"
+    assert "names an expert >= the model's 8" in (result.error or "")
+
+
+async def test_without_routed_experts_requests_carry_no_routing_fields(
+    fake: FakeSGLang, pool: EnginePool, tok: Any
+) -> None:
+    fake.routed_experts = MOE
+    fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), tok.eos_token_id])})
+    result = await play(pool, tok, ScriptedEnv([]), settings(tok))
+    assert result.rows[0].routed_experts is None
+    assert "return_routed_experts" not in fake.generate_requests()[0]

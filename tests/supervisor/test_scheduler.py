@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -17,7 +16,7 @@ from envs.api import Environment, Task
 from pipeline.contracts.schema import batch_to_segments
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
-from pipeline.supervisor.actors.scheduler import GroupScheduler, untrainable_summary
+from pipeline.supervisor.actors.scheduler import FailureStreak, GroupScheduler
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
@@ -434,34 +433,43 @@ async def test_failing_groups_back_off_admission_instead_of_spinning(
     assert sched.failed_groups == sched.written
 
 
-def _ended(reason: str, error: str | None = None) -> EpisodeOutcome:
+def _episode(reason: str, error: str | None = None) -> EpisodeOutcome:
     return EpisodeOutcome("e", "g", "t", "env", reason, [], [], None, 0, 0.0, error=error)
 
 
 async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path) -> None:
     sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
-    sched._note_outcome("bad", [_ended("engine_error")])
-    sched._note_outcome("bad", [_ended("timeout")])
+    sched._note_outcome("bad", [_episode("engine_error", "x")])
+    sched._note_outcome("bad", [_episode("env_error", "y")])
     assert sched._failure_streak == 2
-    sched._note_outcome("good", [_ended("timeout"), _ended("stop")])
-    assert sched._failure_streak == 0
+    sched._note_outcome("good", [_episode("engine_error", "x"), _episode("stop")])
+    assert sched._failure_streak == 0 and sched._why_failing.groups == 0
 
 
-async def test_the_warning_says_how_the_episodes_ended(
-    pool: EnginePool, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_every_episode_failed_says_why(pool: EnginePool, tmp_path: Path) -> None:
+    """Issue 33: the warning said only "every episode failed (N in a row)". It now counts the streak's
+    episodes by finish reason and shows its most frequent errors (digits ignored when counting)."""
+    said: list[str] = []
     sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
-    refused = "engine http://e: 400: requested 1035 tokens, context length 1024"
-    episodes = [_ended("engine_error", refused)] * 5 + [_ended("timeout", "episode exceeded 120 s")] * 3
-    with caplog.at_level(logging.WARNING):
-        sched._note_outcome("g7", episodes)
-    [record] = caplog.records
-    assert record.getMessage() == (
-        f"group g7: no episode can be trained (5 engine_error, 3 timeout; first: {refused}; 1 such groups "
-        "in a row); pausing admission for 0.05 s"
-    )
-    assert untrainable_summary([]) == "no episodes"
-    assert untrainable_summary([_ended("env_error", "x" * 400)]) == "1 env_error; first: " + "x" * 300
+    sched.notify = said.append
+    context = "engine http://a:1: HTTP 400: The input ({n} tokens) is longer than the model's context length"
+    for group in range(4):
+        episodes = [_episode("engine_error", context.format(n=1020 + i)) for i in range(3)]
+        episodes.append(_episode("env_error", "ValueError: bad move") if group == 0 else _episode("timeout"))
+        sched._note_outcome(f"g{group}", episodes)
+    assert len(said) == 3  # groups 1, 2 and 4 of the streak
+    last = said[-1]
+    assert "4 groups in a row" in last and "16 episodes ended engine_error 12, timeout 3, env_error 1" in last
+    assert '12 x "engine http://a:1: HTTP 400: The input (1020 tokens) is longer than' in last
+    assert "1 x 'ValueError: bad move'" in last
+
+
+def test_a_streak_of_distinct_messages_stays_bounded() -> None:
+    streak = FailureStreak()
+    for i in range(1000):
+        streak.add([_episode("engine_error", f"error kind {chr(65 + i % 26)}{chr(65 + i // 26 % 26)} {i}")])
+    assert len(streak.errors) <= FailureStreak.MAX_SHAPES + 1
+    assert sum(streak.errors.values()) == 1000
 
 
 async def test_admission_waits_while_no_engine_can_serve_and_resumes_when_one_answers(

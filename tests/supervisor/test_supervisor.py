@@ -443,3 +443,85 @@ async def test_versions_and_drops_announced_while_the_scheduler_starts_reach_it(
         await scheduler.drain(1.0)
         await sup.engines.pool.close()
         await fake.stop()
+
+
+# --- Mixture-of-Experts -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("setting", ["routing_replay=true", "record_routing=true", "load_balance_coef=0.01"])
+def test_moe_options_with_a_dense_preset_are_refused_before_start(setting: str, tmp_path: Path) -> None:
+    key = setting.split("=")[0]
+    overrides = [f"learner.moe.{setting}", f"run.run_dir='{tmp_path / 'r'}'"]
+    with pytest.raises(ConfigError, match=rf"learner\.moe\.{key} needs a Mixture-of-Experts model.*'tiny'"):
+        resolve_config(_ns(set=overrides))
+    resolve_config(_ns(set=[*overrides, "model.preset='moe-tiny'"]))
+
+
+def test_routing_options_read_a_model_paths_config(tiny_model_dir: Path, moe_tiny_model_dir: Path) -> None:
+    from pipeline.supervisor.wiring import moe_routing_shape
+
+    assert moe_routing_shape(moe_tiny_model_dir) == (2, 2, 8)
+    assert moe_routing_shape(tiny_model_dir) is None
+    with pytest.raises(ConfigError, match=rf"learner\.moe\.routing_replay .* {tiny_model_dir} is dense"):
+        resolve_config(_ns(set=[f"model.path='{tiny_model_dir}'", "learner.moe.routing_replay=true"]))
+    resolve_config(_ns(set=[f"model.path='{moe_tiny_model_dir}'", "learner.moe.routing_replay=true"]))
+
+
+def test_lora_on_expert_weights_of_an_moe_model_is_refused_before_start() -> None:
+    moe_lora = ["model.preset='moe-tiny'", "learner.lora.enabled=true"]
+    with pytest.raises(ConfigError, match=r"learner\.lora\.target_modules: \['down_proj', 'gate_proj'"):
+        resolve_config(_ns(set=moe_lora))
+    resolve_config(_ns(set=[*moe_lora, "learner.lora.target_modules=['q_proj', 'v_proj']"]))
+
+
+def test_the_moe_table_refuses_bad_values_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"learner\.moe\.routing_replay: Input should be a valid boolean"):
+        load_config(None, ["learner.moe.routing_replay='sometimes'"])
+    with pytest.raises(ConfigError, match=r"learner\.moe\.replay: Extra inputs are not permitted"):
+        load_config(None, ["learner.moe.replay=true"])
+    assert not load_config(None, []).learner.moe.records_routing  # off by default
+
+
+def test_engines_record_routing_only_when_the_learner_asks(tmp_path: Path, moe_tiny_model_dir: Path) -> None:
+    from pipeline.supervisor.wiring import rollout_settings
+
+    for kind in ("embedded", "sglang"):
+        plain = load_config(None, ["engine.port=0", f"engine.kind='{kind}'"])
+        replay = load_config(
+            None, ["engine.port=0", f"engine.kind='{kind}'", "learner.moe.routing_replay=true"]
+        )
+        assert "--enable-return-routed-experts" not in engine_argv(
+            plain, plan_engines(plain)[0], model_dir=tmp_path, version=0
+        )
+        assert "--enable-return-routed-experts" in engine_argv(
+            replay, plan_engines(replay)[0], model_dir=tmp_path, version=0
+        )
+    assert rollout_settings(replay, moe_tiny_model_dir).routed_experts == (2, 2, 8)
+    assert rollout_settings(plain, moe_tiny_model_dir).routed_experts is None
+    assert rollout_settings(replay).routed_experts is None  # no model: the daemon passes its initial model
+
+
+def test_an_moe_step_creates_the_moe_series_and_a_dense_step_leaves_them_alone() -> None:
+    def value(name: str, labels: dict[str, str]) -> float | None:
+        return metrics.REGISTRY.get_sample_value(name, labels)
+
+    moe = {
+        "moe_routing_change": 0.1,
+        "moe_routing_change_max_layer": 0.25,
+        "moe_load_imbalance": 1.5,
+        "moe_load_imbalance_max_layer": 2.0,
+        "router_mismatch_own": 0.04,
+        "router_mismatch_replayed": 0.01,
+        "ratio_spread_token": 0.3,
+        "ratio_spread_sequence": 0.1,
+    }
+    record_step(_step(40, metrics=moe))
+    assert value("rollwise_learner_moe_routing_change_ratio", {"stat": "mean"}) == 0.1
+    assert value("rollwise_learner_moe_routing_change_ratio", {"stat": "max"}) == 0.25
+    assert value("rollwise_learner_moe_load_imbalance", {"stat": "mean"}) == 1.5
+    assert value("rollwise_learner_moe_load_imbalance", {"stat": "max"}) == 2.0
+    assert value("rollwise_learner_router_mismatch_abs", {"routing": "own"}) == 0.04
+    assert value("rollwise_learner_router_mismatch_abs", {"routing": "replayed"}) == 0.01
+    assert value("rollwise_learner_log_ratio_spread", {"level": "token"}) == 0.3
+    assert value("rollwise_learner_log_ratio_spread", {"level": "sequence"}) == 0.1
+    record_step(_step(41, metrics={"loss": 0.5, "ratio_spread_token": 0.2}))  # a dense model's step
+    assert value("rollwise_learner_moe_routing_change_ratio", {"stat": "mean"}) == 0.1
+    assert value("rollwise_learner_log_ratio_spread", {"level": "token"}) == 0.2

@@ -224,7 +224,7 @@ class _HangingPool:
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
-        model_paths: Mapping[str, str] | None = None,
+        model_paths: Mapping[str, str | None] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]:
         self.calls.append("update")
         await asyncio.Event().wait()

@@ -221,3 +221,37 @@ async def test_routes_sglang_does_not_serve_are_404(fake: FakeSGLang) -> None:
     assert (await get(fake, "/metrics"))[0] == 404  # only with --enable-metrics
     status, body = await get(fake, "/get_weight_version")
     assert status == 404 and "deprecated. Please use '/model_info' instead." in body
+
+
+# ------------------------------------------------------------------------------ routed experts (MoE)
+async def test_routed_experts_come_back_only_from_a_server_launched_to_record_them(fake: FakeSGLang) -> None:
+    import base64
+    import struct
+
+    fake.script = lambda call: Plan([7, 8, 9])
+    body = {**generate_body("r0", [1, 2, 3, 4]), "return_routed_experts": True, "routed_experts_start_len": 1}
+    status, _, reply = await post(fake, "/generate", body)
+    assert status == 200 and "routed_experts" not in reply["meta_info"]  # no --enable-return-routed-experts
+    fake.routed_experts = (2, 2, 8)
+    status, _, reply = await post(fake, "/generate", {**body, "rid": "r1"})
+    raw = base64.b64decode(reply["meta_info"]["routed_experts"])
+    values = struct.unpack(f"<{len(raw) // 4}i", raw)
+    assert len(values) == (4 + 3 - 1 - 1) * 2 * 2  # positions [1, prompt + completion - 1) x layers x k
+    assert all(0 <= v < 8 for v in values)
+    assert all(values[i] != values[i + 1] for i in range(0, len(values), 2))  # top-k ids are distinct
+
+
+@pytest.mark.parametrize(("start", "ok"), [(0, True), (4, True), (5, False), (-1, False), ("1", False)])
+async def test_routed_experts_start_len_must_lie_in_the_prompt(
+    fake: FakeSGLang, start: object, ok: bool
+) -> None:
+    fake.routed_experts = (2, 2, 8)
+    body = {
+        **generate_body("r", [1, 2, 3, 4]),
+        "return_routed_experts": True,
+        "routed_experts_start_len": start,
+    }
+    status, _, reply = await post(fake, "/generate", body)
+    assert (status == 200) == ok
+    if not ok:
+        assert "routed_experts_start_len must be in [0, prompt_tokens]" in reply["message"]

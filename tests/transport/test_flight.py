@@ -149,3 +149,26 @@ def test_learner_spool_url_selects_the_flight_reader(tmp_path: Path) -> None:
         load_config(None, ['learner.remote.spool_url="http://x:1"'])
     with pytest.raises(ConfigError, match=r"transport\.token"):
         check_exposed_ports(load_config(None, ['transport.kind="flight"', 'transport.flight_host="0.0.0.0"']))
+
+
+def test_an_unreachable_service_is_announced_once_and_its_return_once(spool: Path) -> None:
+    """Issue 33: while the spool service cannot be reached the learner says so once (an `unreachable`
+    event to the supervisor), not once per retry, and once more when it answers again."""
+    port = free_port()
+    reader = FlightSpoolReader(f"grpc://127.0.0.1:{port}", after_seq=0, wait_s=0.0, timeout_s=2.0)
+    for _ in range(3):
+        assert reader.poll() == []
+    changes = reader.drain_reachability()
+    assert len(changes) == 1 and changes[0][0] is True
+    assert "is unreachable" in changes[0][1] and "resumes after seq 0" in changes[0][1]
+    write_groups(spool, ["a"])
+    service = SpoolFlightService(spool, host="127.0.0.1", port=port)
+    service.start()
+    try:
+        assert [i.group_id for i in reader.poll()] == ["a"]
+        back = reader.drain_reachability()
+        assert len(back) == 1 and back[0][0] is False and "answers again after" in back[0][1]
+        assert reader.poll() == [] and reader.drain_reachability() == []
+    finally:
+        reader.close()
+        service.stop()

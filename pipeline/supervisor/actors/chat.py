@@ -76,6 +76,10 @@ class SegmentBuffer:
     logprobs: list[float] = field(default_factory=list)
     turn_index: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # MoE routing record (RolloutSettings.routed_experts): the engine's experts of positions
+    # [0, routed_positions), encoded as pipeline.contracts.schema.RoutedExperts.ids.
+    routed: bytearray = field(default_factory=bytearray)
+    routed_positions: int = 0
 
     @classmethod
     def from_prompt(cls, prompt_ids: list[int]) -> SegmentBuffer:
@@ -104,6 +108,16 @@ class SegmentBuffer:
         self.logprobs.extend(logprobs)
         self.turn_index.extend([turn] * n)
         self.versions.extend(versions)
+
+    def append_routed(self, start: int, positions: int, ids: bytes) -> None:
+        """The engine's routing of positions [start, start + positions); `start` must be where the record
+        ends (each request asks from there), so the record stays contiguous from position 0."""
+        if start != self.routed_positions:
+            raise ValueError(f"routing record ends at position {self.routed_positions}, not {start}")
+        if start + positions > len(self.token_ids):
+            raise ValueError(f"routing of positions up to {start + positions} in a {len(self)}-token segment")
+        self.routed.extend(ids)
+        self.routed_positions += positions
 
     def append_context(self, ids: Sequence[int], turn: int) -> None:
         """Tokens the model did not generate (environment replies, template glue): loss mask 0."""

@@ -141,7 +141,9 @@ def summarise(mode: Mode, per_task: Sequence[Sequence[EpisodeOutcome]]) -> ModeR
 
 
 def mode_settings(settings: RolloutSettings, mode: Mode) -> RolloutSettings:
-    """The training rollout settings with the mode's sampling: temperature 0 (greedy) or as trained."""
+    """The training rollout settings with the mode's sampling: temperature 0 (greedy) or as trained.
+    Held-out episodes are never trained on, so they record no routed experts."""
+    settings = dataclasses.replace(settings, routed_experts=None)
     if mode == "sampled":
         return settings
     return dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, temperature=0.0))

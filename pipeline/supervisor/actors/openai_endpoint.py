@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import secrets
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from aiohttp import web
 from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult, as_agent_result
 from envs.api import Task, ToolCall
 from envs.toolcalls import get_parser, text_without_calls
+from pipeline.contracts.tls import require_tls_off_loopback
 from pipeline.supervisor.actors.agent_session import AgentSession
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.openai_wire import (
@@ -75,12 +77,17 @@ class OpenAIEndpoint:
         settings: RolloutSettings,
         host: str = "127.0.0.1",
         port: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        allow_plaintext: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
         self.host = host
         self.port = port
+        # Beyond loopback it serves TLS (pipeline.contracts.tls): the episodes' keys are in every URL.
+        self.ssl_context = ssl_context
+        self.allow_plaintext = allow_plaintext
         self.service_key = secrets.token_urlsafe(18)
         self.stops = stop_token_ids(settings, tokenizer)
         self._parser = get_parser(settings.tool_parser)
@@ -92,7 +99,15 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
-        """Serve on host:port (0 = a free port); returns `base_url`."""
+        """Serve on host:port (0 = a free port); returns `base_url`. PlaintextRefused beyond loopback
+        without TLS (unless `allow_plaintext`)."""
+        require_tls_off_loopback(
+            "the OpenAI endpoint",
+            self.host,
+            self.ssl_context is not None,
+            self.allow_plaintext,
+            "ssl_context",
+        )
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -100,7 +115,7 @@ class OpenAIEndpoint:
         app.router.add_post("/e/{key}/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096, ssl_context=self.ssl_context)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         return self.base_url
@@ -108,10 +123,14 @@ class OpenAIEndpoint:
     @property
     def base_url(self) -> str:
         """The service base URL (use with `service_key`)."""
-        return f"http://{self.host}:{self.port}/v1"
+        return f"{self.origin}/v1"
 
     def episode_base_url(self, key: str) -> str:
-        return f"http://{self.host}:{self.port}/e/{key}/v1"
+        return f"{self.origin}/e/{key}/v1"
+
+    @property
+    def origin(self) -> str:
+        return f"{'https' if self.ssl_context else 'http'}://{self.host}:{self.port}"
 
     async def close(self) -> None:
         """Stop serving; episodes still open are refused from now on. Idempotent."""
@@ -455,7 +474,7 @@ def _shared_http_client(endpoint: OpenAIEndpoint) -> Any:
         async def close_shared(self) -> None:
             await super().aclose()
 
-    return SharedHTTPClient(mounts={f"http://{endpoint.host}:{endpoint.port}": InProcess()})
+    return SharedHTTPClient(mounts={endpoint.origin: InProcess()})
 
 
 def _dumps(obj: Any) -> str:

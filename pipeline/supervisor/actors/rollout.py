@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import CoroutineType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import pyarrow as pa
 
@@ -60,7 +60,12 @@ from envs.agent import AgentEnvironment
 from envs.api import FORMAT_ERROR, EnvError, EnvFactory, Environment, StepResult, Task, is_finite_number
 from envs.toolcalls import get_parser
 from pipeline.contracts import tracing
-from pipeline.contracts.schema import TRAINABLE_FINISH_REASONS, EpisodeSegment, segments_to_batch
+from pipeline.contracts.schema import (
+    TRAINABLE_FINISH_REASONS,
+    EpisodeSegment,
+    RoutedExperts,
+    segments_to_batch,
+)
 from pipeline.supervisor.actors.chat import ChatBuffer, ChatTokenizer
 from pipeline.supervisor.engines.protocol import (
     EngineError,
@@ -68,6 +73,7 @@ from pipeline.supervisor.engines.protocol import (
     EngineProtocolError,
     EngineUnavailable,
     GenerateResult,
+    RoutedExpertsRequest,
     SamplingParams,
     version_to_int,
 )
@@ -81,6 +87,20 @@ class GenerateEngine(Protocol):
 
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, rid: str, *, affinity_key: str
+    ) -> GenerateResult: ...
+
+
+class RoutingEngine(Protocol):
+    """A GenerateEngine that can return routed experts (the EnginePool; RolloutSettings.routed_experts)."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        *,
+        affinity_key: str,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult: ...
 
 
@@ -103,6 +123,9 @@ class RolloutSettings:
     abort-mode weight sync) as prompt + partial output, as often as each resubmission makes progress: a
     turn fails after `max_abort_retries` aborts in a row that kept no new token; set it when the weight
     sync aborts requests, leave it off otherwise (an abort is then an error).
+    `routed_experts` = (layers, topk, num_experts) of an MoE model whose engines return routed experts
+    (learner.moe): each turn asks for the positions its segment has no record of yet, and every row
+    carries its segment's record (Contract 1's routed_experts column). None = not asked.
     """
 
     sampling: SamplingParams
@@ -111,6 +134,7 @@ class RolloutSettings:
     system_prompt: str | None = None
     retry_aborted: bool = False
     max_abort_retries: int = 3
+    routed_experts: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         get_parser(self.tool_parser)  # fail at configuration time, not in the first episode
@@ -527,14 +551,24 @@ class _EpisodeRun:
             sampling = self._sampling(min(max_new - produced, budget))
             rid = f"{self.episode_id}-t{turn}" + (f"-r{attempt}" if attempt else "")
             started = time.perf_counter()
+            routing = self._routing_request(chat)
             span = (
                 tracing.span("engine.generate", {"rollwise.rid": rid}) if self.trace_id else tracing.NO_SPAN
             )
             try:
                 with span as current:
-                    result = await self.engine.generate(
-                        chat.input_ids, sampling, rid, affinity_key=self.affinity_key
-                    )
+                    if routing is None:
+                        result = await self.engine.generate(
+                            chat.input_ids, sampling, rid, affinity_key=self.affinity_key
+                        )
+                    else:
+                        result = await cast(RoutingEngine, self.engine).generate(
+                            chat.input_ids,
+                            sampling,
+                            rid,
+                            affinity_key=self.affinity_key,
+                            routed_experts=routing,
+                        )
                     versions = self._versions(result.token_versions)
                     if current.is_recording():
                         self._trace_request(current, result, versions, len(chat.input_ids), started)
@@ -548,6 +582,8 @@ class _EpisodeRun:
             if n and len(self.turn_rewards) == turn:
                 self.turn_rewards.append(0.0)  # the turn exists once it has tokens
             chat.add_generated(result.output_ids, result.logprobs, versions, turn)
+            if routing is not None and result.routed_experts is not None and result.finish_reason != "abort":
+                self._record_routing(chat, routing, result)
             produced += n
             self.generated_tokens += n
             self.metrics.generated_tokens.inc(n)
@@ -574,6 +610,37 @@ class _EpisodeRun:
         self.metrics.turns.inc()
         self.metrics.turn_tokens.observe(produced)
         return finish
+
+    def _routing_request(self, chat: ChatBuffer) -> RoutedExpertsRequest | None:
+        """Ask for the positions of the current segment without a record yet (RolloutSettings)."""
+        shape = self.settings.routed_experts
+        if shape is None:
+            return None
+        return RoutedExpertsRequest(start_len=chat.current.routed_positions, per_position=shape[0] * shape[1])
+
+    def _record_routing(
+        self, chat: ChatBuffer, request: RoutedExpertsRequest, result: GenerateResult
+    ) -> None:
+        """Append a finished turn's routed experts to its segment's record (an aborted attempt's are
+        not kept: its resubmission asks again from the same position)."""
+        assert self.settings.routed_experts is not None and result.routed_experts is not None
+        layers, topk, experts = self.settings.routed_experts
+        if max(result.routed_experts, default=0) >= experts:
+            raise _engine_failure(
+                "protocol", f"{result.rid}: meta_info.routed_experts names an expert >= the model's {experts}"
+            )
+        width = RoutedExperts.width_for(experts)
+        ids = RoutedExperts.encode(result.routed_experts, layers=layers, topk=topk, width=width)
+        chat.current.append_routed(request.start_len, len(result.routed_experts) // (layers * topk), ids)
+
+    def _routing_of(self, seg: Any) -> RoutedExperts | None:
+        shape = self.settings.routed_experts
+        if shape is None:
+            return None
+        layers, topk, experts = shape
+        return RoutedExperts(
+            layers=layers, topk=topk, width=RoutedExperts.width_for(experts), ids=bytes(seg.routed)
+        )
 
     def _trace_request(
         self, current: Any, result: GenerateResult, versions: list[int], prompt: int, started: float
@@ -615,6 +682,7 @@ class _EpisodeRun:
                 finish_reason=finish_reason,
                 segment=index,
                 trace_id=trace_id,
+                routed_experts=self._routing_of(seg),
             )
             for index, seg in enumerate(self.chat.segments)
         ]

@@ -21,9 +21,9 @@ Decisions:
   count comes back through `on_dropped` like any other drop.
 - Such groups take milliseconds when an engine is down, so each one in a row doubles a pause of
   admission (`failure_backoff_s` = (first, longest) pause); a group with a trainable episode resets
-  it. Without it an engine outage wrote hundreds of empty groups per second. The warning counts the
-  group's episodes by finish reason and quotes the first error (a request over the model's context,
-  a timeout, an env that raised), so the cause is in the log, not only "failed".
+  it. Without it an engine outage wrote hundreds of empty groups per second. The warning (logged and
+  sent to `notify` at the 1st, 2nd, 4th, 8th ... group of a streak) says why: the streak's episodes
+  by finish reason and its most frequent error messages (`FailureStreak`).
 - Group ids are `"{run_prefix}-g{n:06d}"`, `run_prefix` a fresh random token per GroupScheduler, so ids are
   unique across restarts without persisting a counter.
 - Actor idle time (`actor_idle_s`, ACTOR_IDLE) is slot-weighted: while staleness (not concurrency)
@@ -56,11 +56,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import statistics
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -83,19 +84,47 @@ from pipeline.transport.spool import SpoolEntry, SpoolWriter
 log = logging.getLogger(__name__)
 
 
+class FailureStreak:
+    """Why the groups of a streak of wholly failed groups failed: their episodes counted by finish
+    reason, and their error messages counted by shape (digits ignored, so "The input (1020 tokens)" and
+    "(1024 tokens)" count together; the first message of each shape is the one shown)."""
+
+    MAX_SHAPES = 64  # distinct messages kept: a streak of unique messages must not grow without bound
+    SHOWN = 3
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.reasons: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self._example: dict[str, str] = {}
+
+    def add(self, episodes: list[EpisodeOutcome]) -> None:
+        self.groups += 1
+        for episode in episodes:
+            self.reasons[episode.finish_reason] += 1
+            if episode.error:
+                shape = re.sub(r"\d+", "#", episode.error)[:300]
+                if shape not in self._example and len(self._example) >= self.MAX_SHAPES:
+                    shape = "(other messages)"
+                self._example.setdefault(shape, episode.error[:300])
+                self.errors[shape] += 1
+
+    def summary(self) -> str:
+        episodes = sum(self.reasons.values())
+        reasons = ", ".join(f"{reason} {count}" for reason, count in self.reasons.most_common())
+        text = f"{episodes} episodes ended {reasons or 'without episodes'}"
+        if self.errors:
+            top = "; ".join(
+                f"{count} x {self._example[shape]!r}" for shape, count in self.errors.most_common(self.SHOWN)
+            )
+            text += f"; most frequent errors: {top}"
+        return text
+
+
 class AgentEndpoint(AgentRunner, Protocol):
     """The agent runner the scheduler owns (pipeline.supervisor.actors.openai_endpoint.OpenAIEndpoint)."""
 
     async def close(self) -> None: ...
-
-
-def untrainable_summary(episodes: Sequence[EpisodeOutcome]) -> str:
-    """How a group's episodes ended, for a warning: counts by finish reason, most frequent first, and the
-    first error message (e.g. "8 engine_error; first: engine refused the request: ... context length")."""
-    reasons = Counter(ep.finish_reason for ep in episodes)
-    text = ", ".join(f"{count} {reason}" for reason, count in reasons.most_common()) or "no episodes"
-    first = next((ep.error for ep in episodes if ep.error), None)
-    return f"{text}; first: {first[:300]}" if first else text
 
 
 class GroupScheduler:
@@ -148,6 +177,7 @@ class GroupScheduler:
         self._writes: set[asyncio.Future[SpoolEntry]] = set()
         self.failure_backoff_s = failure_backoff_s
         self._failure_streak = 0
+        self._why_failing = FailureStreak()
         self._resume_at = 0.0
         self.notify = notify or (lambda text: None)
         self.storage_retry_s = storage_retry_s
@@ -381,27 +411,26 @@ class GroupScheduler:
                 self._wake.set()
             return entry
 
-    def _note_outcome(self, group_id: str, episodes: Sequence[EpisodeOutcome]) -> None:
+    def _note_outcome(self, group_id: str, episodes: list[EpisodeOutcome]) -> None:
         """Back off admission while whole groups fail (an engine down, a broken environment): they
-        finish in milliseconds, and without a pause the scheduler would spin writing empty groups.
-        The warning says how the group's episodes ended (`untrainable_summary`)."""
+        finish in milliseconds, and without a pause the scheduler would spin writing empty groups."""
         if any(ep.trainable for ep in episodes):
             self._failure_streak = 0
+            self._why_failing = FailureStreak()
             return
         self._failure_streak += 1
+        self._why_failing.add(episodes)
         base_s, max_s = self.failure_backoff_s
         delay = min(max_s, base_s * 2 ** min(self._failure_streak - 1, 30))
         self._resume_at = max(self._resume_at, time.monotonic() + delay)
         self.failed_groups += 1
         if self._failure_streak & (self._failure_streak - 1) == 0:  # 1, 2, 4, 8...: not every group
-            log.warning(
-                "group %s: no episode can be trained (%s; %d such groups in a row); pausing admission "
-                "for %.2f s",
-                group_id,
-                untrainable_summary(episodes),
-                self._failure_streak,
-                delay,
+            text = (
+                f"group {group_id}: every episode failed ({self._failure_streak} groups in a row; "
+                f"{self._why_failing.summary()}); pausing admission for {delay:.2f} s"
             )
+            log.warning("%s", text)
+            self.notify(text)
 
     def _write_done(self, fut: asyncio.Future[SpoolEntry], group_id: str) -> None:
         self._writes.discard(fut)

@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline.contracts.learner_config import LoraConfig
 from pipeline.supervisor.engines.pool import EnginePool
-from pipeline.supervisor.engines.protocol import GenerateResult, SamplingParams
+from pipeline.supervisor.engines.protocol import GenerateResult, RoutedExpertsRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,18 @@ class AdapterRouting:
         *,
         affinity_key: str,
         priority: int | None = None,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult:
         name, version = self.registry.acquire()
         try:
             result = await self.pool.generate(
-                input_ids, sampling, rid, affinity_key=affinity_key, priority=priority, lora_path=name
+                input_ids,
+                sampling,
+                rid,
+                affinity_key=affinity_key,
+                priority=priority,
+                lora_path=name,
+                routed_experts=routed_experts,
             )
         finally:
             self.registry.release(name)

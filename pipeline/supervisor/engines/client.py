@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from pipeline.supervisor.engines.protocol import (
     EngineProtocolError,
     EngineUnavailable,
     GenerateResult,
+    RoutedExpertsRequest,
     SamplingParams,
     parse_generate_response,
     parse_input_logprobs,
@@ -152,6 +154,7 @@ class EngineClient:
         circuit_failures: int = 5,
         circuit_reset_s: float = 5.0,
         abort_timeout_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"EngineClient base_url must start with http:// or https://, got {base_url!r}")
@@ -162,6 +165,7 @@ class EngineClient:
             )
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.ssl_context = ssl_context  # what an https server is checked against (None: the system's)
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
@@ -206,7 +210,9 @@ class EngineClient:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             # Created lazily so that the session belongs to the running event loop.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                connector=aiohttp.TCPConnector(
+                    limit=self.max_connections, limit_per_host=0, ssl=self.ssl_context or True
+                ),
                 headers=headers,
             )
         return self._session
@@ -307,6 +313,7 @@ class EngineClient:
         routing_key: str | None = None,
         priority: int | None = None,
         lora_path: str | None = None,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult:
         """One token-in/token-out generation. Raises EngineHTTPError, EngineProtocolError, EngineUnavailable.
 
@@ -316,6 +323,8 @@ class EngineClient:
         `priority` is SGLang's request priority (sent only when given; a server without priority
         scheduling ignores it).
         `lora_path` names a loaded LoRA adapter (SGLang's GenerateReqInput.lora_path); None = the base.
+        `routed_experts` asks an MoE engine for each position's experts (`return_routed_experts`,
+        `routed_experts_start_len`); the reply must carry them (protocol.parse_routed_experts).
         """
         body: dict[str, Any] = {
             "input_ids": input_ids,
@@ -327,6 +336,9 @@ class EngineClient:
             body["priority"] = priority
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if routed_experts is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts.start_len
         url = self.base_url + "/generate"
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
         try:
@@ -343,7 +355,7 @@ class EngineClient:
         except EngineProtocolError as exc:
             raise EngineProtocolError(exc.defect, rid=rid, url=url) from None
         try:
-            return parse_generate_response(obj, expected_rid=rid)
+            return parse_generate_response(obj, expected_rid=rid, routed_experts=routed_experts)
         except EngineProtocolError as exc:
             raise EngineProtocolError(exc.defect, rid=exc.rid, url=url) from None
 

@@ -41,6 +41,7 @@ from pipeline.supervisor.engines.protocol import (
     EngineHTTPError,
     EngineUnavailable,
     GenerateResult,
+    RoutedExpertsRequest,
     SamplingParams,
 )
 from pipeline.supervisor.observability import metrics
@@ -173,6 +174,7 @@ class EnginePool:
         affinity_key: str,
         priority: int | None = None,
         lora_path: str | None = None,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult:
         """Generate on the member owning `affinity_key` (or through the router, keyed by it). A request
         handed back by a drained member is sent again. Errors as EngineClient.generate."""
@@ -186,10 +188,17 @@ class EnginePool:
                     affinity_key,
                     priority=priority,
                     lora_path=lora_path,
+                    routed_experts=routed_experts,
                 )
             else:
                 result = await self._generate_direct(
-                    input_ids, sampling, rid, affinity_key, priority=priority, lora_path=lora_path
+                    input_ids,
+                    sampling,
+                    rid,
+                    affinity_key,
+                    priority=priority,
+                    lora_path=lora_path,
+                    routed_experts=routed_experts,
                 )
             if result.finish_reason == "abort" and rid in self._handed_back:
                 self._handed_back.discard(rid)
@@ -208,13 +217,20 @@ class EnginePool:
         *,
         priority: int | None,
         lora_path: str | None,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult:
         self._in_flight[rid] = client.base_url
         routing_key = affinity_key if client is self.router else None
         syncs, version = self._syncs, self.weight_version
         try:
             result = await client.generate(
-                input_ids, sampling, rid, routing_key=routing_key, priority=priority, lora_path=lora_path
+                input_ids,
+                sampling,
+                rid,
+                routing_key=routing_key,
+                priority=priority,
+                lora_path=lora_path,
+                routed_experts=routed_experts,
             )
         finally:
             self._in_flight.pop(rid, None)
@@ -235,6 +251,7 @@ class EnginePool:
         *,
         priority: int | None,
         lora_path: str | None,
+        routed_experts: RoutedExpertsRequest | None = None,
     ) -> GenerateResult:
         tried: list[str] = []
         last_failure: EngineUnavailable | None = None
@@ -256,6 +273,7 @@ class EnginePool:
                     affinity_key,
                     priority=priority,
                     lora_path=lora_path,
+                    routed_experts=routed_experts,
                 )
             except EngineError as exc:
                 if _counts_as_failure(exc):
@@ -406,18 +424,24 @@ class EnginePool:
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
-        model_paths: Mapping[str, str] | None = None,
+        model_paths: Mapping[str, str | None] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]:
-        """`model_paths` overrides `model_path` per member URL (engines with their own copy)."""
+        """`model_paths` overrides `model_path` per member URL (engines with their own copy); None: that
+        engine has no copy (its fetcher failed), its outcome is that error and it is not asked."""
         paths = model_paths or {}
-        outcomes = await self._fan_out(
-            lambda c: c.update_weights_from_disk(
-                paths.get(c.base_url, model_path),
+
+        async def update(c: EngineClient) -> dict[str, Any]:
+            path = paths.get(c.base_url, model_path)
+            if path is None:
+                raise EngineError(f"{c.base_url} has no copy of version {weight_version}: its fetcher failed")
+            return await c.update_weights_from_disk(
+                path,
                 weight_version=weight_version,
                 abort_all_requests=abort_all_requests,
                 flush_cache=flush_cache,
             )
-        )
+
+        outcomes = await self._fan_out(update)
         if any(o.ok for o in outcomes):
             self.weight_version = weight_version
         return outcomes

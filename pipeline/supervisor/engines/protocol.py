@@ -6,8 +6,12 @@ Pure data and validation, no I/O. The request and response shapes follow SGLang'
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -102,6 +106,23 @@ class SamplingParams:
         return wire
 
 
+@dataclass(frozen=True)
+class RoutedExpertsRequest:
+    """Ask an MoE engine for the experts it routed each position to (SGLang's `return_routed_experts`,
+    `routed_experts_start_len`): positions [start_len, prompt + completion - 1), `per_position` =
+    layers x top-k ids each (what the reply is checked against)."""
+
+    start_len: int
+    per_position: int
+
+    def __post_init__(self) -> None:
+        if self.start_len < 0 or self.per_position < 1:
+            raise ValueError(
+                f"RoutedExpertsRequest needs start_len >= 0 and per_position >= 1, got {self.start_len}, "
+                f"{self.per_position}"
+            )
+
+
 @dataclass
 class GenerateResult:
     """One completed `/generate` call. `output_ids`, `logprobs` and `token_versions` have equal length;
@@ -124,6 +145,9 @@ class GenerateResult:
     cached_tokens: int
     abort_message: str | None = None
     versions_exact: bool = False
+    # With a RoutedExpertsRequest: the int32 expert ids of positions [start_len, prompt + completion - 1),
+    # `per_position` per position, C-ordered (position, layer, k); None for an abort that carried none.
+    routed_experts: array[int] | None = None
 
 
 def version_to_int(version: str) -> int:
@@ -312,12 +336,67 @@ def _parse_complete_fast(obj: object, expected_rid: str | None) -> GenerateResul
     )
 
 
-def parse_generate_response(obj: object, *, expected_rid: str | None) -> GenerateResult:
-    """Validate one non-streaming `/generate` response object (sent with return_logprob=true).
+def parse_routed_experts(
+    meta: dict[str, Any], request: RoutedExpertsRequest, result: GenerateResult
+) -> array[int] | None:
+    """`meta_info.routed_experts` (base64 of int32, shape (positions, layers, topk)) of a reply to a
+    request that asked for them, checked against the positions it must cover. A server that ignored
+    `routed_experts_start_len` (it lists every position from 0) is cut to the asked start."""
+    rid = result.rid
+    value = meta.get("routed_experts")
+    if value is None:
+        if result.finish_reason == "abort":
+            return None
+        raise EngineProtocolError(
+            "meta_info.routed_experts is missing although return_routed_experts was sent: the engine must "
+            "serve an MoE model and be launched with --enable-return-routed-experts (rollwise does so when "
+            "learner.moe.record_routing or learner.moe.routing_replay is set)",
+            rid=rid,
+        )
+    try:
+        raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None or len(raw) % 4:
+        raise EngineProtocolError("meta_info.routed_experts is not base64 of int32 values", rid=rid)
+    ids: array[int] = array("i")
+    ids.frombytes(raw)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    total = (result.prompt_tokens or 0) + result.completion_tokens - 1
+    per = request.per_position
+    expected = max(0, total - request.start_len) * per
+    if len(ids) != expected:
+        if request.start_len > 0 and len(ids) == max(0, total) * per:
+            ids = ids[request.start_len * per :]  # a server that lists from position 0
+        else:
+            raise EngineProtocolError(
+                f"meta_info.routed_experts holds {len(ids)} ids; positions [{request.start_len}, {total}) "
+                f"x {per} per position make {expected}",
+                rid=rid,
+            )
+    if ids and min(ids) < 0:
+        raise EngineProtocolError("meta_info.routed_experts holds a negative expert id", rid=rid)
+    return ids
+
+
+def parse_generate_response(
+    obj: object, *, expected_rid: str | None, routed_experts: RoutedExpertsRequest | None = None
+) -> GenerateResult:
+    """Validate one non-streaming `/generate` response object (sent with return_logprob=true; with
+    `routed_experts` when the request asked for them).
 
     Unknown fields are ignored. Every breach raises EngineProtocolError naming the field. An abort with
     no tokens (a request aborted in the waiting queue) may omit `output_token_logprobs`.
     """
+    result = _parse_generate(obj, expected_rid)
+    if routed_experts is not None:
+        meta = cast(dict[str, Any], cast(dict[str, Any], obj)["meta_info"])
+        result.routed_experts = parse_routed_experts(meta, routed_experts, result)
+    return result
+
+
+def _parse_generate(obj: object, expected_rid: str | None) -> GenerateResult:
     fast = _parse_complete_fast(obj, expected_rid)
     if fast is not None:
         return fast

@@ -20,12 +20,15 @@ radix cache. `cache_aware` matches request text; rollwise sends token ids only, 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import sys
 import time
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+
+from pipeline.contracts.tls import TlsFiles
 
 ROUTER_MODULE = "sglang_router.launch_router"
 
@@ -40,8 +43,11 @@ def router_argv(
     prometheus_port: int,
     api_key: str | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
+    tls: TlsFiles | None = None,
 ) -> list[str]:
-    """Command line of a router on host:port in front of `worker_urls` (possibly none yet)."""
+    """Command line of a router on host:port in front of `worker_urls` (possibly none yet). `tls`: its
+    certificate (served beyond loopback) and the CA it checks https workers against (sglang-router
+    0.3.2's --tls-cert-path, --tls-key-path, --ca-cert-paths)."""
     argv = [
         sys.executable,
         "-m",
@@ -71,6 +77,10 @@ def router_argv(
         argv += ["--assignment-mode", "min_load"]
     if api_key is not None:
         argv += ["--api-key", api_key]
+    if tls is not None and tls.serves:
+        argv += ["--tls-cert-path", str(tls.cert_file), "--tls-key-path", str(tls.key_file)]
+    if tls is not None and tls.ca_file is not None:
+        argv += ["--ca-cert-paths", tls.ca_file]
     if worker_urls:
         argv += ["--worker-urls", *worker_urls]
     return [*argv, *extra_args]
@@ -83,14 +93,18 @@ class RouterError(Exception):
 class RouterAdmin:
     """The router's worker list over its HTTP API. Every call has a timeout."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.ssl_context = ssl_context
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            connector = aiohttp.TCPConnector(ssl=self.ssl_context or True)
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
         return self._session
 
     async def close(self) -> None:

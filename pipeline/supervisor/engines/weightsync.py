@@ -62,7 +62,7 @@ class ControlPool(Protocol):
         *,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
-        model_paths: Mapping[str, str] | None = None,
+        model_paths: Mapping[str, str | None] | None = None,
     ) -> list[MemberOutcome[dict[str, Any]]]: ...
 
     async def continue_all(self) -> list[MemberOutcome[dict[str, Any]]]: ...
@@ -96,7 +96,7 @@ async def sync_weights(
     model_path: str,
     version: int,
     mode: SyncMode,
-    model_paths: Mapping[str, str] | None = None,
+    model_paths: Mapping[str, str | None] | None = None,
     adapter: AdapterRegistry | None = None,
 ) -> SyncTimings:
     """Load `model_path` as policy `version` on every engine (see module docstring): an HF directory, or

@@ -26,6 +26,17 @@ _STEP_GAUGES = {
     "entropy": metrics.LEARNER_ENTROPY,
     "grad_norm": metrics.LEARNER_GRAD_NORM,
     "lr": metrics.LEARNER_LR,
+    "ratio_spread_token": metrics.LEARNER_LOG_RATIO_SPREAD.labels(level="token"),
+    "ratio_spread_sequence": metrics.LEARNER_LOG_RATIO_SPREAD.labels(level="sequence"),
+}
+# MoE step metrics (present only for an MoE model): their series are created by the first one reported.
+_MOE_GAUGES = {
+    "moe_routing_change": (metrics.LEARNER_MOE_ROUTING_CHANGE, "stat", "mean"),
+    "moe_routing_change_max_layer": (metrics.LEARNER_MOE_ROUTING_CHANGE, "stat", "max"),
+    "moe_load_imbalance": (metrics.LEARNER_MOE_LOAD_IMBALANCE, "stat", "mean"),
+    "moe_load_imbalance_max_layer": (metrics.LEARNER_MOE_LOAD_IMBALANCE, "stat", "max"),
+    "router_mismatch_own": (metrics.LEARNER_ROUTER_MISMATCH, "routing", "own"),
+    "router_mismatch_replayed": (metrics.LEARNER_ROUTER_MISMATCH, "routing", "replayed"),
 }
 # Step metrics counted in rollwise_learner_skipped_total{reason}.
 _SKIPPED = {
@@ -41,6 +52,9 @@ def record_step(event: events.Step) -> None:
     for key, gauge in _STEP_GAUGES.items():
         if (value := event.metric(key)) is not None:
             gauge.set(value)
+    for key, (gauge, label, label_value) in _MOE_GAUGES.items():
+        if (reported := event.metric(key)) is not None:
+            gauge.labels(**{label: label_value}).set(reported)
     for key in ("ratio_mean", "ratio_min", "ratio_max"):
         if (value := event.metric(key)) is not None:
             metrics.LEARNER_IMPORTANCE_RATIO.observe(value)

@@ -376,6 +376,38 @@ LEARNER_IDLE = Counter(
 )
 LEARNER_BUSY = Counter("rollwise_learner_busy_seconds", "Time the learner spent training.", registry=REGISTRY)
 POLICY_VERSION = Gauge("rollwise_policy_version", "Latest policy version published.", registry=REGISTRY)
+LEARNER_LOG_RATIO_SPREAD = Gauge(
+    "rollwise_learner_log_ratio_spread",
+    "Standard deviation of the last step's log importance ratios, by level: token (log r_t = learner - "
+    "behaviour log-prob, over trained tokens) or sequence (log s_i, their mean per sequence).",
+    ["level"],
+    registry=REGISTRY,
+)
+
+# --- Mixture-of-Experts models (learner.moe; docs/operations.md "Mixture-of-Experts") -------------------
+# No series exist until a step of an MoE model reports them: a dense model's dashboard shows "no data".
+LEARNER_MOE_ROUTING_CHANGE = Gauge(
+    "rollwise_learner_moe_routing_change_ratio",
+    "Share of token positions whose set of top-k experts changed after the step's first update, on the "
+    "same inputs (MoE), by stat over the layers: mean or max.",
+    ["stat"],
+    registry=REGISTRY,
+)
+LEARNER_MOE_LOAD_IMBALANCE = Gauge(
+    "rollwise_learner_moe_load_imbalance",
+    "Expert load of the last step's training forwards: the most loaded expert's assignments over the "
+    "mean per expert (1 = balanced, num_experts = one expert takes all; MoE), by stat over the layers.",
+    ["stat"],
+    registry=REGISTRY,
+)
+LEARNER_ROUTER_MISMATCH = Gauge(
+    "rollwise_learner_router_mismatch_abs",
+    "Mean |learner - engine| log-prob of the last step's generated tokens at the step's start, with the "
+    "learner's own routing or the engine's replayed (MoE with learner.moe.record_routing or "
+    "routing_replay); 1 - replayed / own is the router's share of the mismatch.",
+    ["routing"],
+    registry=REGISTRY,
+)
 
 # --- weight sync, checkpoints, processes -------------------------------------------------------------
 WEIGHT_SYNC_PHASE = Histogram(
@@ -599,7 +631,7 @@ EVAL_DURATION = Histogram(
 FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
 ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
 ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "judge")
-DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update")
+DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update", "routing_mismatch")
 QUARANTINE_KINDS = ("unreadable", "empty", "format", "schema")
 SKIP_REASONS = ("zero_advantage_groups", "nonfinite_updates", "empty_updates")
 SYNC_PHASES = ("pause", "load", "continue")
@@ -649,6 +681,8 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
         LEARNER_MISMATCH_BY_LAG.labels(lag=lag)
     for stat in ("mean", "max"):
         LEARNER_IS_WEIGHT.labels(stat=stat)
+    for level in ("token", "sequence"):
+        LEARNER_LOG_RATIO_SPREAD.labels(level=level)
     for kind in QUARANTINE_KINDS:
         SPOOL_QUARANTINED.labels(reason=kind)
     for reason in SKIP_REASONS:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pipeline.contracts import memory_trace
 from pipeline.contracts.run_dir import RunDir
 from pipeline.tools.bench.chaos import KillPlan
 from pipeline.tools.bench.soak_books import Books, reconcile
@@ -62,14 +63,16 @@ class SoakOptions:
     warmup_s: float
     restart_delay_s: float
     seed: int
+    tracemalloc_every_s: float | None = None  # None: no tracing
+    tracemalloc_frames: int = 8  # 0: the native figures only (no Python tracing, no slowdown)
 
 
 class Daemon:
     """One `rollwise run` process; a thread collects its JSON stdout lines (with the soak's clock)."""
 
-    def __init__(self, argv: list[str], stderr_path: Path) -> None:
+    def __init__(self, argv: list[str], stderr_path: Path, env: dict[str, str] | None = None) -> None:
         self._stderr = open(stderr_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
         self.started_at = time.monotonic()
         self.steps: list[tuple[float, int]] = []  # (monotonic time, learner step)
         self.metrics_url: str | None = None
@@ -168,9 +171,22 @@ class Soak:
             argv += ["--set", item]
         return argv
 
+    def _env(self) -> dict[str, str] | None:
+        """With --tracemalloc: every process of the daemon reports its allocation growth
+        (pipeline.contracts.memory_trace) into out/tracemalloc/."""
+        if self.opts.tracemalloc_every_s is None:
+            return None
+        return {
+            **os.environ,
+            memory_trace.TRACE_ENV: str((self.opts.out / "tracemalloc").resolve()),
+            memory_trace.EVERY_ENV: str(self.opts.tracemalloc_every_s),
+            memory_trace.WARMUP_ENV: str(self.opts.warmup_s),
+            memory_trace.FRAMES_ENV: str(self.opts.tracemalloc_frames),
+        }
+
     def start_daemon(self) -> None:
         n = len(self.starts) + 1
-        self.daemon = Daemon(self._argv(), self.opts.out / f"supervisor-{n}.stderr")
+        self.daemon = Daemon(self._argv(), self.opts.out / f"supervisor-{n}.stderr", self._env())
         self.starts.append(self.now())
         self._note(kind="start", target="supervisor", pid=self.daemon.pid, n=n)
 
@@ -458,6 +474,20 @@ def parse_args(argv: list[str]) -> SoakOptions:
     p.add_argument("--warmup-minutes", type=float, default=10.0, help="growth is judged after this")
     p.add_argument("--restart-delay-s", type=float, default=2.0, help="init-system delay before a restart")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill plan")
+    p.add_argument(
+        "--tracemalloc",
+        type=float,
+        metavar="EVERY_S",
+        help="every EVERY_S seconds after the warm-up, each process writes its native memory figures "
+        "(RSS, malloc in use / free but held, Arrow) and the Python allocation sites that grew since then "
+        "to OUT/tracemalloc/<role>-<pid>.txt",
+    )
+    p.add_argument(
+        "--tracemalloc-frames",
+        type=int,
+        default=8,
+        help="frames per traced Python allocation (0: native figures only, no slowdown; default 8)",
+    )
     a = p.parse_args(argv)
     if a.minutes <= 0 or a.sample_s <= 0 or a.kill_every_s <= 0 or a.warmup_minutes < 0:
         p.error("--minutes, --sample-s and --kill-every-s must be > 0, --warmup-minutes >= 0")
@@ -486,6 +516,8 @@ def parse_args(argv: list[str]) -> SoakOptions:
         warmup_s=a.warmup_minutes * 60.0,
         restart_delay_s=a.restart_delay_s,
         seed=a.seed,
+        tracemalloc_every_s=a.tracemalloc,
+        tracemalloc_frames=a.tracemalloc_frames,
     )
 
 
@@ -498,7 +530,8 @@ def main(argv: list[str]) -> int:
     finally:
         final_code = soak.stop()
     books = reconcile(soak.run)
-    shutil.copyfile(soak.run.consumed_log, opts.out / "ledger.jsonl")
+    if soak.run.consumed_log.exists():  # absent when the learner never finished a step
+        shutil.copyfile(soak.run.consumed_log, opts.out / "ledger.jsonl")
     summary = summarise(soak, books, final_code)
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(soak, opts.out / "soak.png")

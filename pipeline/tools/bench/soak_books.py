@@ -61,11 +61,14 @@ def _seqs(directory: Path) -> list[int]:
     return sorted(s for p in directory.iterdir() if (s := parse_seq(p.name)) is not None)
 
 
-def reconcile(run: RunDir) -> Books:
-    """Check the identity in the module docstring on a stopped run (module docstring for the sources)."""
+def reconcile(run: RunDir, *, learner: RunDir | None = None) -> Books:
+    """Check the identity in the module docstring on a stopped run (module docstring for the sources).
+    `learner`: the learner's own run directory (learner.remote.run_dir), where its checkpoints and
+    ledger are; the spool is always the supervisor's."""
     problems: list[str] = []
-    records = committed_consumption(run.consumed_log)
-    latest = latest_checkpoint_dir(run.checkpoints)
+    books_dir = learner if learner is not None else run
+    records = committed_consumption(books_dir.consumed_log)
+    latest = latest_checkpoint_dir(books_dir.checkpoints)
     final: dict[str, Any] = {"step": 0, "consumed": {"last_seq": 0, "group_ids": []}, "extra": {}}
     if latest is not None:
         final = json.loads((latest / CHECKPOINT_STATE).read_text(encoding="utf-8"))

@@ -18,6 +18,10 @@ The server model (each rule cites SGLang's source in pipeline.tools.fake_sglang.
 - A flushing weight update while requests are queued or running kills the server (FLUSH_CRASH); so does
   an input id outside the vocabulary. A crashed fake closes every connection and its port; `restart()`
   brings it back on the same port serving the weights it was launched with, as a restarted process.
+- Routed experts (MoE): with `routed_experts=(layers, topk, num_experts)` the fake is a server launched
+  with `--enable-return-routed-experts` on such a model, and a request with `return_routed_experts` gets
+  `meta_info.routed_experts` (sglang_rules, `encode_routed_experts`; the ids from
+  generation_plans.routed_experts); without it (the default) such a request gets no key, as SGLang.
 - Per-token policy versions: none by default (SGLang 0.5.23 reports one `weight_version` per request);
   `reports_weight_spans` adds the newer `meta_info.weight_versions` spans, `report_token_versions` the
   embedded engine's `output_token_weight_versions`.
@@ -58,6 +62,7 @@ from pipeline.tools.fake_sglang.generation_plans import (
     Script,
     default_plan,
     prompt_logprobs,
+    routed_experts,
 )
 from pipeline.tools.fake_sglang.sglang_rules import (
     FLUSH_CRASH,
@@ -67,11 +72,13 @@ from pipeline.tools.fake_sglang.sglang_rules import (
     abort_finish,
     context_problem,
     dumps,
+    encode_routed_experts,
     internal_server_error,
     json_response,
     out_of_vocab,
     parse_json_body,
     request_error,
+    routed_experts_problem,
     sampling_problem,
     unknown_fields,
     unknown_sampling_keys,
@@ -163,6 +170,7 @@ class FakeSGLang:
         enable_metrics: bool = False,
         enable_lora: bool = False,
         ignore_updates: bool = False,
+        routed_experts: tuple[int, int, int] | None = None,
     ) -> None:
         self.ready = ready
         self.ready_after_s = ready_after_s
@@ -193,6 +201,7 @@ class FakeSGLang:
         self.enable_metrics = enable_metrics
         self.enable_lora = enable_lora
         self.ignore_updates = ignore_updates
+        self.routed_experts = routed_experts  # (layers, topk, num_experts): --enable-return-routed-experts
         self.served_weights = model_path  # the identity prompt log-probs are computed for
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self.adapter_identity: dict[str, str] = {}  # name -> identity its requests are served with
@@ -492,9 +501,18 @@ class FakeSGLang:
                     f"logprob_start_len, ({start}) is higher than the number of input tokens "
                     f"({len(prompt)}). Request with a lower logprob_start_len."
                 )
+        routed_problem = routed_experts_problem(body, [len(p) for p in prompts])
+        if routed_problem is not None:
+            return routed_problem
+        routed_start = body.get("routed_experts_start_len", 0) if body.get("return_routed_experts") else None
         calls = [
             GenerateCall(
-                list(prompts[i]), dict(sps[i]), rids[i * n + j], j, start if start is not None else -1
+                list(prompts[i]),
+                dict(sps[i]),
+                rids[i * n + j],
+                j,
+                start if start is not None else -1,
+                routed_experts_start_len=routed_start,
             )
             for i in range(len(prompts))
             for j in range(n)
@@ -689,6 +707,14 @@ class FakeSGLang:
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp, _ in generation.tokens]
         if self.report_token_versions:
             meta["output_token_weight_versions"] = versions
+        shape, routed_start = self.routed_experts, call.routed_experts_start_len
+        if shape is not None and routed_start is not None and latency is not None and not waiting_abort:
+            layers, topk, experts = shape
+            identity = call.identity or self.served_weights
+            routes = routed_experts(
+                identity, call.input_ids + ids, routed_start, layers=layers, topk=topk, num_experts=experts
+            )
+            meta["routed_experts"] = encode_routed_experts(routes)
         if latency is not None:
             meta["e2e_latency"] = latency
         obj: dict[str, Any] = {} if self.skip_tokenizer_init else {"text": "".join(f"<{t}>" for t in ids)}

@@ -24,6 +24,7 @@ class GenerateCall:
     sample_index: int
     logprob_start_len: int = -1
     identity: str | None = None  # the weights it is served with (None: the fake's served weights)
+    routed_experts_start_len: int | None = None  # the request asked for routed experts from here
 
 
 @dataclass
@@ -84,6 +85,24 @@ def prompt_logprobs(identity: str, ids: list[int], *, noise: float = 0.0) -> lis
             u = int.from_bytes(wobble, "big") / 2**32  # uniform in [0, 1): mean |2u - 1| = 1/2
             value += noise * 2.0 * (2.0 * u - 1.0)
         values.append(value)
+    return values
+
+
+def routed_experts(
+    identity: str, ids: list[int], start: int, *, layers: int, topk: int, num_experts: int
+) -> list[int]:
+    """The fake's routed experts of positions [start, len(ids) - 1) of the sequence `ids` under the weights
+    `identity`: per position and layer, `topk` distinct expert ids in [0, num_experts), flattened C-order.
+    A pure function of (identity, position, the token there, layer), so two requests over the same prefix
+    report the same routing for it, as a real engine with the same weights does."""
+    values: list[int] = []
+    for position in range(start, len(ids) - 1):
+        for layer in range(layers):
+            digest = hashlib.blake2b(
+                dumps([identity, position, ids[position], layer]).encode(), digest_size=8
+            )
+            pick = random.Random(int.from_bytes(digest.digest(), "big")).sample(range(num_experts), topk)
+            values.extend(pick)
     return values
 
 

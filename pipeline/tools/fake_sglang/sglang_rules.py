@@ -7,8 +7,10 @@ rollwise issue 29) where the two disagree: the observation wins.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import struct
 from typing import Any
 
 from aiohttp import web
@@ -183,6 +185,44 @@ def abort_finish(*, waiting: bool) -> dict[str, Any]:
     if waiting:
         return {"type": "abort", "message": "Abort in waiting queue"}
     return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+# --- routed experts (MoE routing replay) ---------------------------------------------------------------
+# GenerateReqInput (managers/io_struct.py): `return_routed_experts: bool = False` and
+# `routed_experts_start_len: int = 0`, "Absolute start position for returned routings; response covers
+# [routed_experts_start_len, seqlen - 1). Must be in [0, prompt_tokens]." The scheduler collects them for
+# a finished request (managers/scheduler_components/batch_result_processor.py,
+# `_maybe_collect_routed_experts`: `capturer.get_topk(..., seqlen=req.seqlen, start_len=start_len)`,
+# expected rows `seqlen - 1 - start_len`) only when the server has a capturer, i.e. was launched with
+# `--enable-return-routed-experts` (state_capturer/routed_experts.py, `RoutedExpertsCapturer.create`
+# returns None otherwise): a server without the flag answers without the key. The tokenizer manager puts
+# them in `meta_info["routed_experts"]` as `pybase64.b64encode(val.numpy().tobytes())` of the int32
+# tensor, "Underlying tensor shape is (token, layer, top_k)" (managers/tokenizer_manager.py,
+# `_handle_batch_output`; state_capturer/routed_experts.py `extract_routed_experts_from_meta_info` decodes
+# it with np.frombuffer(..., dtype=np.int32)); the layer axis is num_hidden_layers and the k axis
+# num_experts_per_tok (RoutedExpertsCapturer.__init__). Sources read at sgl-project/sglang commits
+# 024911f2 (routed_experts.py) and c60799d0 (tokenizer_manager.py).
+# Not confirmed in SGLang's source: how a start outside [0, prompt_tokens] is refused. The fake answers
+# 400 with the documented range, as the embedded engine does.
+
+
+def routed_experts_problem(body: dict[str, Any], prompt_lengths: list[int]) -> str | None:
+    """Why a /generate body's routed-experts fields are invalid, or None."""
+    flag = body.get("return_routed_experts", False)
+    if not isinstance(flag, bool):
+        return f"return_routed_experts must be a boolean, got {flag!r}"
+    start = body.get("routed_experts_start_len", 0)
+    if not flag:
+        return None
+    shortest = min(prompt_lengths) if prompt_lengths else 0
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= shortest:
+        return f"routed_experts_start_len must be in [0, prompt_tokens] = [0, {shortest}], got {start!r}"
+    return None
+
+
+def encode_routed_experts(values: list[int]) -> str:
+    """SGLang's wire form of the int32 (positions, layers, top_k) ids, flattened C-order."""
+    return base64.b64encode(struct.pack(f"<{len(values)}i", *values)).decode("ascii")
 
 
 def unknown_fields(path: str, body: object) -> list[str]:

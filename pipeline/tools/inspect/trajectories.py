@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from learner.trace import trace_files
-from pipeline.contracts.run_dir import RunDir
+from pipeline.contracts.run_dir import RunDir, log_lines
 from pipeline.contracts.schema import TRAJECTORY_SCHEMA, EpisodeSegment, batch_to_segments
 from pipeline.transport.spool import QUARANTINE_DIR, parse_seq, read_group_file
 
@@ -174,9 +174,7 @@ class RunView:
         """group_id -> (learner step, learner version before the step), and the newest version."""
         trained: dict[str, tuple[int, int]] = {}
         newest = None
-        if not self.run.step_log.exists():
-            return trained, newest
-        for line in self.run.step_log.read_text(encoding="utf-8").splitlines():
+        for line in log_lines(self.run.step_log):
             try:
                 step = json.loads(line)
             except json.JSONDecodeError:

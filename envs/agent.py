@@ -10,9 +10,15 @@ its tools, and returns the episode's score: a number (the outcome) or an ``Agent
 optionally, one shaping reward per chat completion it requested). Every request is one *turn*; the
 tokens the model generated are recorded exactly as the engine produced them.
 
+The episode's endpoint speaks three APIs under the same base: chat completions and the Responses API
+(``{base}/chat/completions``, ``{base}/responses``, base ``.../v1``) and the Anthropic Messages API
+(``anthropic_base_url(client)`` + ``/v1/messages``). A framework that builds its own client takes the
+base URL and key from the client it was given: ``str(client.base_url)``, ``client.api_key``.
+
 An agent that raises costs its episode (``env_error``), one that exceeds ``episode_timeout_s`` too
 (``timeout``); neither is ever scored 0. A request beyond ``max_turns`` is refused with HTTP 400
-(code ``max_turns_exceeded``) and the episode ends ``truncated``.
+(code ``max_turns_exceeded``) and the episode ends ``truncated``; an agent that keeps sending requests
+the endpoint refuses (``max_refused_requests`` in a row) is stopped and its episode ends ``env_error``.
 
 This module imports nothing of the pipeline and does not need ``openai`` itself: the runner makes the
 client. ``AgentEnvironment`` is an ``Environment`` only so that the spec, task stream and ``close`` reach
@@ -53,6 +59,44 @@ AgentFunction = Callable[["AsyncOpenAI", Task], Awaitable["float | AgentResult"]
 TaskSource = Callable[[int], Iterator[Task]]
 
 
+def anthropic_base_url(client: AsyncOpenAI) -> str:
+    """The episode's Anthropic base URL (for ``anthropic.AsyncAnthropic(base_url=..., api_key=...)``, which
+    appends ``/v1/messages``), from the episode's openai client (whose base URL ends in ``/v1``)."""
+    return str(client.base_url).rstrip("/").removesuffix("/v1")
+
+
+@dataclass(frozen=True)
+class AgentEpisode:
+    """Where one episode's agent reaches the policy (what the runner hands ``AgentEnvironment.play``).
+
+    ``openai_base_url`` ends in ``/v1``; ``anthropic_base_url`` is the same without it; ``api_key`` is the
+    episode's own key (any of the ``Authorization: Bearer`` and ``x-api-key`` headers may carry it);
+    ``unix_socket`` is the endpoint's Unix socket serving the same routes (for a sandbox without a
+    network), None when the endpoint has none; ``client()`` makes the ``openai.AsyncOpenAI`` agent
+    functions get."""
+
+    episode_id: str
+    openai_base_url: str
+    anthropic_base_url: str
+    api_key: str
+    model: str
+    unix_socket: str | None
+    client: Callable[[], AsyncOpenAI]
+
+
+class AgentFailure(Exception):
+    """An agent run that failed in a known way: ``finish`` is the episode's finish reason ("env_error" or
+    "timeout"), ``kind`` its ENV_ERRORS kind, ``reason`` a finer label (e.g. a process's exit)."""
+
+    def __init__(
+        self, message: str, *, finish: str = "env_error", kind: str = "agent", reason: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.finish = finish
+        self.kind = kind
+        self.reason = reason or kind
+
+
 def as_agent_result(value: object) -> AgentResult:
     """The agent's return value as an AgentResult; ValueError naming what is wrong with it."""
     if isinstance(value, AgentResult):
@@ -72,6 +116,14 @@ def as_agent_result(value: object) -> AgentResult:
         turn_rewards=tuple(float(r) for r in rewards),
         info=dict(result.info),
     )
+
+
+def _reference(function: Callable[..., Any]) -> str | None:
+    """``module:qualname`` of a module-level function (importable by a worker process), else None."""
+    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if not module or not qualname or "<" in qualname:
+        return None
+    return f"{module}:{qualname}"
 
 
 def _load(path_or_object: str | Callable[..., Any], option: str) -> Callable[..., Any]:
@@ -97,7 +149,10 @@ class AgentEnvironment(Environment):
     ``"path/to/file.py:attr"``, relative to the working directory); as the ``agent`` entry point they come
     from ``env.options``. ``tasks(seed)`` must yield the same infinite stream for the same seed.
     ``max_turns`` caps the chat completions of one episode; ``episode_timeout_s`` bounds the whole agent
-    run; ``model`` is the name requests must use (``/v1/models`` lists it).
+    run; ``model`` is the name requests must use (``/v1/models`` lists it); ``max_refused_requests``:
+    refused requests in a row after which the agent is stopped (a loop on refusals ends the episode).
+    ``agent_ref`` is the ``agent`` path when given as one (what a worker process imports), else
+    ``module:qualname`` of the function.
     """
 
     def __init__(
@@ -111,14 +166,21 @@ class AgentEnvironment(Environment):
         episode_timeout_s: float = 300.0,
         model: str = POLICY_MODEL,
         tools: Sequence[dict[str, Any]] = (),
+        max_refused_requests: int = 8,
     ) -> None:
         self.agent: AgentFunction = _load(agent, "agent")
+        self.agent_ref = agent if isinstance(agent, str) else _reference(self.agent)
         self._tasks: TaskSource = _load(tasks, "tasks")
         if not isinstance(model, str) or not model.strip():
             raise ValueError(f"model must be a non-empty string, got {model!r}")
         if not is_finite_number(episode_timeout_s) or episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s must be a positive number, got {episode_timeout_s!r}")
         self.model = model
+        if isinstance(max_refused_requests, bool) or not isinstance(max_refused_requests, int):
+            raise ValueError(f"max_refused_requests must be an integer, got {max_refused_requests!r}")
+        if max_refused_requests < 1:
+            raise ValueError(f"max_refused_requests must be >= 1, got {max_refused_requests}")
+        self.max_refused_requests = max_refused_requests
         # step_timeout_s bounds close(); an agent's own time is bounded by episode_timeout_s alone.
         self.spec = EnvSpec(
             name=name,
@@ -135,6 +197,12 @@ class AgentEnvironment(Environment):
     async def run(self, client: AsyncOpenAI, task: Task) -> AgentResult:
         """Run the agent once; its return value checked (ValueError) and normalised."""
         return as_agent_result(await self.agent(client, task))
+
+    async def play(self, episode: AgentEpisode, task: Task) -> object:
+        """One episode's agent run (what the runner awaits): ``agent(episode.client(), task)``. Returns
+        what the agent returned (checked by the runner); a subclass may run something else against the
+        same endpoint (envs/agent_process/process_agent.py runs a command)."""
+        return await self.agent(episode.client(), task)
 
     async def reset(self, task: Task) -> list[Message]:
         raise EnvError(_NOT_STEPPED)

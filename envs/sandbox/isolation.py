@@ -170,9 +170,15 @@ def _bwrap_version_and_features(path: str) -> tuple[str, frozenset[str]]:
 
 
 def bwrap_argv(
-    bwrap: str, features: frozenset[str], interpreter: Interpreter, workdir: str, tmp_bytes: int
+    bwrap: str,
+    features: frozenset[str],
+    interpreter: Interpreter,
+    workdir: str,
+    tmp_bytes: int,
+    mounts: tuple[str, ...] = (),
 ) -> list[str]:
-    """The bubblewrap command line (up to ``--``) that mounts ``workdir`` at SANDBOX_DIR."""
+    """The bubblewrap command line (up to ``--``) that mounts ``workdir`` at SANDBOX_DIR and each of
+    ``mounts`` (host paths: directories, files, a Unix socket) read-only at the same path."""
     argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
     if "--disable-userns" in features:
         argv.append("--disable-userns")
@@ -189,7 +195,10 @@ def bwrap_argv(
     argv += ["--proc", "/proc", "--dev", "/dev"]
     if "--size" in features:
         argv += ["--size", str(tmp_bytes)]
-    argv += ["--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR, "--remount-ro", "/"]
+    argv += ["--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR]
+    for path in mounts:  # a socket stays connectable read-only: connect() needs no write access to the mount
+        argv += ["--ro-bind", path, path]
+    argv += ["--chdir", SANDBOX_DIR, "--remount-ro", "/"]
     argv += ["--clearenv"]
     environment = {"PATH": PATH_INSIDE, "HOME": SANDBOX_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
     for name, value in environment.items():

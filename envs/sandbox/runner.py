@@ -199,17 +199,23 @@ class Sandbox:
         files: Mapping[str, str | bytes] | None = None,
         stdin: str | bytes | None = None,
         limits: Limits | None = None,
+        mounts: tuple[str, ...] = (),
     ) -> SandboxResult:
         """Run ``code`` as ``main.py`` in a fresh working directory that also holds ``files``.
 
         ``files`` maps relative paths to contents; ``stdin`` is the program's standard input
-        (default: empty). Raises ``SandboxError`` when the sandbox itself fails.
+        (default: empty); ``mounts`` are absolute host paths the program may read, at the same paths
+        (bind-mounted read-only under bubblewrap; with rlimits only, everything is visible anyway).
+        Raises ``SandboxError`` when the sandbox itself fails.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
         files = dict(files or {})
         for name in files:
             _check_relative(name)
+        for path in mounts:
+            if not os.path.isabs(path) or not os.path.exists(path):  # noqa: ASYNC240  (a stat)
+                raise ValueError(f"sandbox mount {path!r} must be an absolute path that exists")
         limits = limits or self.config.limits
         gate = self._gate()
         queued_at = time.monotonic()
@@ -223,7 +229,7 @@ class Sandbox:
         uid: int | None = None
         try:
             uid = _UIDS.take(self.config.root_uid_base) if self.as_root else None
-            outcome = await self._execute(code, files, stdin, limits, uid)
+            outcome = await self._execute(code, files, stdin, limits, uid, mounts)
             result = self._result(outcome, limits, queued_s)
         except SandboxError:
             _notify(Execution(self.isolation.kind, None, queued_s, 0.0, failed=True))
@@ -251,6 +257,7 @@ class Sandbox:
         stdin: str | bytes | None,
         limits: Limits,
         uid: int | None,
+        mounts: tuple[str, ...] = (),
     ) -> ProcessOutcome:
         # Directory work runs in a thread: on a slow or busy disk a mkdir or rmdir takes milliseconds,
         # and the event loop serves every other episode meanwhile.
@@ -262,12 +269,18 @@ class Sandbox:
             raise
         try:
             with _stdin_file(stdin) as stdin_file:
-                return await self._spawn(rundir / "work", rundir / "tmp", stdin_file, limits, uid)
+                return await self._spawn(rundir / "work", rundir / "tmp", stdin_file, limits, uid, mounts)
         finally:
             await asyncio.shield(asyncio.to_thread(_remove_tree, rundir))
 
     async def _spawn(
-        self, work: Path, tmp: Path, stdin: IO[bytes] | None, limits: Limits, uid: int | None
+        self,
+        work: Path,
+        tmp: Path,
+        stdin: IO[bytes] | None,
+        limits: Limits,
+        uid: int | None,
+        mounts: tuple[str, ...] = (),
     ) -> ProcessOutcome:
         isolation = self.isolation
         python = isolation.interpreter.path
@@ -296,6 +309,7 @@ class Sandbox:
                 isolation.interpreter,
                 str(work),
                 self.config.tmp_bytes,
+                mounts,
             )
             return [*prefix, *args]
 

@@ -168,6 +168,20 @@ class SamplingConfig(Section):
     top_k: int = Field(-1, description="-1 = whole vocabulary.")
     min_p: float = Field(0.0, ge=0, lt=1, description="Min-p filter.")
     max_new_tokens: int = Field(1024, ge=1, description="Tokens one turn may generate.")
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Stop strings of native episodes' turns (SGLang's `stop`): a turn ends with the token that "
+            "completes one; every sampled token is kept and trained. Agents send their own per request."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _stop_strings_are_not_empty(self) -> SamplingConfig:
+        if any(not text for text in self.stop):
+            raise ValueError('stop: "" would end every turn at its first token')
+        return self
 
 
 class EnvConfig(Section):
@@ -181,6 +195,16 @@ class EnvConfig(Section):
     )
     tool_parser: str = Field("hermes", description="Tool-call parser name (envs.toolcalls).")
     system_prompt: str | None = Field(None, description="Optional system message before the env's messages.")
+    agent_workers: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description=(
+            "Agent-function environments: run the agent functions in this many worker processes, each "
+            "with its own event loop and client, off the supervisor's core (0 = in the supervisor's loop). "
+            "The agent must be importable ('module:attr' or 'file.py:attr')."
+        ),
+    )
 
 
 class RolloutConfig(Section):

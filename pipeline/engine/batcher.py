@@ -388,10 +388,12 @@ class ContinuousBatcher:
         max_batch: int = 64,
         batch_wait_s: float = 0.003,
         max_prefill_tokens: int = 16384,
+        decode: Callable[[list[int]], str] | None = None,
         capture_routing: bool = False,
         prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
+        self._decode = decode  # the tokenizer's decode, for stop strings (None: no tokenizer, none sent)
         # Record routed experts for the requests that ask (--enable-return-routed-experts, MoE only).
         self.capture_routing = capture_routing
         self.weight_version = weight_version
@@ -1028,4 +1030,10 @@ class ContinuousBatcher:
             return {"type": "length", "length": sampling.max_new_tokens}
         if len(request.prompt_ids) + len(request.output_ids) >= self.context_length:
             return {"type": "length", "length": len(request.output_ids)}
+        if sampling.stop and self._decode is not None:
+            # SGLang's Req.check_finished: the decode of the last stop_str_max_len + 1 tokens holds one.
+            tail = self._decode(request.output_ids[-(sampling.stop_window + 1) :])
+            for stop in sampling.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
         return None

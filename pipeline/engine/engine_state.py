@@ -93,6 +93,7 @@ class EngineState:
             max_batch=cfg.max_batch,
             batch_wait_s=cfg.batch_wait_ms / 1000.0,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            decode=None if self.tokenizer is None else self.tokenizer.decode,
             capture_routing=cfg.enable_return_routed_experts,
             prefix_cache_bytes=int(cfg.prefix_cache_mb * 2**20),
         )
@@ -177,15 +178,21 @@ class EngineState:
     def _text(self, request: EngineRequest, ids: list[int], finished: bool) -> str:
         sampling = request.sampling
         reason = request.finish_reason if finished else None
-        if reason and reason["type"] == "stop" and not sampling.no_stop_trim and ids:
+        matched = reason.get("matched") if reason and reason["type"] == "stop" else None
+        if isinstance(matched, int) and not sampling.no_stop_trim and ids:
             ids = ids[:-1]
-        return str(
+        text = str(
             self.tokenizer.decode(
                 ids,
                 skip_special_tokens=sampling.skip_special_tokens,
                 spaces_between_special_tokens=sampling.spaces_between_special_tokens,
             )
         )
+        if isinstance(matched, str) and matched and not sampling.no_stop_trim:
+            # detokenizer_manager.trim_matched_stop: the text ends before the stop string.
+            position = text.find(matched)
+            text = text if position == -1 else text[:position]
+        return text
 
     def response_object(self, tracked: Tracked, num_tokens: int | None = None) -> dict[str, Any]:
         """SGLang's per-request object. `num_tokens` None = final (finished) object; else a stream

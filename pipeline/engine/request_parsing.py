@@ -150,8 +150,14 @@ def build_requests(body: dict[str, Any], state: EngineState) -> tuple[list[Track
     cap = cfg.max_new_tokens_cap or scheduler.context_length
     raw_params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params")
     default_new = min(DEFAULT_MAX_NEW_TOKENS, cap)
+    tokenizer = state.tokenizer
+    encode = (
+        None if tokenizer is None else lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+    )
     params = [
-        parse_sampling_params(p, vocab_size=scheduler.vocab_size, default_max_new_tokens=default_new)
+        parse_sampling_params(
+            p, vocab_size=scheduler.vocab_size, default_max_new_tokens=default_new, encode=encode
+        )
         for p in raw_params
     ]
     n = params[0].n

@@ -17,7 +17,7 @@ vocabulary at T = 1, 3 of 8 fp32 sequences and 8 of 8 bf16 ones differed within 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ _SUPPORTED_KEYS = frozenset(
         "top_k",
         "min_p",
         "stop_token_ids",
+        "stop",
         "ignore_eos",
         "skip_special_tokens",
         "spaces_between_special_tokens",
@@ -45,7 +46,6 @@ _SUPPORTED_KEYS = frozenset(
 )
 # Known to SGLang but not implemented here: accepted only at their neutral value.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "stop": (None, [], ""),
     "stop_regex": (None, [], ""),
     "min_new_tokens": (0, None),
     "frequency_penalty": (0, 0.0, None),
@@ -76,6 +76,10 @@ class RequestSampling:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    # SGLang's `stop` strings (sampling_params.py normalize: a string becomes a list of one) and
+    # `stop_str_max_len`: how many trailing output tokens, plus one, are decoded to look for them.
+    stop: tuple[str, ...] = ()
+    stop_window: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -118,10 +122,35 @@ def _flag(params: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def _stop_strings(
+    raw: Mapping[str, Any], encode: Callable[[str], list[int]] | None
+) -> tuple[tuple[str, ...], int]:
+    """(stop strings, stop window) as SGLang's SamplingParams.normalize makes them; ValueError without a
+    tokenizer (raise_if_tokenizer_required: matching needs a decode) or for a value that is not a string
+    or a list of strings."""
+    stop = raw.get("stop")
+    if stop is None or stop == []:
+        return (), 0
+    strings = [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {stop!r}")
+    if encode is None:
+        raise ValueError(
+            f"stop={strings!r} is unavailable when skip_tokenizer_init=True "
+            "(requires tokenizer to decode tokens to text for matching)."
+        )
+    return tuple(strings), max(len(encode(s)) for s in strings)
+
+
 def parse_sampling_params(
-    raw: object, *, vocab_size: int, default_max_new_tokens: int = 128
+    raw: object,
+    *,
+    vocab_size: int,
+    default_max_new_tokens: int = 128,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> RequestSampling:
-    """Validate a request's `sampling_params` dict; raises ValueError naming the bad key."""
+    """Validate a request's `sampling_params` dict; raises ValueError naming the bad key. `encode` (the
+    engine's tokenizer, no special tokens added) sizes the stop strings' window; None: no tokenizer."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -170,7 +199,10 @@ def parse_sampling_params(
             f"sampling_params.stop_token_ids {bad_stop} are outside the vocabulary [0, {vocab_size})"
         )
 
+    stop, stop_window = _stop_strings(raw, encode)
     return RequestSampling(
+        stop=stop,
+        stop_window=stop_window,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -107,7 +107,20 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         env = factory(**cfg.env.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.options: {cfg.env.name} rejects {cfg.env.options!r}: {exc}") from None
-    if isinstance(env, AgentEnvironment) and importlib.util.find_spec("openai") is None:
+    if cfg.env.agent_workers > 0 and (
+        not isinstance(env, AgentEnvironment) or type(env).play is not AgentEnvironment.play
+    ):
+        raise ConfigError(
+            f"env.agent_workers: {cfg.env.name} is not an agent-function environment; only those run in "
+            "worker processes (set env.agent_workers = 0)"
+        )
+    if cfg.env.agent_workers > 0 and isinstance(env, AgentEnvironment) and env.agent_ref is None:
+        raise ConfigError(
+            "env.agent_workers: the agent function cannot be imported by a worker process; name it as "
+            "'module:attr' or 'file.py:attr' in env.options.agent"
+        )
+    runs_a_function = isinstance(env, AgentEnvironment) and type(env).play is AgentEnvironment.play
+    if runs_a_function and importlib.util.find_spec("openai") is None:
         raise ConfigError(
             f"env.name: {cfg.env.name} is an agent environment, whose agent gets an openai.AsyncOpenAI "
             "client; install the openai package (pip install 'rollwise[agents]')"
@@ -290,7 +303,7 @@ def rollout_settings(cfg: Config, model_dir: Path | None = None) -> RolloutSetti
     return RolloutSettings(
         # [sampling] names exactly SamplingParams' fields (stop ids come from the tokenizer, the seed
         # is per request).
-        sampling=SamplingParams(**cfg.sampling.model_dump()),
+        sampling=SamplingParams(**cfg.sampling.model_dump() | {"stop": tuple(cfg.sampling.stop)}),
         max_context_tokens=cfg.env.max_context_tokens,
         tool_parser=cfg.env.tool_parser,
         system_prompt=cfg.env.system_prompt,
@@ -361,7 +374,16 @@ async def start_openai_endpoint(
     from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.observability import judge_metrics
 
-    endpoint = OpenAIEndpoint(engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg, model_dir))
+    pool = None
+    if cfg.env.agent_workers > 0:
+        from pipeline.supervisor.actors.agent_workers import AgentWorkerPool
+
+        pool = AgentWorkerPool(cfg.env.agent_workers)
+        await pool.start()
+        log.info("agent functions run in %d worker processes", cfg.env.agent_workers)
+    endpoint = OpenAIEndpoint(
+        engine=engine, tokenizer=tokenizer, settings=rollout_settings(cfg, model_dir), agent_pool=pool
+    )
     await endpoint.start()
     log.info("OpenAI endpoint (agent episodes, judges) on %s", endpoint.base_url)
     set_run_endpoint(endpoint.base_url, endpoint.service_key)

@@ -408,6 +408,32 @@ async def test_stop_token_ids_finish_with_matched_id(
     assert len(stopped["meta_info"]["output_token_logprobs"]) == first + 1
 
 
+async def test_stop_strings_finish_with_the_matched_string_and_every_sampled_token(
+    server: RunningServer, http: aiohttp.ClientSession
+) -> None:
+    url = server.url + "/generate"
+    tokenizer = server.state.tokenizer
+    body = gen_body([21, 22, 23], max_new_tokens=24, sampling_seed=7, skip_special_tokens=False)
+    _, free = await post(http, url, body)
+    ids = free["output_ids"]
+    texts = [tokenizer.decode(ids[: k + 1]) for k in range(len(ids))]
+    # A stop string: the text of a token, from the 4th on, that the output has not written before it.
+    pieces = [tokenizer.decode([t]) for t in ids]
+    stop = next(p for k, p in enumerate(pieces) if k >= 3 and p.strip() and p not in texts[k - 1])
+    first = next(k for k, t in enumerate(texts) if stop in t)
+    status, stopped = await post(
+        http, url, {**body, "sampling_params": {**body["sampling_params"], "stop": stop}}
+    )
+    assert status == 200
+    assert stopped["output_ids"] == ids[: first + 1]  # untrimmed: the tokens that wrote the string too
+    assert logprobs_of(stopped) == pytest.approx(logprobs_of(free)[: first + 1], abs=1e-6)
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"] == texts[first][: texts[first].find(stop)]
+    kept = {**body["sampling_params"], "stop": [stop], "no_stop_trim": True}
+    _, untrimmed = await post(http, url, {**body, "sampling_params": kept})
+    assert untrimmed["output_ids"] == ids[: first + 1] and untrimmed["text"] == texts[first]
+
+
 async def test_max_new_tokens_zero_and_length_finish(
     server: RunningServer, http: aiohttp.ClientSession
 ) -> None:
@@ -541,7 +567,7 @@ async def test_each_bad_request_is_400_and_the_server_keeps_serving(
             ("negative temperature", gen_body([1], temperature=-1.0)),
             ("negative max_new_tokens", gen_body([1], max_new_tokens=-1)),
             ("unknown sampling key", gen_body([1], temprature=0.5)),
-            ("stop strings", gen_body([1], stop=["x"])),
+            ("stop strings that are not strings", gen_body([1], stop=[1])),
             ("rid list length", {"input_ids": [[1], [2]], "rid": ["a"]}),
             ("duplicate rids in batch", {"input_ids": [[1], [2]], "rid": ["a", "a"]}),
             ("sampling_params list length", {"input_ids": [[1], [2]], "sampling_params": [{}]}),

@@ -40,7 +40,8 @@ def test_parse_reads_every_supported_key() -> None:
         "skip_special_tokens": False,
         "no_stop_trim": True,
         "sampling_seed": 42,
-        "stop": [],  # neutral value of a known-but-unsupported key is accepted
+        "stop": [],  # no stop strings
+        "stop_regex": [],  # neutral value of a known-but-unsupported key is accepted
         "repetition_penalty": 1.0,
     }
     params = parse_sampling_params(raw, vocab_size=VOCAB)
@@ -63,7 +64,9 @@ def test_parse_reads_every_supported_key() -> None:
         ({"max_new_tokens": "8"}, "max_new_tokens"),
         ({"temperature": True}, "temperature"),
         ({"bogus_key": 1}, "bogus_key"),
-        ({"stop": "</s>"}, "stop"),
+        ({"stop": "</s>"}, "skip_tokenizer_init"),  # no tokenizer (no encode): strings cannot match
+        ({"stop": [1]}, "stop"),
+        ({"stop_regex": "x+"}, "stop_regex"),
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
         ({"stop_token_ids": 3}, "stop_token_ids"),
@@ -74,6 +77,16 @@ def test_parse_reads_every_supported_key() -> None:
 def test_parse_rejects_bad_values_naming_the_key(raw: dict[str, object], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         parse_sampling_params(raw, vocab_size=VOCAB)
+
+
+def test_stop_strings_become_a_list_and_a_window_in_tokens() -> None:
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text.replace("ab", "X")]  # "ab" is one token
+
+    params = parse_sampling_params({"stop": ["abab", "xyz"]}, vocab_size=VOCAB, encode=encode)
+    assert params.stop == ("abab", "xyz") and params.stop_window == 3
+    one = parse_sampling_params({"stop": "ab"}, vocab_size=VOCAB, encode=encode)
+    assert one.stop == ("ab",) and one.stop_window == 1
 
 
 def test_parse_rejects_non_object() -> None:

@@ -118,7 +118,10 @@ async def test_judge_scores_with_the_runs_own_engine(run_engines: OpenAIEndpoint
         == latency_before + verdict.attempts
     )
     # It went through the endpoint's service route: not recorded as an episode's turn.
-    assert counter("rollwise_openai_requests_total", route="service", status="ok") >= verdict.attempts
+    assert (
+        counter("rollwise_openai_requests_total", route="service", api="chat", status="ok")
+        >= verdict.attempts
+    )
 
 
 async def test_a_judge_failure_excludes_the_episode_and_is_counted(

@@ -78,12 +78,14 @@ def test_sampling_params_wire_form_has_exactly_sglang_keys() -> None:
         "no_stop_trim": True,
     }
     assert SamplingParams(seed=11).to_wire()["sampling_seed"] == 11
+    assert SamplingParams(stop=("Observation:",)).to_wire()["stop"] == ["Observation:"]
+    assert "stop" not in SamplingParams().to_wire()
 
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"), ({"top_k": 0}, "top_k"),
-     ({"max_new_tokens": -1}, "max_new_tokens"), ({"min_p": 1.5}, "min_p")],
+     ({"max_new_tokens": -1}, "max_new_tokens"), ({"min_p": 1.5}, "min_p"), ({"stop": ("",)}, "stop")],
 )  # fmt: skip
 def test_sampling_params_reject_out_of_range_values_naming_the_field(
     kwargs: dict[str, Any], field: str
@@ -337,6 +339,20 @@ async def test_sampling_seed_is_sent_only_when_set(fake: FakeSGLang, client: Eng
     with_seed, without = fake.generate_requests()
     assert with_seed["sampling_params"]["sampling_seed"] == 5
     assert "sampling_seed" not in without["sampling_params"]
+
+
+async def test_stop_strings_are_sent_and_the_matched_string_comes_back(
+    fake: FakeSGLang, client: EngineClient
+) -> None:
+    fake.script = lambda call: Plan([5, 7, 8, 9], [-0.1, -0.2, -0.3, -0.4], "length")
+    result = await client.generate([1, 2], SamplingParams(max_new_tokens=8, stop=("<7>",)), "s1")
+    assert (result.output_ids, result.logprobs) == ([5, 7], [-0.1, -0.2])
+    assert (result.finish_reason, result.matched) == ("stop", "<7>")
+    [sent] = fake.generate_requests()
+    assert sent["sampling_params"]["stop"] == ["<7>"] and fake.ignored_fields == []
+    fake.script = lambda call: Plan([5, 6], [-0.1, -0.2], "stop", 6)
+    token_stop = await client.generate([1, 2], SamplingParams(max_new_tokens=8, stop=("<7>",)), "s2")
+    assert (token_stop.finish_reason, token_stop.matched) == ("stop", None)
 
 
 MALFORMED = [

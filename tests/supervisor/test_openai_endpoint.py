@@ -302,10 +302,10 @@ async def test_streaming_sends_the_same_completion_as_chunks(
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"stop": ["\n"]}, "stop"),
+        ({"stop": ["", "\n"]}, "stop"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"n": 2}, "n"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "calculator"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
         ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),

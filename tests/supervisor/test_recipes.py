@@ -131,3 +131,12 @@ def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
         # every value that differs from a default carries its reason on the comment line above it
         before = text.split(key)[0].rstrip().splitlines()[-1]
         assert before.startswith("#"), (name, key)
+
+
+def test_agent_workers_need_an_importable_agent_function(tmp_path: Path) -> None:
+    react = ROOT / "examples" / "react_agent.toml"
+    run_dir = f"run.run_dir={json.dumps(str(tmp_path / 'run'))}"
+    setup = resolve_config(_ns(react, [run_dir, "env.agent_workers=2"]))
+    assert setup.cfg.env.agent_workers == 2
+    with pytest.raises(ConfigError, match=r"env\.agent_workers"):
+        resolve_config(_ns(ROOT / "examples" / "guess_number.toml", [run_dir, "env.agent_workers=1"]))

@@ -87,14 +87,19 @@ def test_bench_actors_agent_mode_compares_the_endpoint_with_the_native_runner(
     assert actors.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     # The same 6 x 2 conversation on each side; an agent side that split a trajectory would have raised.
-    assert [report[side]["turns"] for side in ("native", "sdk", "http", "none")] == [12, 12, 12, 12]
-    for side in ("sdk", "http", "none"):
+    sides = ("native", "sdk", "http", "none", "sdk_1w", "sdk_2w")
+    assert [report[side]["turns"] for side in sides] == [12] * 6
+    for side in sides[1:]:
         assert report[f"ratio_{side}"] == pytest.approx(
             report[side]["turns_per_s"] / report["native"]["turns_per_s"]
         )
+    # The workers ran the agents: they used CPU in the measured window (the in-loop side has no workers).
+    assert report["sdk_1w"]["worker_cpu_us_per_turn"] > 0 and report["sdk_2w"]["worker_cpu_us_per_turn"] > 0
+    assert report["sdk"]["worker_cpu_us_per_turn"] == 0
     assert report["meets_goal"] == (report["ratio_none"] >= 0.5)
     assert report["sdk_alone_cpu_us_per_request"] > 0
     text = actors.format_agent_report(report)
     assert (
         "agent, openai SDK client" in text and "agent, no client" in text and "agent/native turns/s" in text
     )
+    assert "agent, SDK, 2 workers" in text and "SDK agent in agent worker processes" in text

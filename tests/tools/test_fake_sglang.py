@@ -223,6 +223,60 @@ async def test_routes_sglang_does_not_serve_are_404(fake: FakeSGLang) -> None:
     assert status == 404 and "deprecated. Please use '/model_info' instead." in body
 
 
+# ------------------------------------------------------------------------------------------ stop strings
+async def test_a_stop_string_ends_the_request_after_the_token_that_completes_it_untrimmed(
+    fake: FakeSGLang,
+) -> None:
+    # The fake's own detokenizer writes "<id>" per token: the string "<7><8>" is complete after token 8.
+    fake.script = lambda call: Plan([5, 7, 8, 9, 11], [-0.1, -0.2, -0.3, -0.4, -0.5], "length")
+    body = generate_body("r", stop=["<8>", "<5><9>"], max_new_tokens=8)
+    status, _, reply = await post(fake, "/generate", body)
+    assert status == 200
+    assert reply["output_ids"] == [5, 7, 8]  # every sampled token, the stop string's own included
+    assert [e[0] for e in reply["meta_info"]["output_token_logprobs"]] == [-0.1, -0.2, -0.3]
+    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": "<8>"}
+    assert reply["text"] == "<5><7>"  # trim_matched_stop: the text is cut before the string
+
+
+async def test_stop_strings_yield_to_the_length_limit_and_to_stop_tokens(fake: FakeSGLang) -> None:
+    # check_finished's order: length first, then a stop token, then the strings.
+    fake.script = lambda call: Plan([5, 7, 8], [-0.1] * 3, "length")
+    status, _, reply = await post(fake, "/generate", generate_body("a", stop="<8>", max_new_tokens=3))
+    assert (status, reply["meta_info"]["finish_reason"]) == (200, {"type": "length", "length": 3})
+    fake.script = lambda call: Plan([5, 7, 8], [-0.1] * 3, "stop", 8)
+    _, _, reply = await post(fake, "/generate", generate_body("b", stop="<8>", max_new_tokens=9))
+    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": 8}
+
+
+async def test_a_stop_string_decodes_with_the_given_tokenizer(tok: Any) -> None:
+    ids = list(tok.encode("Thought: add them\nObservation: 5", add_special_tokens=False))
+    server = FakeSGLang(tokenizer=tok, script=lambda call: Plan(ids, [-1.0] * len(ids), "length"))
+    await server.start()
+    try:
+        status, _, reply = await post(
+            server, "/generate", generate_body("r", stop=["Observation:"], max_new_tokens=64)
+        )
+    finally:
+        await server.stop()
+    assert status == 200
+    out = reply["output_ids"]
+    assert out == ids[: len(out)] and len(out) < len(ids)
+    assert tok.decode(out).endswith("Observation:") or "Observation:" in tok.decode(out[-4:])
+    assert "Observation:" not in tok.decode(out[:-1])  # it stopped at the first token that completed it
+    assert reply["text"] == "Thought: add them\n"
+
+
+async def test_a_server_without_a_tokenizer_refuses_stop_strings() -> None:
+    server = FakeSGLang(skip_tokenizer_init=True)
+    await server.start()
+    try:
+        status, _, reply = await post(server, "/generate", generate_body("r", stop=["x"]))
+    finally:
+        await server.stop()
+    assert status == 400
+    assert reply["message"].startswith("stop=['x'] is unavailable when skip_tokenizer_init=True")
+
+
 # ------------------------------------------------------------------------------ routed experts (MoE)
 async def test_routed_experts_come_back_only_from_a_server_launched_to_record_them(fake: FakeSGLang) -> None:
     import base64

@@ -12,10 +12,15 @@ Per request k (turn k), in arrival order (one at a time per episode):
    messages); otherwise a new segment starts (counted in rollwise_agent_segments_total), never a silent
    re-tokenisation;
 3. the turn is generated through the episode runner's own `_generate_turn` (same engine pool, affinity
-   key, abort-and-resubmit, per-token versions, metrics) and its text becomes the response: content and
-   `tool_calls` parsed with the run's tool-call parser (envs/toolcalls.py).
+   key, abort-and-resubmit, per-token versions, metrics; the request's stop strings as SGLang's `stop`)
+   and its text becomes the response: cut before the stop string that ended it, if one did (every token
+   sampled is recorded all the same, and the cut text maps back to the recorded one in step 1), then
+   content and `tool_calls` parsed with the run's tool-call parser (envs/toolcalls.py).
 Refusals that end the episode: a request past `spec.max_turns` (400 max_turns_exceeded) or over the
 context budget (400 context_length_exceeded) -> "truncated"; an engine failure (502) -> "engine_error".
+An agent that keeps sending requests the endpoint refuses (`max_refused_requests` in a row, those after
+the episode ended included) is stopped: `stop_agent` is called and the episode ends "env_error" (counted
+as ENV_ERRORS kind "refused") unless it had already ended otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +79,15 @@ class AgentSession:
         env: AgentEnvironment,
         episode_id: str,
         env_name: str,
+        group_id: str | None = None,
     ) -> None:
         self.env = env
         self.env_name = env_name
         self.episode_id = episode_id
         self.key = secrets.token_urlsafe(18)
         self.model = env.model
-        self.run = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name)
+        # Affinity by group, as native episodes: the group's shared first prompt stays in one prefix cache.
+        self.run = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name, affinity_key=group_id)
         self.tokenizer = tokenizer
         self.settings = settings
         self.parser = get_parser(settings.tool_parser)
@@ -89,6 +97,10 @@ class AgentSession:
         self.error: str | None = None
         self.closed = False
         self.turn_seconds: list[float] = []
+        self.refused_in_a_row = 0
+        self.max_refused = max(1, int(getattr(env, "max_refused_requests", 8)))
+        self.stop_agent: Callable[[], object] | None = None  # set by whoever runs the agent
+        self.responses: dict[str, list[Message]] = {}  # stored Responses conversations, by response id
         self._lock = asyncio.Lock()
         self._inflight: set[asyncio.Task[Any]] = set()
 
@@ -99,6 +111,23 @@ class AgentSession:
     def _end(self, finish: str, message: str) -> None:
         if self.finish is None:
             self.finish, self.error = finish, message
+
+    def refused(self, err: OpenAIRequestError) -> None:
+        """The endpoint refused one of this episode's requests (any 4xx): after `max_refused` in a row the
+        agent is looping on refusals; stop it."""
+        self.refused_in_a_row += 1
+        if self.refused_in_a_row < self.max_refused:
+            return
+        if self.finish is None:
+            metrics.ENV_ERRORS.labels(env=self.env_name, kind="refused").inc()
+            self._end(
+                "env_error",
+                f"the agent sent {self.refused_in_a_row} requests in a row that the endpoint refused; "
+                f"the last: HTTP {err.status} {err.message}",
+            )
+        if self.stop_agent is not None:
+            stop, self.stop_agent = self.stop_agent, None
+            stop()
 
     def _restore(self, messages: list[Message]) -> list[Message]:
         restored = []
@@ -176,7 +205,7 @@ class AgentSession:
             limit = min(limit, request.max_tokens)
         generated_from = len(chat.current)
         try:
-            engine_finish = await self.run._generate_turn(chat, turn, max_new_tokens=limit)
+            engine_finish = await self.run._generate_turn(chat, turn, max_new_tokens=limit, stop=request.stop)
         except _EpisodeEnded as ended:
             self._end(ended.finish_reason, ended.message or ended.finish_reason)
             if ended.finish_reason == "truncated":
@@ -189,22 +218,28 @@ class AgentSession:
         segment = chat.current
         ids = segment.token_ids[generated_from:]
         text = chat.finish_turn()
+        matched = self.run.matched
         completion = self._completion(
-            request, text, engine_finish, prompt_tokens, ids, segment.logprobs[generated_from:]
+            request, text, matched, engine_finish, prompt_tokens, ids, segment.logprobs[generated_from:]
         )
         self.last_engine_finish = engine_finish
         self.turn_seconds.append(time.perf_counter() - started)
+        self.refused_in_a_row = 0
         return completion
 
     def _completion(
         self,
         request: ChatRequest,
-        text: str,
+        recorded: str,
+        matched: str | None,
         engine_finish: str,
         prompt_tokens: int,
         ids: list[int],
         logprobs: list[float],
     ) -> Completion:
+        text = recorded
+        if matched is not None and matched in text:
+            text = text[: text.index(matched)]  # the API's text ends before the stop string
         calls: tuple[ToolCall, ...] = ()
         content: str | None = text
         if request.parse_tools:
@@ -212,7 +247,7 @@ class AgentSession:
             if action.tool_calls and not action.tool_call_errors:
                 calls = action.tool_calls
                 content = text_without_calls(text, self.settings.tool_parser) or None
-        self.turns.append(ReturnedTurn(content, tuple((c.name, c.arguments) for c in calls), text))
+        self.turns.append(ReturnedTurn(content, tuple((c.name, c.arguments) for c in calls), recorded))
         finish = "length" if engine_finish == "length" else "tool_calls" if calls else "stop"
         token_logprobs = None
         if request.logprobs:
@@ -231,6 +266,7 @@ class AgentSession:
             completion_tokens=len(ids),
             logprobs=token_logprobs,
             fingerprint=f"rollwise-v{version}",
+            stop_sequence=matched,
         )
 
     def close(self) -> None:

@@ -4,13 +4,18 @@ What rollwise's endpoint accepts (pipeline/supervisor/actors/openai_endpoint.py)
 - `model` (required; the endpoint checks the name), `messages` (required, non-empty; roles system,
   developer (= system), user, assistant, tool; content a string or a list of text parts; assistant
   `tool_calls` with `function.name` and `function.arguments`), `tools` (function tools), `tool_choice`
-  "auto" or "none", `parallel_tool_calls`, `n` = 1, `stream` (+ `stream_options.include_usage`),
-  `logprobs`, `top_logprobs` 0, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`,
-  and the inert `user`, `metadata`, `store` (false), `service_tier`, `response_format` {"type": "text"},
-  `logit_bias` {}, `presence_penalty` 0, `frequency_penalty` 0, `stop` empty.
+  "auto", "none" or "required" (accepted, not enforced: the policy samples as it always does, since
+  constrained decoding would change the distribution the trainer recomputes; the reply may hold no tool
+  call, and the header x-rollwise-clamped says so), `parallel_tool_calls`, `n` = 1, `stream`
+  (+ `stream_options.include_usage`), `logprobs`, `top_logprobs` 0, `max_tokens` /
+  `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or up to 16 non-empty
+  strings: the engine stops on them, SGLang's `stop`; every token it sampled is recorded, the returned
+  text ends before the stop string, as OpenAI's does), and the inert `user`, `metadata`, `store` (false),
+  `service_tier`, `response_format` {"type": "text"}, `logit_bias` {}, `presence_penalty` 0,
+  `frequency_penalty` 0.
 - Anything else, or one of those with a value that would change what the model samples in a way the
-  trainer cannot reproduce (penalties, logit bias, stop sequences, JSON mode, forced tool choice, n > 1,
-  top log-probs), is a 400 naming the parameter.
+  trainer cannot reproduce (penalties, logit bias, JSON mode, a named tool choice, n > 1, top log-probs),
+  is a 400 naming the parameter.
 Errors have OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
 Responses are `chat.completion` objects (or `chat.completion.chunk` events when streaming: the whole
@@ -106,6 +111,26 @@ class ChatRequest:
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    unenforced: tuple[str, ...] = ()  # parameters accepted but not honoured (reported, x-rollwise-clamped)
+
+
+MAX_STOP_STRINGS = 16
+
+
+def stop_strings(value: Any, param: str) -> tuple[str, ...]:
+    """A `stop` value (None, a string, or a list of strings) as a tuple of non-empty strings; 400 naming
+    `param` otherwise (an empty string would end every turn at its first token)."""
+    if value is None or value == []:
+        return ()
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise _bad(f"{param} must be a string or a list of strings, got {value!r:.200}", param)
+    if not all(strings):
+        raise _bad(f"{param} holds an empty string, which would end every turn at once", param)
+    if len(strings) > MAX_STOP_STRINGS:
+        raise _bad(f"{param} has {len(strings)} strings; at most {MAX_STOP_STRINGS}", param)
+    return tuple(dict.fromkeys(strings))
 
 
 def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
@@ -265,10 +290,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         "it changes the sampling distribution",
         body.get("logit_bias"),
     )
-    stop = body.get("stop")
-    _refuse_unless(
-        stop in (None, "", []), "stop", "stop sequences would cut tokens the trainer records", stop
-    )
+    stop = () if body.get("stop") == "" else stop_strings(body.get("stop"), "stop")
     response_format = body.get("response_format")
     _refuse_unless(
         response_format is None or response_format == {"type": "text"},
@@ -279,9 +301,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     _refuse_unless(body.get("store") in (None, False), "store", "nothing is stored", body.get("store"))
     tool_choice = body.get("tool_choice")
     _refuse_unless(
-        tool_choice in (None, "auto", "none"),
+        tool_choice in (None, "auto", "none", "required"),
         "tool_choice",
-        "only 'auto' and 'none' (no constrained decoding)",
+        "only 'auto', 'none' and 'required' (not enforced); no constrained decoding",
         tool_choice,
     )
     for key in ("stream", "logprobs", "parallel_tool_calls"):
@@ -316,6 +338,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=top_p,
         seed=seed,
+        stop=stop,
+        unenforced=("tool_choice",) if tool_choice == "required" else (),
     )
 
 
@@ -332,6 +356,7 @@ class Completion:
     completion_tokens: int
     logprobs: list[tuple[str, float]] | None = None  # (token text, log-prob) per content token
     fingerprint: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the turn (not in `content`)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -420,6 +420,7 @@ class _EpisodeRun:
         self.span: Any = tracing.NO_SPAN  # the episode's span (run_episode), when tracing is on
         self.trace_id: str | None = None  # its trace, stored with the rows (sampled traces only)
         self._linked: set[int] = set()  # policy versions the episode span links to
+        self.matched: str | None = None  # the stop string that ended the last turn, if one did
 
     async def _call_env(self, what: str, call: Any) -> Any:
         """Await an env coroutine under the step timeout; failures become _EpisodeEnded."""
@@ -511,10 +512,12 @@ class _EpisodeRun:
         step.outcome = None if step.outcome is None else float(step.outcome)
         return step
 
-    def _sampling(self, max_new_tokens: int) -> SamplingParams:
-        if max_new_tokens == self.sampling.max_new_tokens:
+    def _sampling(self, max_new_tokens: int, stop: tuple[str, ...] | None = None) -> SamplingParams:
+        if max_new_tokens == self.sampling.max_new_tokens and stop is None:
             return self.sampling
-        return dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+        if stop is None:
+            return dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+        return dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens, stop=stop)
 
     def _versions(self, token_versions: list[str]) -> list[int]:
         """Policy version of every token; a response carries few distinct strings, so parse each once."""
@@ -533,14 +536,22 @@ class _EpisodeRun:
             out.append(number)
         return out
 
-    async def _generate_turn(self, chat: ChatBuffer, turn: int, max_new_tokens: int | None = None) -> str:
-        """Generate turn `turn` into the buffer (at most `max_new_tokens`, default the sampling config's);
-        returns how the turn ended: "stop" or "length"."""
+    async def _generate_turn(
+        self,
+        chat: ChatBuffer,
+        turn: int,
+        max_new_tokens: int | None = None,
+        stop: tuple[str, ...] | None = None,
+    ) -> str:
+        """Generate turn `turn` into the buffer (at most `max_new_tokens`, default the sampling config's;
+        `stop` strings instead of the config's); returns how the turn ended: "stop" or "length".
+        `self.matched` is then the stop string that ended it, or None."""
         max_new = self.settings.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
         produced = 0
         engine_s = 0.0
         attempt = 0
         fruitless = 0  # aborts in a row that kept no new token
+        self.matched = None
         while True:
             budget = self.settings.max_context_tokens - len(chat.input_ids)
             if budget <= 0:
@@ -548,7 +559,7 @@ class _EpisodeRun:
                     finish = "length"
                     break
                 raise _EpisodeEnded("truncated", "context budget exhausted")
-            sampling = self._sampling(min(max_new - produced, budget))
+            sampling = self._sampling(min(max_new - produced, budget), stop)
             rid = f"{self.episode_id}-t{turn}" + (f"-r{attempt}" if attempt else "")
             started = time.perf_counter()
             routing = self._routing_request(chat)
@@ -592,6 +603,7 @@ class _EpisodeRun:
                 self.metrics.prompt_tokens_cached.inc(result.cached_tokens)
             if result.finish_reason != "abort":
                 finish = "stop" if result.finish_reason == "stop" else "length"
+                self.matched = result.matched
                 break
             if not self.settings.retry_aborted:
                 raise _engine_failure("abort", f"generation {rid} aborted: {result.abort_message}")

@@ -72,6 +72,10 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Stop strings (SGLang's `stop`): the engine ends the turn once its decoded output contains one. The
+    # tokens are never trimmed (`no_stop_trim`): every token sampled, the whole stop string's included,
+    # reaches the trainer; `GenerateResult.matched` says which string ended the turn.
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -87,6 +91,9 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 0:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            # SGLang would accept "", which every output contains: the turn would end at its first token.
+            raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
 
     def to_wire(self) -> dict[str, Any]:
         """SGLang `sampling_params`. Special tokens are kept and stop tokens not trimmed, because the
@@ -103,6 +110,8 @@ class SamplingParams:
         }
         if self.seed is not None:
             wire["sampling_seed"] = self.seed
+        if self.stop:
+            wire["stop"] = list(self.stop)
         return wire
 
 
@@ -145,6 +154,7 @@ class GenerateResult:
     cached_tokens: int
     abort_message: str | None = None
     versions_exact: bool = False
+    matched: str | None = None  # the stop string that ended it (finish "stop" on a string, not a token)
     # With a RoutedExpertsRequest: the int32 expert ids of positions [start_len, prompt + completion - 1),
     # `per_position` per position, C-ordered (position, layer, k); None for an abort that carried none.
     routed_experts: array[int] | None = None
@@ -220,6 +230,13 @@ def _parse_finish(meta: dict[str, Any], rid: str) -> tuple[FinishType, str | Non
         )
     message = finish.get("message") if kind == "abort" else None
     return cast(FinishType, kind), (str(message) if message is not None else None)
+
+
+def _matched_string(finish: dict[str, Any]) -> str | None:
+    """The stop string of a `{"type": "stop", "matched": <str>}` finish (a stop token's `matched` is an
+    int: schedule_batch.py's FINISH_MATCHED_STR vs FINISH_MATCHED_TOKEN)."""
+    matched = finish.get("matched")
+    return matched if finish.get("type") == "stop" and isinstance(matched, str) else None
 
 
 def _parse_versions(meta: dict[str, Any], n: int, rid: str) -> tuple[str, list[str], bool]:
@@ -333,6 +350,7 @@ def _parse_complete_fast(obj: object, expected_rid: str | None) -> GenerateResul
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,
+        matched=_matched_string(finish),
     )
 
 
@@ -460,6 +478,7 @@ def _parse_generate(obj: object, expected_rid: str | None) -> GenerateResult:
         cached_tokens=_int_field(meta, "cached_tokens", got_rid, default=0),
         abort_message=abort_message,
         versions_exact=exact,
+        matched=_matched_string(meta["finish_reason"]),
     )
 
 

@@ -189,8 +189,9 @@ ENV_STEP_LATENCY = Histogram(
 )
 ENV_ERRORS = Counter(
     "rollwise_env_errors",
-    "Environment failures by kind (error, timeout, invalid, close; agent = an agent function raised; judge = "
-    "a judge could not score).",
+    "Environment failures by kind (error, timeout, invalid, close; agent = an agent function raised or an "
+    "agent process failed; refused = an agent looped on refused requests and was stopped; judge = a judge "
+    "could not score).",
     ["env", "kind"],
     registry=REGISTRY,
 )
@@ -198,9 +199,10 @@ ENV_ERRORS = Counter(
 # --- OpenAI endpoint (agent functions, judges on the run's engines) ---------------------------------
 OPENAI_REQUESTS = Counter(
     "rollwise_openai_requests",
-    "Chat-completion requests to the in-process OpenAI endpoint, by route (episode = an agent's, recorded; "
-    "service = not recorded, e.g. a judge) and status (ok, rejected = 4xx, engine_error).",
-    ["route", "status"],
+    "Turn requests to the in-process model endpoint, by route (episode = an agent's, recorded; service = "
+    "not recorded, e.g. a judge), api (chat = chat completions, responses = the OpenAI Responses API, "
+    "messages = the Anthropic Messages API) and status (ok, rejected = 4xx, engine_error).",
+    ["route", "api", "status"],
     registry=REGISTRY,
 )
 OPENAI_REQUEST_LATENCY = Histogram(
@@ -208,6 +210,14 @@ OPENAI_REQUEST_LATENCY = Histogram(
     "Time the OpenAI endpoint took to answer a chat completion (render, engine round trip, response).",
     ["route"],
     buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+AGENT_FAILURES = Counter(
+    "rollwise_agent_failures",
+    "Agent runs that failed in a known way, by reason (an agent process: exit = non-zero exit, signal, "
+    "wall_time, cpu_time, output_limit, bad_output = no valid outcome JSON, sandbox = it could not run; "
+    "worker = an agent worker process died). Each is also an episode ended env_error or timeout.",
+    ["env", "reason"],
     registry=REGISTRY,
 )
 AGENT_SEGMENTS = Counter(
@@ -630,7 +640,7 @@ EVAL_DURATION = Histogram(
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
 FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
 ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
-ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "judge")
+ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "refused", "judge")
 DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update", "routing_mismatch")
 QUARANTINE_KINDS = ("unreadable", "empty", "format", "schema")
 SKIP_REASONS = ("zero_advantage_groups", "nonfinite_updates", "empty_updates")
@@ -638,6 +648,17 @@ SYNC_PHASES = ("pause", "load", "continue")
 COMPONENTS = ("engine", "learner")
 OPENAI_ROUTES = ("episode", "service")
 OPENAI_STATUSES = ("ok", "rejected", "engine_error")
+OPENAI_APIS = ("chat", "responses", "messages")
+AGENT_FAILURE_REASONS = (
+    "exit",
+    "signal",
+    "wall_time",
+    "cpu_time",
+    "output_limit",
+    "bad_output",
+    "sandbox",
+    "worker",
+)
 JUDGE_STATUSES = ("ok", "timeout", "connection", "http", "parse")
 
 
@@ -695,10 +716,13 @@ def init_label_values(*, envs: tuple[str, ...] | list[str], engines: tuple[str, 
         PROCESS_RESTARTS.labels(component=component)
     for route in OPENAI_ROUTES:
         OPENAI_REQUEST_LATENCY.labels(route=route)
-        for status in OPENAI_STATUSES:
-            OPENAI_REQUESTS.labels(route=route, status=status)
+        for api in OPENAI_APIS:
+            for status in OPENAI_STATUSES:
+                OPENAI_REQUESTS.labels(route=route, api=api, status=status)
     for env in envs:
         AGENT_SEGMENTS.labels(env=env)
+        for reason in AGENT_FAILURE_REASONS:
+            AGENT_FAILURES.labels(env=env, reason=reason)
 
 
 # --- rollout fleet (pipeline/supervisor/fleet_membership.py) ---------------------------------------------

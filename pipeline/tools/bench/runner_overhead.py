@@ -29,6 +29,11 @@ echo agent that sends T chat completions through the in-process OpenAI endpoint,
 recorded and generated like a native turn. Two agents: one calls `client.chat.completions.create` (the
 openai SDK: its request building and response models run on the same core), one posts the same JSON with
 aiohttp to the episode's base URL (what the endpoint itself costs). Goal: agent turns/s >= 0.5x native.
+Then the SDK agent again in 1 and 2 agent worker processes (`[env] agent_workers`,
+pipeline/supervisor/actors/agent_workers.py; `--agent-workers`): the agent and its openai client run
+there, on any core, and reach the endpoint over the worker's pipe; the actor's side keeps the endpoint's
+work. With 2 cores, the instant server and the actor pinned one to each, the workers share both. The
+workers' own CPU per turn (from /proc) is reported beside the actor's.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from pipeline.supervisor.heap import freeze_startup_heap
 GOAL_RATIO = 0.6  # the runner against the bare loop
 GOAL_AGENT_RATIO = 0.5  # agent episodes through the endpoint against the native runner
 AGENT_CLIENTS = ("sdk", "http", "none")  # agent_side's `client`
+WORKER_AGENT = "pipeline.tools.bench.runner_overhead:sdk_echo_agent"
 ECHO_PROMPT = "Repeat after me: hello there."
 MODEL_TEXT = "hello there 12"
 LOGPROB = -0.5  # every token the instant server "generates" gets this log-prob
@@ -233,6 +239,11 @@ class RunnerResult(SideResult):
     generated_tokens: int = 0
     prefill_uncached: int = 0  # tokens to prefill without a prefix cache
     prefill_cached: int = 0  # with a prefix cache that sees every request of a group
+    worker_cpu_seconds: float = 0.0  # the agent worker processes' CPU over the measured window
+
+    @property
+    def worker_cpu_us_per_turn(self) -> float:
+        return 1e6 * self.worker_cpu_seconds / self.turns
 
 
 def prefill_tokens(groups: Sequence[Sequence[tuple[int, Sequence[int]]]]) -> tuple[int, int]:
@@ -308,20 +319,47 @@ async def runner_side(
     return result
 
 
+async def sdk_echo_agent(api: Any, task: Task) -> float:
+    """The echo agent with the openai SDK, importable by an agent worker: `task.data["turns"]` turns."""
+    from envs.agent import POLICY_MODEL
+
+    messages = [{"role": "user", "content": ECHO_PROMPT}]
+    for _ in range(task.data["turns"]):
+        response = await api.chat.completions.create(model=POLICY_MODEL, messages=messages)
+        text = str(response.choices[0].message.content)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": text}]
+    return 1.0
+
+
 async def agent_side(
-    url: str, tokenizer: Any, episodes: int, turns: int, group_size: int, connections: int, *, client: str
+    url: str,
+    tokenizer: Any,
+    episodes: int,
+    turns: int,
+    group_size: int,
+    connections: int,
+    *,
+    client: str,
+    workers: int = 0,
+    worker_cpus: set[int] | None = None,
 ) -> RunnerResult:
     """`episodes` echo-agent episodes (groups of `group_size`) through the OpenAI endpoint; `client` is
     "sdk" (the openai.AsyncOpenAI the episode is given: answered in-process), "http" (aiohttp posts to the
     episode's base URL over the socket) or "none" (the request's JSON handed to the endpoint directly: the
-    endpoint's own cost, no client library and no transport)."""
+    endpoint's own cost, no client library and no transport). `workers` > 0: the SDK agent runs in that many
+    agent worker processes (on `worker_cpus`), started before the clock."""
     from envs.agent import POLICY_MODEL, AgentEnvironment
+    from pipeline.supervisor.actors.agent_workers import AgentWorkerPool
     from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.actors.rollout import GroupOutcome, run_group
 
     settings = _echo_settings(tokenizer)
     pool = _bench_pool(url, connections)
-    endpoint = OpenAIEndpoint(engine=pool, tokenizer=tokenizer, settings=settings)
+    agent_pool = None
+    if workers > 0:
+        agent_pool = AgentWorkerPool(workers, cpus=worker_cpus)
+        await agent_pool.start()
+    endpoint = OpenAIEndpoint(engine=pool, tokenizer=tokenizer, settings=settings, agent_pool=agent_pool)
     await endpoint.start()
     http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=connections, limit_per_host=0),
@@ -354,14 +392,15 @@ async def agent_side(
         while True:
             yield Task(id="echo-0", seed=0, data={})
 
-    task = Task(id="echo-0", seed=0, data={})
+    task = Task(id="echo-0", seed=0, data={"turns": turns})
     sizes = _group_sizes(episodes, group_size)
+    agent = WORKER_AGENT if workers > 0 else echo_agent
 
     async def group(index: int) -> GroupOutcome:
         outcome = await run_group(
             pool,
             tokenizer,
-            lambda: AgentEnvironment(echo_agent, tasks, max_turns=turns, episode_timeout_s=600.0),
+            lambda: AgentEnvironment(agent, tasks, max_turns=turns, episode_timeout_s=600.0),
             task,
             settings,
             group_size=sizes[index],
@@ -372,10 +411,12 @@ async def agent_side(
         outcome.to_record_batch()
         return outcome
 
+    pids = agent_pool.pids if agent_pool is not None else []
     try:
-        cpu, start = time.process_time(), time.perf_counter()
+        cpu, start, worker_cpu = time.process_time(), time.perf_counter(), _processes_cpu_seconds(pids)
         outcomes = await asyncio.gather(*(group(i) for i in range(len(sizes))))
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+        worker_cpu = _processes_cpu_seconds(pids) - worker_cpu
     finally:
         await http.close()
         await endpoint.close()
@@ -385,7 +426,20 @@ async def agent_side(
     if bad:
         first = f"{bad[0].finish_reason} ({bad[0].num_segments} segments): {bad[0].error}"
         raise RuntimeError(f"{len(bad)} agent bench episodes were not one clean trajectory; first: {first}")
-    return _runner_result(eps, seconds, cpu_seconds, payload_sizes=[])
+    result = _runner_result(eps, seconds, cpu_seconds, payload_sizes=[])
+    result.worker_cpu_seconds = worker_cpu
+    return result
+
+
+def _processes_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes `pids` have used so far (/proc/<pid>/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / ticks
 
 
 async def sdk_alone_cpu_us(turns: int, conversations: int) -> float:
@@ -560,20 +614,31 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
     each side reports its best round."""
     # Warm-up: connections, template compilation, the SDK's first-use costs.
     await runner_side(url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections)
-    for kind in AGENT_CLIENTS:
+    sides = [(kind, kind, 0) for kind in AGENT_CLIENTS]
+    sides += [(f"sdk_{n}w", "sdk", n) for n in args.agent_workers]
+    for _, kind, workers in sides:
         await agent_side(
-            url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections, client=kind
-        )
+            url, tokenizer, min(args.episodes, 16), 2, min(args.group_size, 16), args.connections,
+            client=kind, workers=workers, worker_cpus=args.all_cpus,
+        )  # fmt: skip
     freeze_startup_heap()  # as the daemon does once it has started
-    rounds: dict[str, list[RunnerResult]] = {"native": [], **{kind: [] for kind in AGENT_CLIENTS}}
+    rounds: dict[str, list[RunnerResult]] = {"native": [], **{name: [] for name, _, _ in sides}}
     for _ in range(args.repeats):
         rounds["native"].append(
             await runner_side(url, tokenizer, args.episodes, args.turns, args.group_size, args.connections)
         )
-        for kind in AGENT_CLIENTS:
-            rounds[kind].append(
+        for name, kind, workers in sides:
+            rounds[name].append(
                 await agent_side(
-                    url, tokenizer, args.episodes, args.turns, args.group_size, args.connections, client=kind
+                    url,
+                    tokenizer,
+                    args.episodes,
+                    args.turns,
+                    args.group_size,
+                    args.connections,
+                    client=kind,
+                    workers=workers,
+                    worker_cpus=args.all_cpus,
                 )
             )
     best = {side: max(results, key=lambda r: r.turns_per_s) for side, results in rounds.items()}
@@ -593,10 +658,12 @@ async def _measure_agent(args: argparse.Namespace, url: str, tokenizer: Any) -> 
         report[side] = asdict(result) | {
             "turns_per_s": result.turns_per_s,
             "cpu_us_per_turn": result.cpu_us_per_turn,
+            "worker_cpu_us_per_turn": result.worker_cpu_us_per_turn,
         }
-    for side in AGENT_CLIENTS:
+    for side, _, _ in sides:
         report[f"ratio_{side}"] = best[side].turns_per_s / best["native"].turns_per_s
         report[f"cpu_ratio_{side}"] = best["native"].cpu_us_per_turn / best[side].cpu_us_per_turn
+    report["agent_workers"] = list(args.agent_workers)
     await sdk_alone_cpu_us(args.turns, 2)  # warm-up
     report["sdk_alone_cpu_us_per_request"] = min(
         [await sdk_alone_cpu_us(args.turns, max(1, args.episodes // 8)) for _ in range(args.repeats)]
@@ -613,7 +680,8 @@ def format_agent_report(report: dict[str, Any]) -> str:
         f" x {report['turns_per_episode']} turns, groups of {report['group_size']}, instant fake SGLang"
         f" (server core {report.get('server_core')}, actor core {report.get('actor_core')})",
         "",
-        f"{'side':<26}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}{'ovh p50 us':>12}",
+        f"{'side':<26}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}{'ovh p50 us':>12}"
+        f"{'workers CPU us/turn':>21}",
     ]
     names = {
         "native": "native runner",
@@ -621,11 +689,14 @@ def format_agent_report(report: dict[str, Any]) -> str:
         "http": "agent, aiohttp client",
         "none": "agent, no client",
     }
+    for workers in report.get("agent_workers", []):
+        names[f"sdk_{workers}w"] = f"agent, SDK, {workers} worker{'s' if workers > 1 else ''}"
     for side, name in names.items():
         r = report[side]
         lines.append(
             f"{name:<26}{r['turns']:>9}{r['seconds']:>10.2f}{r['turns_per_s']:>11.0f}{r['cpu_us_per_turn']:>13.0f}"
             f"{r['overhead_p50_us']:>12.0f}"
+            + (f"{r['worker_cpu_us_per_turn']:>21.0f}" if side.endswith("w") else f"{'-':>21}")
         )
     lines += [
         "",
@@ -636,6 +707,19 @@ def format_agent_report(report: dict[str, Any]) -> str:
         f" aiohttp over the socket {report['ratio_http']:.2f}",
         f"CPU-bound ratios (native CPU/turn / agent CPU/turn): endpoint alone {report['cpu_ratio_none']:.2f},"
         f" openai SDK {report['cpu_ratio_sdk']:.2f}, aiohttp {report['cpu_ratio_http']:.2f}",
+        *(
+            [
+                "SDK agent in agent worker processes, turns/s against native: "
+                + ", ".join(
+                    f"{n} worker{'s' if n > 1 else ''} {report[f'ratio_sdk_{n}w']:.2f}"
+                    for n in report["agent_workers"]
+                )
+                + f" (in the actor's own loop: {report['ratio_sdk']:.2f}); CPU us/turn is the actor's own,"
+                " the workers' is beside it"
+            ]
+            if report.get("agent_workers")
+            else []
+        ),
         f"the openai SDK alone (same conversations, a transport that answers at once, no endpoint):"
         f" {report['sdk_alone_cpu_us_per_request']:.0f} CPU us per request",
         "sdk: the client each episode is given (answered in-process); http: posts to the episode's base URL;"
@@ -695,7 +779,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="native runner vs agent-function episodes through the OpenAI endpoint",
     )
+    parser.add_argument(
+        "--agent-workers",
+        default="1,2",
+        help="with --agent: also the SDK agent in this many agent worker processes (comma list; '' = none)",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.agent_workers = [int(n) for n in args.agent_workers.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--agent-workers must be a comma list of integers, got {args.agent_workers!r}")
+    if any(n < 1 for n in args.agent_workers):
+        parser.error("--agent-workers counts must be >= 1")
+    args.all_cpus = set(os.sched_getaffinity(0))
     if min(args.episodes, args.turns, args.group_size, args.repeats, args.connections) < 1:
         parser.error("--episodes, --turns, --group-size, --repeats and --connections must be >= 1")
     tokenizer = load_tokenizer(args.model)

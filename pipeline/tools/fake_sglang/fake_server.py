@@ -30,8 +30,11 @@ Generation: each request gets a *plan* (output ids, log-probs, finish) from `scr
 deterministic pseudo-random completion seeded by the prompt; tokens are emitted one at a time (or in
 `latency` chunks) so that pause, abort and weight updates act between them. `faults` (one per
 /generate call) or `fault_hook` corrupt a response on purpose; `fail_next(path, ...)` makes a route
-answer HTTP errors. Every request is recorded in `requests`; `update_calls` keeps the weight-update
-bodies, `ignored_fields` the fields SGLang would ignore (a test holds the client to none).
+answer HTTP errors. Stop strings (`sampling_params.stop`) end a request after the token that completes
+one, as SGLang's check_finished does (sglang_rules "stop strings"), decoding with `tokenizer` when given
+(else the fake's own text, "<id>" per token). Every request is recorded in `requests`; `update_calls`
+keeps the weight-update bodies, `ignored_fields` the fields SGLang would ignore (a test holds the client
+to none).
 
 Weights: the fake serves an identity (its model path, or with `lora_path` the named adapter's path);
 `prompt_logprobs(identity, ids)` is the teacher-forced log-prob of each token, plus `logprob_noise`
@@ -75,11 +78,16 @@ from pipeline.tools.fake_sglang.sglang_rules import (
     encode_routed_experts,
     internal_server_error,
     json_response,
+    matched_stop_string,
     out_of_vocab,
     parse_json_body,
     request_error,
     routed_experts_problem,
     sampling_problem,
+    stop_strings,
+    stop_window,
+    tokenizer_required_problem,
+    trim_matched_stop,
     unknown_fields,
     unknown_sampling_keys,
 )
@@ -170,6 +178,7 @@ class FakeSGLang:
         enable_metrics: bool = False,
         enable_lora: bool = False,
         ignore_updates: bool = False,
+        tokenizer: Any = None,
         routed_experts: tuple[int, int, int] | None = None,
     ) -> None:
         self.ready = ready
@@ -191,7 +200,10 @@ class FakeSGLang:
         self.update_delay_s = update_delay_s
         self.api_key = api_key
         self.has_model_info_route = has_model_info_route  # False: an older SGLang (/get_model_info only)
-        self.skip_tokenizer_init = skip_tokenizer_init  # True: no `text` in replies
+        self.skip_tokenizer_init = skip_tokenizer_init  # True: no `text` in replies, no stop strings
+        # What the fake detokenizes with (`text`, stop strings): a tokenizer with `decode`/`encode`, or
+        # None for its own text, "<id>" per token.
+        self.tokenizer = tokenizer
         # Which model_path values /update_weights_from_disk (and /load_lora_adapter) can load: the disk,
         # as the real server reads it; a test may pass another rule.
         self.weights_path_ok = weights_path_ok or os.path.exists
@@ -474,6 +486,8 @@ class FakeSGLang:
             problem = sampling_problem(sp) or context_problem(
                 len(prompt), int(sp.get("max_new_tokens", 128)), self.context_length
             )
+            if problem is None and self.skip_tokenizer_init and stop_strings(sp):
+                problem = tokenizer_required_problem(stop_strings(sp))
             if problem is not None:
                 return problem
         ns = {int(sp.get("n", 1)) for sp in sps}
@@ -595,6 +609,10 @@ class FakeSGLang:
                 return
             plan = self._plan(call)
             logprobs = plan.logprobs if plan.logprobs is not None else [-0.5] * len(plan.output_ids)
+            stops = stop_strings(call.sampling_params)
+            window = stop_window(stops, self._encode if self.tokenizer is not None else None)
+            max_new = int(call.sampling_params.get("max_new_tokens", 128))
+            matched: str | None = None
             if self.latency is not None:
                 await asyncio.sleep(self.latency.prefill_s)
             index = 0
@@ -628,8 +646,18 @@ class FakeSGLang:
                 for _ in range(count):
                     generation.tokens.append((plan.output_ids[index], logprobs[index], self.weight_version))
                     index += 1
+                    # check_finished after each token: a plan's last token ends it the plan's way (its
+                    # length or stop token comes first in SGLang's order); before it, a stop string may.
+                    if stops and index < len(plan.output_ids) and len(generation.tokens) < max_new:
+                        ids = [t for t, _, _ in generation.tokens]
+                        matched = matched_stop_string(stops, ids, window, self._decode)
+                        if matched is not None:
+                            break
                 if generation.aborted():  # a running request runs one more decode step, then ends
                     yield abort_finish(waiting=False)
+                    return
+                if matched is not None:
+                    yield {"type": "stop", "matched": matched}
                     return
                 if index < len(plan.output_ids):
                     yield None
@@ -717,8 +745,19 @@ class FakeSGLang:
             meta["routed_experts"] = encode_routed_experts(routes)
         if latency is not None:
             meta["e2e_latency"] = latency
-        obj: dict[str, Any] = {} if self.skip_tokenizer_init else {"text": "".join(f"<{t}>" for t in ids)}
+        obj: dict[str, Any] = {}
+        if not self.skip_tokenizer_init:
+            no_trim = bool(call.sampling_params.get("no_stop_trim", False))
+            obj["text"] = trim_matched_stop(self._decode(ids), finish, no_trim)
         return {**obj, "output_ids": ids, "meta_info": meta}
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f"<{t}>" for t in ids)
+        return str(self.tokenizer.decode(ids))
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     async def _stream(
         self, request: web.Request, generations: list[_Generation], want_logprobs: bool, is_batch: bool

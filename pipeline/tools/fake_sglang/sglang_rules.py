@@ -243,3 +243,60 @@ def unknown_sampling_keys(body: object) -> list[str]:
         if isinstance(item, dict):
             unknown += sorted(k for k in item if k not in SAMPLING_FIELDS)
     return unknown
+
+
+# --- stop strings ------------------------------------------------------------------------------------
+# sampling/sampling_params.py, `normalize`: `stop` (a string or a list) becomes the list `stop_strs`, and
+# `stop_str_max_len` the longest of them in tokens (`tokenizer.encode(stop_str, add_special_tokens=False)`;
+# in characters without a tokenizer). `raise_if_tokenizer_required`: with --skip-tokenizer-init a stop
+# string is a ValueError (400) with this message.
+# managers/schedule_batch.py, `Req.check_finished`, after every sampled token and in this order: the
+# length limit (FINISH_LENGTH), a stop token id (FINISH_MATCHED_TOKEN, `matched` the id), then the stop
+# strings: `tail_str = tokenizer.decode(output_ids[-(stop_str_max_len + 1):])` and the first stop string
+# found in it ends the request as FINISH_MATCHED_STR, `{"type": "stop", "matched": "<the string>"}`.
+# The output ids are never trimmed (detokenizer_manager.py returns `decode_ids` whole); only the text is
+# (`trim_matched_stop`: cut before the string's first occurrence, or left whole with no_stop_trim).
+
+
+def stop_strings(sampling_params: dict[str, Any]) -> list[str]:
+    """`stop_strs` after normalize (the request was already checked by `sampling_problem`)."""
+    stop = sampling_params.get("stop")
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def tokenizer_required_problem(stop_strs: list[str]) -> str:
+    """raise_if_tokenizer_required's message for stop strings on a server without a tokenizer."""
+    return (
+        f"stop={stop_strs!r} is unavailable when skip_tokenizer_init=True "
+        "(requires tokenizer to decode tokens to text for matching)."
+    )
+
+
+def stop_window(stop_strs: list[str], encode: Any | None) -> int:
+    """`stop_str_max_len`: the longest stop string in tokens (`encode(text) -> ids`), else in characters."""
+    if encode is None:
+        return max((len(s) for s in stop_strs), default=0)
+    return max((len(encode(s)) for s in stop_strs), default=0)
+
+
+def matched_stop_string(stop_strs: list[str], output_ids: list[int], window: int, decode: Any) -> str | None:
+    """The stop string check_finished finds after the latest token: the first of `stop_strs` (in request
+    order) inside the decode of the last `window + 1` output ids, or None."""
+    if not stop_strs or not output_ids:
+        return None
+    tail = decode(output_ids[-(window + 1) :])
+    for stop in stop_strs:
+        if stop in tail:
+            return stop
+    return None
+
+
+def trim_matched_stop(text: str, finish: dict[str, Any] | None, no_stop_trim: bool) -> str:
+    """The response `text` of a request that ended on a stop string (detokenizer_manager.py)."""
+    matched = (finish or {}).get("matched")
+    if no_stop_trim or not isinstance(matched, str) or not matched:
+        return text
+    position = text.find(matched)
+    return text if position == -1 else text[:position]

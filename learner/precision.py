@@ -7,7 +7,15 @@
                 moments, but an update smaller than bf16's spacing (2^-8 relative, ~0.4% of a weight)
                 rounds away: with lr 1e-6 most updates of a pretrained model are lost.
 
+    auto        bf16-mixed on CUDA, and on a CPU whose matmuls take bf16 natively (AVX512-BF16 or AMX:
+                pipeline.contracts.cpu_features); fp32 on other CPUs, where bf16 is emulated and slower.
+
 Log-probs and the loss are computed in fp32 whatever the mode (learner.logprobs, learner.gspo).
+
+Why bf16-mixed on a CPU with native bf16 (`rollwise bench learner`, docs/benchmarks.md): on the 2-core
+AMD EPYC of the measurements (Zen 4: AVX512-BF16, no AMX), a step of SmolLM2-135M on 2k tokens of
+arithmetic episodes took 2.6x less time than fp32, and even the tiny toy's step (0.3M parameters) 0.73x.
+bf16 autocast's log-probs differ from fp32's by ~1e-2 per token, as a bf16 engine's do.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.contracts.cpu_features import native_bf16
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
 
@@ -34,9 +44,11 @@ class Precision:
 
 
 def resolve_precision(name: str, device: torch.device) -> Precision:
-    """`auto` is bf16-mixed on CUDA and fp32 elsewhere; ValueError for an unknown name."""
+    """`auto` is bf16-mixed on CUDA and on a CPU with native bf16, fp32 elsewhere; ValueError for an unknown
+    name."""
     if name == "auto":
-        name = "bf16-mixed" if device.type == "cuda" else "fp32"
+        native = device.type == "cuda" or (device.type == "cpu" and native_bf16()[0])
+        name = "bf16-mixed" if native else "fp32"
     if name == "fp32":
         return Precision(name, torch.float32, None)
     if name == "bf16-mixed":

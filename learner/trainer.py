@@ -699,6 +699,8 @@ class Trainer:
             precision=self.precision,
             device=self.device,
             fused=self.cfg.fused_logprobs,
+            scored=batch.loss_mask > 0,
+            share_prefix=self.cfg.shared_prefix,
         )
 
     def _lag(self, batch: PackedBatch) -> torch.Tensor:

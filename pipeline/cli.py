@@ -56,6 +56,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "learner step memory and time per precision",
     ),
+    ("bench", "mismatch"): (
+        "pipeline.tools.bench.mismatch_clip",
+        "main",
+        "engine vs learner log-probs on a real model: ratio spread, GSPO clip with and without correction",
+    ),
     ("bench", "transport"): (
         "pipeline.tools.bench.flight_rate",
         "main",
@@ -101,8 +106,8 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
 }
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+def _add_config_args(p: argparse.ArgumentParser, default: str = "built-in defaults") -> None:
+    p.add_argument("--config", help=f"TOML config file (default: {default})")
     p.add_argument(
         "--set",
         action="append",
@@ -123,7 +128,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the daemon (actors, engine, learner) until stopped")
-    _add_config_args(run)
+    _add_config_args(
+        run,
+        default="examples/guess_number.toml, the CPU recipe of `make run`; with --set and no --config, the "
+        "built-in defaults",
+    )
     run.add_argument("--run-dir", help="run directory; an existing one is resumed")
     run.add_argument("--max-steps", type=int, help="stop after this many learner steps")
     run.add_argument("--log-format", choices=["auto", "rich", "json"], help="progress output")

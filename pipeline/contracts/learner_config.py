@@ -474,6 +474,14 @@ class LearnerConfig(Section):
             "chunk: no (tokens x vocabulary) logits tensor in forward or backward."
         ),
     )
+    shared_prefix: bool = Field(
+        True,
+        description=(
+            "Run the prompt a group's episodes share once per mini-batch and reuse its keys and values for "
+            "every member (same log-probs to float rounding). A short-answer task's prompt is most of its "
+            "tokens: 2-3x less learner work there. Off under gradient checkpointing and several ranks."
+        ),
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer's activations in backward (less memory, more compute).",

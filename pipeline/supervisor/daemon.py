@@ -59,6 +59,7 @@ from pipeline.supervisor.progress import (
 )
 from pipeline.supervisor.wiring import (
     RunSetup,
+    bare_run_config,
     build_evaluator,
     build_scheduler,
     close_env,
@@ -432,6 +433,8 @@ async def cancel_all(tasks: list[asyncio.Task[None]] | list[asyncio.Task[Any]]) 
 def main_run(ns: argparse.Namespace) -> int:
     """`rollwise run`: validate everything, then run the daemon until stopped. Exit 2 = bad config."""
     try:
+        if (notice := bare_run_config(ns)) is not None:
+            print(f"rollwise: {notice}", file=sys.stderr)
         setup = resolve_config(ns)
     except ConfigError as exc:
         print(f"rollwise: {exc}", file=sys.stderr)

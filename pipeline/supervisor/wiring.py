@@ -56,6 +56,33 @@ class RunSetup:
     evaluation: EvalSetup | None = None  # the checked [eval] section when eval.every_versions > 0
 
 
+# `rollwise run` with neither --config nor --set. The built-in defaults are a pretrained model's on a GPU
+# (lr 1e-6, 1024 new tokens, GSPO's 3e-4 band), while the default model is the tiny random preset: with
+# them it made no learner step in minutes and would learn nothing if it did. The bare command runs what
+# `make run` runs instead, the CPU recipe that learns in minutes on any machine.
+BARE_RUN_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "guess_number.toml"
+
+
+def bare_run_config(ns: argparse.Namespace, recipe: Path = BARE_RUN_RECIPE) -> str | None:
+    """The config the bare `rollwise run` uses and a line saying so (None when --config or --set was
+    given: those mean the built-in defaults). ConfigError when the recipe is not on disk (an install
+    without the repository's examples/), naming what to pass instead."""
+    if ns.config is not None or ns.set:
+        return None
+    if not recipe.is_file():
+        raise ConfigError(
+            f"no --config given, and the CPU recipe it would run ({recipe}) is not installed: pass "
+            "--config FILE, or --set KEY=VALUE to run on the built-in defaults (`rollwise config show`)"
+        )
+    ns.config = str(recipe)
+    return (
+        f"no --config: running the CPU recipe {recipe.parent.name}/{recipe.name} (what `make run` runs: a "
+        "tiny model learns guess-the-number in minutes). The built-in defaults (`rollwise config show`) "
+        "are for a pretrained model on a GPU; a real model on the CPU: examples/smollm2_arithmetic.toml "
+        "(`make run-real`)"
+    )
+
+
 def resolve_config(ns: argparse.Namespace) -> RunSetup:
     """Config file + --set + the run flags (as overrides, so errors name the key); checks the env name,
     its options and the model path before anything starts. Raises ConfigError."""

@@ -148,7 +148,7 @@ async def evaluate_version(
                 tokenizer,
                 setup.factory,
                 setup.plan,
-                rollout_settings(cfg),
+                rollout_settings(cfg, weights if is_model_dir(weights) else run.initial_model),
                 env_name=setup.env_name,
                 env_options=setup.options,
                 max_concurrent=setup.max_concurrent,

@@ -86,6 +86,19 @@ def test_reasoning_gym_text_format_and_task_stream() -> None:
     assert env.step(Action(f"  {env.gold_action()}\n")).outcome == 1.0
 
 
+def test_reasoning_gym_number_format_scores_the_last_number_of_the_reply() -> None:
+    config = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "allow_negation": False}
+    env = sync_env("reasoning-gym/basic_arithmetic", answer_format="number", attempts=2, config=config)
+    env.reset(next(env.tasks(5)))
+    answer = env.gold_action()
+    assert answer is not None and "<answer>" not in answer
+    prose = env.step(Action("Let me see."))
+    assert not prose.done and prose.messages[0]["content"] == "No number found. Reply with the number."
+    worked = env.step(Action(f"1 + 2 + 3 = 6 is not it; the result is {answer}."))
+    assert (worked.done, worked.outcome, worked.info["answer_found"]) == (True, 1.0, True)
+    assert env.extract("-3.5 then 12") == "12" and env.extract("x = -4") == "-4"
+
+
 def test_reasoning_gym_refusals_name_the_problem() -> None:
     with pytest.raises(EnvDiscoveryError, match="no dataset 'nope'"):
         resolve_env("reasoning-gym/nope")

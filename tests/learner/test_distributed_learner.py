@@ -40,8 +40,9 @@ from tests.helpers.distributed_step import (
 __all__ = ["daemons", "tiny_model"]  # fixtures, used by name
 # fp32 on a CPU: the two sides sum the same terms in a different order. AdamW's first update divides each
 # gradient by its own magnitude, so a gradient entry near eps (1e-8) turns that rounding into up to ~lr x 1e-2
-# (measured 3.5e-7 at lr = 1e-4); every other entry moves by lr to within float rounding.
-PARAM_BOUND = 1e-6
+# (measured 3.5e-7 at lr = 1e-4; 1.3e-6 since the output layer runs on the scored positions alone, which
+# changes its gradient's summation order); every other entry moves by lr to within float rounding.
+PARAM_BOUND = 2e-6
 GRAD_BOUND = 1e-7
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -305,10 +305,14 @@ def test_precision_modes_keep_the_right_dtypes_and_show_bf16_numerics(tiny_model
     assert results["bf16"][1:] == (torch.bfloat16, torch.bfloat16)
 
 
-def test_auto_precision_is_fp32_on_cpu() -> None:
+def test_auto_precision_is_bf16_mixed_where_bf16_matmuls_are_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    import learner.precision
     from learner.precision import resolve_precision
 
+    monkeypatch.setattr(learner.precision, "native_bf16", lambda: (False, "no avx512_bf16"))
     assert resolve_precision("auto", torch.device("cpu")).name == "fp32"
+    monkeypatch.setattr(learner.precision, "native_bf16", lambda: (True, "avx512_bf16"))
+    assert resolve_precision("auto", torch.device("cpu")).name == "bf16-mixed"
     assert resolve_precision("auto", torch.device("cuda")).name == "bf16-mixed"
     with pytest.raises(ValueError, match="unknown precision"):
         resolve_precision("fp8", torch.device("cpu"))
@@ -337,6 +341,7 @@ def test_a_run_directory_written_with_dtype_resumes_as_precision(tmp_path: Path)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # seven variants, each a process of its own that loads torch and the model
 def test_learner_bench_measures_every_variant_against_fp32() -> None:
     """Each variant in its own process; on the tiny preset checkpointing and bf16 weights cut the peak."""
     from pipeline.tools.bench.learner_step import run
@@ -345,11 +350,16 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
         ["--preset", "tiny", "--repeats", "1", "--groups", "1", "--prompt", "128", "--generated", "128"]
     )
     results = report["results"]
-    assert list(results) == ["fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16"]
+    assert list(results) == [
+        "fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16", "fp32+lora", "bf16-mixed+lora",
+        "bf16-mixed+unshared",
+    ]  # fmt: skip
     assert results["fp32"]["time_ratio"] == 1.0 and results["fp32"]["memory_ratio"] == 1.0
     assert all(r["peak_extra_bytes"] > 0 and r["seconds"] > 0 for r in results.values())
     assert results["fp32+ckpt"]["memory_ratio"] < 0.9
     assert results["bf16"]["memory_ratio"] < 0.9
+    assert results["fp32+lora"]["memory_ratio"] < 1.0  # no AdamW state or gradients of the base weights
+    assert report["auto"] in ("fp32", "bf16-mixed")
 
 
 # --- regularisers ------------------------------------------------------------------------------------------
@@ -471,3 +481,32 @@ def test_fused_log_probs_train_like_the_logits_path(tiny_model_dir: Path) -> Non
         assert results[1][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-7), key
     # AdamW divides by sqrt(v): a near-zero gradient's float noise still moves a weight by up to ~lr (1e-3)
     assert (weights[1] - weights[0]).abs().max() < 1e-4
+
+
+def test_scored_positions_alone_give_the_same_log_probs_and_gradients(tiny_model_dir: Path) -> None:
+    """The output layer runs only where something is scored: equal values there, 0.0 elsewhere, and the
+    same gradients (what is not scored contributed nothing to them before either)."""
+    from learner.policy_forward import forward_policy
+    from learner.precision import resolve_precision
+
+    cpu = torch.device("cpu")
+    model, _ = load_policy(tiny_model_dir)
+    ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    attention = torch.ones_like(inputs)
+    scored = torch.zeros_like(targets, dtype=torch.bool)
+    scored[0, 5:] = scored[2, 2:4] = True  # row 1: a prompt-only row, nothing scored
+    grads = []
+    outs = []
+    for only in (None, scored):
+        model.zero_grad(set_to_none=True)
+        out = forward_policy(
+            model, inputs, attention, targets, temperature=0.7, precision=resolve_precision("fp32", cpu),
+            device=cpu, fused=True, scored=only,
+        )  # fmt: skip
+        (out.logprobs * scored).sum().backward()
+        outs.append(out.logprobs.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(outs[1][scored], outs[0][scored], atol=1e-6)
+    assert (outs[1][~scored] == 0.0).all()
+    assert torch.allclose(grads[1], grads[0], atol=1e-6)

@@ -431,7 +431,8 @@ def test_accumulated_mini_batches_give_the_whole_batch_loss_and_gradient(model_d
     whole = Trainer(first, _cfg(mini_batches=1), temperature=1.0).step(groups_of(batch))
     accumulated = Trainer(second, _cfg(mini_batches=4, grad_accum=4), temperature=1.0).step(groups_of(batch))
     assert accumulated["optimizer_updates"] == whole["optimizer_updates"] == 1.0
-    assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    # The contrast group's loss terms (~1 each) cancel to ~0: fp32 rounding of other batch shapes is ~1e-7.
+    assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-6)
     assert accumulated["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
 
 

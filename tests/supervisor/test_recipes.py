@@ -6,9 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.contracts.config import load_config
+import pytest
+
+from pipeline.contracts.config import ConfigError, load_config
 from pipeline.supervisor.engine_launch import engine_argv, plan_engines
-from pipeline.supervisor.wiring import resolve_config
+from pipeline.supervisor.wiring import bare_run_config, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,11 +75,65 @@ def test_the_defaults_are_a_pretrained_models_and_the_toy_overrides_them() -> No
         assert before.startswith("#"), key
 
 
+def _bare(**kw: object) -> argparse.Namespace:
+    fields: dict[str, object] = {
+        "config": None,
+        "set": [],
+        "run_dir": None,
+        "max_steps": None,
+        "log_format": None,
+    }
+    return argparse.Namespace(**{**fields, **kw})
+
+
+def test_the_bare_run_command_runs_the_cpu_recipe_and_says_so() -> None:
+    ns = _bare(max_steps=3)
+    notice = bare_run_config(ns)
+    assert ns.config == str(ROOT / "examples" / "guess_number.toml")
+    assert notice is not None and "examples/guess_number.toml" in notice and "make run" in notice
+    cfg = resolve_config(ns).cfg
+    # the toy's values, which learn on a CPU, not the pretrained-model defaults
+    assert (cfg.model.preset, cfg.learner.optim.lr, cfg.sampling.max_new_tokens) == ("tiny", 3e-3, 1)
+    assert cfg.run.max_steps == 3
+
+
+def test_a_config_or_an_override_keeps_the_bare_recipe_out(tmp_path: Path) -> None:
+    with_set = _bare(set=["learner.optim.lr=1e-5"])
+    assert bare_run_config(with_set) is None and with_set.config is None
+    with_file = _bare(config=str(tmp_path / "mine.toml"))
+    assert bare_run_config(with_file) is None and with_file.config == str(tmp_path / "mine.toml")
+
+
+def test_the_bare_run_command_without_the_recipe_on_disk_names_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"is not installed: pass --config FILE, or --set"):
+        bare_run_config(_bare(), recipe=tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    ("name", "attempts", "digits", "every"),
+    [("smollm2_arithmetic.toml", 1, 1, 2), ("smollm2_arithmetic_retry.toml", 3, 2, 4)],
+)
+def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
+    name: str, attempts: int, digits: int, every: int
+) -> None:
+    pytest.importorskip(
+        "reasoning_gym", reason="reasoning-gym is not installed (pip install 'rollwise[reasoning-gym]')"
+    )
+    setup = resolve_config(_ns(ROOT / "examples" / name, []))
+    cfg = setup.cfg
+    assert (cfg.model.preset, cfg.env.name) == ("smollm2-135m-instruct", "reasoning-gym/basic_arithmetic")
+    assert setup.env.spec.max_turns == attempts
+    assert cfg.env.options["answer_format"] == "number"
+    assert cfg.env.options["config"]["max_digits"] == digits
+    assert cfg.learner.lora.enabled and cfg.eval.every_versions == every and cfg.eval.tasks == 64
+    text = (ROOT / "examples" / name).read_text()
+    for key in ('preset = "smollm2-135m-instruct"', "lr = 1e-4", "tolerance = 0.15", "threads = 1"):
+        # every value that differs from a default carries its reason on the comment line above it
+        before = text.split(key)[0].rstrip().splitlines()[-1]
+        assert before.startswith("#"), (name, key)
+
+
 def test_agent_workers_need_an_importable_agent_function(tmp_path: Path) -> None:
-    import pytest
-
-    from pipeline.contracts.config import ConfigError
-
     react = ROOT / "examples" / "react_agent.toml"
     run_dir = f"run.run_dir={json.dumps(str(tmp_path / 'run'))}"
     setup = resolve_config(_ns(react, [run_dir, "env.agent_workers=2"]))

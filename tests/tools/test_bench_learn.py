@@ -133,3 +133,48 @@ def test_smoke_two_seeds_of_a_tiny_daemon(tmp_path: Path, capsys: pytest.Capture
         config = (tmp_path / f"seed{seed}" / "config.toml").read_text()
         assert f"seed = {seed}\n" in config  # run.seed differs per run; eval.seed is the config's
         assert "seed = 1000003" in config
+
+
+def test_a_seed_that_outlives_the_sigterm_grace_is_killed_and_its_evaluations_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A daemon mid-step when its minutes end may not exit within the grace: the bench used to raise
+    TimeoutExpired there and leave the remaining seeds unrun."""
+    import signal
+    import subprocess
+
+    from pipeline.tools.bench import learning_curve
+
+    row = {"event": "eval", "elapsed_s": 30.0, "version": 2, "greedy": {"success": 0.5}}
+    signals: list[str] = []
+
+    class Stubborn:
+        """A daemon that has written one evaluation and ignores SIGTERM."""
+
+        returncode: int | None = None
+
+        def __init__(self, argv: list[str], **_: Any) -> None:
+            logs = Path(argv[argv.index("--run-dir") + 1]) / "logs"
+            logs.mkdir(parents=True)
+            (logs / "eval.jsonl").write_text(json.dumps(row) + "\n")
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+        def send_signal(self, sig: int) -> None:
+            signals.append(signal.Signals(sig).name)
+
+        def wait(self, timeout: float | None = None) -> int:
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired("rollwise run", timeout or 0.0)
+            return self.returncode
+
+        def kill(self) -> None:
+            signals.append("SIGKILL")
+            self.returncode = -signal.SIGKILL
+
+    monkeypatch.setattr(learning_curve.subprocess, "Popen", Stubborn)
+    rows = learning_curve.run_seed(None, 3, tmp_path, minutes=0.0, max_steps=None, overrides=[], grace_s=0.01)
+    assert rows == [row]
+    assert signals == ["SIGTERM", "SIGKILL"]
+    assert "seed 3: no exit 0 s after SIGTERM; killed" in capsys.readouterr().err

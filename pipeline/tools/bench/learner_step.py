@@ -1,15 +1,21 @@
-"""`rollwise bench learner`: peak memory and time of one learner step per precision, with and without
-gradient checkpointing, as ratios against fp32 without checkpointing in the same process.
+"""`rollwise bench learner`: peak memory and time of one learner step per option (precision, gradient
+checkpointing, LoRA, prefix sharing), as ratios against fp32 full weights without checkpointing in the same
+process.
 
-The model is a preset (default `small`, ~10M parameters) built from its config; the batch is synthetic:
-`--groups` groups of `--group-size` one-turn episodes of `--prompt` prompt and `--generated` generated
-tokens with random ids, outcomes alternating 0/1 (every group carries signal). One warm-up step, then
-`--repeats` measured steps per variant (median time, highest peak). Peak memory: CUDA's
-max_memory_allocated, or on a CPU the process's high-water mark (VmHWM) above its level before the step.
-Each variant runs in a process of its own, with glibc's mmap threshold fixed at 128 KiB: otherwise memory
-one variant (or the warm-up step) freed stays in the allocator's pool, the next step reuses it without
-raising the high-water mark, and its peak reads as zero. On a CPU bf16 is emulated: its times say little
-about a GPU, its memory does.
+The model is a preset (default `small`, ~10M parameters; `--preset smollm2-135m-instruct` the pretrained
+one) built from its config; the batch is synthetic: `--groups` groups of `--group-size` one-turn episodes
+of `--prompt` prompt and `--generated` generated tokens with random ids (a group's episodes share their
+prompt, as a task's do), outcomes alternating 0/1 (every group carries signal). Per variant, in a
+process of its own: `--repeats` measured steps for the peak (after one warm-up step), then one more
+warm-up and `--repeats` timed steps (median time, highest peak).
+
+Peak memory: CUDA's max_memory_allocated, or on a CPU the process's high-water mark (VmHWM) above its
+level before the step, measured with glibc's mmap threshold fixed at 128 KiB: otherwise memory one step
+freed stays in the allocator's pool, the next step reuses it without raising the high-water mark, and its
+peak reads as zero. That setting maps and unmaps every large temporary, which made CPU steps 3-5x slower
+(bf16 casts allocate the most), so the timed steps run with the threshold raised to glibc's own
+steady-state ceiling (32 MiB) instead. `auto` resolves as learner.precision does on this device
+(the report's first line says to what).
 
 `--nproc N` compares instead one rank against N ranks (torchrun, FSDP2; `--precision`, default fp32) on the
 same step: its time and, per rank, the peak of the step above the level before it, the bytes of the
@@ -21,6 +27,7 @@ CPU with fewer cores than ranks the time says nothing about speed-up.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import random
@@ -37,13 +44,22 @@ import torch
 
 from pipeline.tools.bench.logprob_memory import PeakMemory, _proc_status_bytes
 
-VARIANTS: tuple[tuple[str, bool], ...] = (
-    ("fp32", False),
-    ("fp32", True),
-    ("bf16-mixed", False),
-    ("bf16-mixed", True),
-    ("bf16", False),
+# (precision, gradient checkpointing, LoRA, shared prefix); the first is the baseline of the ratios.
+# Checkpointing turns prefix sharing off (learner.shared_prefix); "+unshared" shows what it saves.
+VARIANTS: tuple[tuple[str, bool, bool, bool], ...] = (
+    ("fp32", False, False, True),
+    ("fp32", True, False, True),
+    ("bf16-mixed", False, False, True),
+    ("bf16-mixed", True, False, True),
+    ("bf16", False, False, True),
+    ("fp32", False, True, True),
+    ("bf16-mixed", False, True, True),
+    ("bf16-mixed", False, False, False),
 )
+# glibc's mallopt parameters and the values the two phases use (module docstring).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MEASURE_MMAP_BYTES = 128 * 1024
+_TIMING_MMAP_BYTES = 32 * 2**20
 
 
 def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
@@ -54,8 +70,9 @@ def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
     groups = []
     for g in range(args.groups):
         episodes = []
+        n, k = args.prompt, args.generated
+        prompt = [rng.randrange(1, vocab) for _ in range(n)]  # a group's episodes share their task's prompt
         for i in range(args.group_size):
-            n, k = args.prompt, args.generated
             episodes.append(
                 [
                     EpisodeSegment(
@@ -63,7 +80,7 @@ def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
                         group_id=f"g{g}",
                         task_id="t",
                         env="bench",
-                        token_ids=[rng.randrange(1, vocab) for _ in range(n + k)],
+                        token_ids=prompt + [rng.randrange(1, vocab) for _ in range(k)],
                         prompt_len=n,
                         loss_mask=[0] * n + [1] * k,
                         logprobs=[0.0] * n + [-5.0] * k,
@@ -80,14 +97,29 @@ def _groups(vocab: int, args: argparse.Namespace) -> list[Any]:
     return groups
 
 
+def _mallopt(param: int, value: int) -> None:
+    """glibc's mallopt (a no-op elsewhere: the peaks are then only as good as the allocator allows)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(param, value)
+
+
 def _measure(
-    model_dir: Path, precision: str, checkpointing: bool, args: argparse.Namespace, nproc: int = 1
+    model_dir: Path,
+    precision: str,
+    checkpointing: bool,
+    args: argparse.Namespace,
+    nproc: int = 1,
+    lora: bool = False,
+    shared: bool = True,
 ) -> dict[str, Any]:
     from learner.distributed import join, leave
     from learner.model import load_policy
     from learner.precision import resolve_precision
     from learner.trainer import Trainer
-    from pipeline.contracts.learner_config import LearnerConfig, OptimConfig
+    from pipeline.contracts.learner_config import LearnerConfig, LoraConfig, OptimConfig
 
     ranks = join(nproc, args.device)
     device = ranks.device if ranks is not None else torch.device(args.device)
@@ -103,17 +135,30 @@ def _measure(
         mini_batches=args.mini_batches,
         precision=precision,
         gradient_checkpointing=checkpointing,
+        lora=LoraConfig(enabled=lora),
+        shared_prefix=shared,
     )
+    if lora:
+        from learner.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora).model
     trainer = Trainer(model, cfg, temperature=1.0, device=device, ranks=ranks)
     groups = _groups(model.config.vocab_size, args)
+    _mallopt(_M_MMAP_THRESHOLD, _MEASURE_MMAP_BYTES)
     trainer.step(groups)  # warm-up: optimizer state, allocator pools
-    seconds, peaks = [], []
+    peaks = []
     for _ in range(args.repeats):
         with PeakMemory(device) as memory:
-            started = time.perf_counter()
             trainer.step(groups)
-            seconds.append(time.perf_counter() - started)
         peaks.append(memory.peak_extra_bytes)
+    _mallopt(_M_MMAP_THRESHOLD, _TIMING_MMAP_BYTES)
+    _mallopt(_M_TRIM_THRESHOLD, 2 * _TIMING_MMAP_BYTES)
+    trainer.step(groups)  # warm-up of the allocator's pool at the new threshold
+    seconds = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        trainer.step(groups)
+        seconds.append(time.perf_counter() - started)
     result: dict[str, Any] = {"seconds": statistics.median(seconds), "peak_extra_bytes": float(max(peaks))}
     if args.variant is not None and _RANKED.match(args.variant):
         mine = {
@@ -141,12 +186,13 @@ def _held_state_bytes(trainer: Any) -> int:
     return int(held)
 
 
-def _variant_name(precision: str, checkpointing: bool) -> str:
-    return f"{precision}{'+ckpt' if checkpointing else ''}"
+def _variant_name(precision: str, checkpointing: bool, lora: bool = False, shared: bool = True) -> str:
+    options = [("+ckpt", checkpointing), ("+lora", lora), ("+unshared", not shared)]
+    return precision + "".join(name for name, on in options if on)
 
 
 def _in_own_process(model_dir: Path, name: str, argv: list[str], nproc: int = 1) -> dict[str, Any]:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = dict(os.environ)
     if nproc > 1:
         launcher = [
             sys.executable,
@@ -211,8 +257,7 @@ def run(argv: list[str]) -> dict[str, Any]:
             }
         else:
             results = {
-                _variant_name(p, c): _in_own_process(model_dir, _variant_name(p, c), argv)
-                for p, c in VARIANTS
+                _variant_name(*v): _in_own_process(model_dir, _variant_name(*v), argv) for v in VARIANTS
             }
     base = next(iter(results.values()))
     for entry in results.values():
@@ -225,9 +270,17 @@ def run(argv: list[str]) -> dict[str, Any]:
     return {
         "preset": args.preset,
         "device": args.device,
+        "auto": _auto_precision(args.device),
+        "threads": args.threads,
         "tokens_per_step": _tokens(args),
         "results": results,
     }
+
+
+def _auto_precision(device: str) -> str:
+    from learner.precision import resolve_precision
+
+    return resolve_precision("auto", torch.device(device)).name
 
 
 def _tokens(args: argparse.Namespace) -> int:
@@ -236,7 +289,8 @@ def _tokens(args: argparse.Namespace) -> int:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        f"learner step, preset {report['preset']} on {report['device']}, {report['tokens_per_step']} tokens",
+        f"learner step, preset {report['preset']} on {report['device']} ({report['threads']} threads; "
+        f"auto = {report['auto']}), {report['tokens_per_step']} tokens",
         f"{'variant':<18}{'time (s)':>10}{'peak (MiB)':>12}{'time x':>9}{'memory x':>10}",
     ]
     for name, r in report["results"].items():
@@ -259,7 +313,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollwise bench learner", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="small", help="model preset (tiny, small)")
+    p.add_argument("--preset", default="small", help="model preset (rollwise model init's presets)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     p.add_argument("--groups", type=int, default=2, help="groups per step")
     p.add_argument("--group-size", type=int, default=4, help="episodes per group")
@@ -290,8 +344,16 @@ def main(argv: list[str] | None = None) -> int:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(json.dumps(result))
             return 0
-        precision, _, ckpt = args.variant.partition("+")
-        print(json.dumps(_measure(Path(args.model), precision, ckpt == "ckpt", args)))
+        precision, *options = args.variant.split("+")
+        result = _measure(
+            Path(args.model),
+            precision,
+            "ckpt" in options,
+            args,
+            lora="lora" in options,
+            shared="unshared" not in options,
+        )
+        print(json.dumps(result))
         return 0
     report = run([a for a in argv if a != "--json"])
     print(json.dumps(report) if args.json else format_report(report))

@@ -225,20 +225,25 @@ def run_seed(
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with (out / f"seed{seed}.jsonl").open("wb") as stdout, (out / f"seed{seed}.stderr").open("wb") as stderr:
         proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, cwd=REPO)
+        stopped = False  # stopped by us at its time limit: any exit code then is ours, not a failure
         try:
             limit = None if minutes is None else minutes * 60.0
             started = time.monotonic()
             while proc.poll() is None:
                 if limit is not None and time.monotonic() - started >= limit:
                     proc.send_signal(signal.SIGTERM)
-                    proc.wait(timeout=grace_s)
+                    stopped = True
+                    try:
+                        proc.wait(timeout=grace_s)
+                    except subprocess.TimeoutExpired:  # its evaluations are on disk: kill it, keep them
+                        print(f"seed {seed}: no exit {grace_s:.0f} s after SIGTERM; killed", file=sys.stderr)
                     break
                 time.sleep(0.5)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    if proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
+    if not stopped and proc.returncode not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):
         raise RuntimeError(f"seed {seed}: rollwise run exited {proc.returncode}; see {out}/seed{seed}.stderr")
     return read_eval_log(run_dir / "logs" / "eval.jsonl")
 

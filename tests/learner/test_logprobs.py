@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -213,13 +216,25 @@ def test_entropy_needs_no_grad_and_keeps_none() -> None:
 
 
 def test_benchmark_measures_the_memory_each_variant_materialises() -> None:
-    from pipeline.tools.bench.logprob_memory import MEMORY_GOAL, run
+    from pipeline.tools.bench.logprob_memory import MEMORY_GOAL
 
     # One (T, V) fp32 tensor is 39 MiB: above glibc's largest mmap threshold (32 MiB), so each one is
     # freshly mapped and shows in the peak RSS that the CPU measurement reads (see the bench's docstring).
+    # The bench runs in a process of its own, as `rollwise bench logprobs` does: inside the test process,
+    # after a full suite's earlier tests, its peak-RSS reading came out 0 (alone it passed).
     seq_len, vocab, chunk_size = 256, 40_000, 8
     full = seq_len * vocab * 4
-    report = run(vocab=vocab, seq_len=seq_len, repeats=2, chunk_size=chunk_size, temperature=0.7)
+    code = (
+        "import json, torch\n"
+        "from pipeline.tools.bench.logprob_memory import run\n"
+        f"report = run(vocab={vocab}, seq_len={seq_len}, repeats=2, chunk_size={chunk_size}, "
+        "temperature=0.7)\n"
+        "print(json.dumps({'report': report, 'threads': torch.get_num_threads()}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    report = result["report"]
     assert report["config"] == {
         "vocab": vocab,
         "seq_len": seq_len,
@@ -228,7 +243,7 @@ def test_benchmark_measures_the_memory_each_variant_materialises() -> None:
         "device": "cpu",
         "dtype": "float32",
         "temperature": 0.7,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": result["threads"],
     }
     forward, both = report["forward"], report["forward_backward"]
     assert forward["max_abs_diff"] <= 1e-6 and both["max_abs_diff"] <= 1e-6

@@ -700,7 +700,9 @@ class Trainer:
             device=self.device,
             fused=self.cfg.fused_logprobs,
             scored=batch.loss_mask > 0,
-            share_prefix=self.cfg.shared_prefix,
+            # An MoE policy's router hooks capture and replay every position of the packed rows in one
+            # forward; the shared-prefix forward would split them over two.
+            share_prefix=self.cfg.shared_prefix and self.router_hooks is None,
         )
 
     def _lag(self, batch: PackedBatch) -> torch.Tensor:

@@ -464,7 +464,8 @@ class LearnerConfig(Section):
         description=(
             "fp32; bf16-mixed (fp32 master weights and optimizer state, bf16 autocast compute); or bf16 "
             "(pure: weights and AdamW state in bf16, so updates smaller than bf16's spacing, ~0.4% of a "
-            "weight, are lost). auto = bf16-mixed on CUDA, fp32 on CPU."
+            "weight, are lost). auto = bf16-mixed on CUDA and on a CPU with native bf16 matmuls (AMX, "
+            "AVX512-BF16), fp32 elsewhere."
         ),
     )
     fused_logprobs: bool = Field(
@@ -479,7 +480,8 @@ class LearnerConfig(Section):
         description=(
             "Run the prompt a group's episodes share once per mini-batch and reuse its keys and values for "
             "every member (same log-probs to float rounding). A short-answer task's prompt is most of its "
-            "tokens: 2-3x less learner work there. Off under gradient checkpointing and several ranks."
+            "tokens: 2-3x less learner work there. Off under gradient checkpointing, several ranks and for "
+            "MoE models (their router hooks see every position in one forward)."
         ),
     )
     gradient_checkpointing: bool = Field(

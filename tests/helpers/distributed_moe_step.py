@@ -69,6 +69,7 @@ def moe_config(balance: float = 0.0) -> LearnerConfig:
             "loss": {"kind": "grpo", "clip_low": 0.2, "clip_high": 0.27},
             "mini_batches": 3,
             "device": "cpu",
+            "precision": "fp32",  # the bounds are fp32's (auto is bf16-mixed on a CPU with native bf16)
             "moe": {"routing_replay": True, "load_balance_coef": balance},
         }
     )

@@ -46,9 +46,10 @@ CONFIG = ROOT / "examples" / "guess_number.toml"
 # What every variant shares on top of the default task's config (module docstring).
 BENCH_SETTINGS = (
     "model.preset='moe-tiny'",
-    # The learner trains in float32; the embedded engine's default is bfloat16 where the CPU has native
-    # bf16 matmuls. Pinned so that every machine measures the same thing (docs/training_curve.md was
-    # measured with float32 engines); `--set engine.dtype='bfloat16'` adds the precision mismatch.
+    # The learner trains in float32 (guess_number.toml pins it); the embedded engine's default is bfloat16
+    # where the CPU has native bf16 matmuls. Pinned so that every machine measures the same thing
+    # (docs/training_curve.md was measured with float32 engines); `--set engine.dtype='bfloat16'` adds
+    # the precision mismatch.
     "engine.dtype='float32'",
     "learner.batch_groups=4",
     "learner.mini_batches=4",

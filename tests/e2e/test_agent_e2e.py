@@ -31,13 +31,17 @@ def test_react_agent_trains_through_the_openai_endpoint(tmp_path: Path, daemons:
     run = DaemonRun(tmp_path / "run", [*TINY, *AGENT])
     daemons.append(run)
     run.wait_steps(2, timeout_s=150)
-    requests = run.metric("rollwise_openai_requests_total", {"route": "episode", "status": "ok"})
-    turns = run.metric("rollwise_turns_total", {"env": "agent"})
-    episodes = run.metric("rollwise_episodes_total", {"env": "agent"})
+    # The daemon keeps running while it is read: the turns and episodes come from one scrape, and the
+    # requests from a later one (a turn is counted before its reply is sent; reading requests first
+    # raced the episodes still running, 24 requests against 32 turns on a loaded CI machine).
+    counts = run.scrape()
+    turns = run.metric("rollwise_turns_total", {"env": "agent"}, text=counts)
+    episodes = run.metric("rollwise_episodes_total", {"env": "agent"}, text=counts)
     trainable = sum(
-        run.metric("rollwise_episodes_total", {"env": "agent", "reason": r})
+        run.metric("rollwise_episodes_total", {"env": "agent", "reason": r}, text=counts)
         for r in ("stop", "length", "truncated")
     )
+    requests = run.metric("rollwise_openai_requests_total", {"route": "episode", "status": "ok"})
     run.signal(signal.SIGTERM)
     assert run.wait(timeout_s=60) == 0, run.tail()
     assert run.steps()[:2] == [1, 2]

@@ -107,10 +107,15 @@ class DaemonRun:
                 return text.split("metrics on ", 1)[1].strip()
         raise AssertionError("the daemon never printed its metrics URL")
 
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the samples of `name` whose labels include `labels`, scraped from /metrics."""
+    def scrape(self) -> str:
+        """The daemon's /metrics now: several `metric(..., text=)` reads of one scrape are consistent."""
         with urllib.request.urlopen(self.metrics_url(), timeout=5) as resp:
-            text = resp.read().decode()
+            return resp.read().decode()
+
+    def metric(self, name: str, labels: dict[str, str] | None = None, *, text: str | None = None) -> float:
+        """Sum of the samples of `name` whose labels include `labels`, from `text` or a fresh scrape."""
+        if text is None:
+            text = self.scrape()
         total = 0.0
         for line in text.splitlines():
             if not line.startswith(name) or line.startswith("#"):

@@ -39,6 +39,7 @@ from learner.checkpoint_state import (
 )
 from learner.model import hf_weights, quiet_transformers, replace_dir_atomically, save_tokenizer
 from learner.trainer import Trainer
+from pipeline.contracts.durable import as_storage_error
 from pipeline.contracts.run_dir import (
     CHECKPOINT_STATE,
     LATEST_CHECKPOINT,
@@ -98,8 +99,11 @@ def save_checkpoint(
         (staged / CHECKPOINT_STATE).write_text(json.dumps(state) + "\n", encoding="utf-8")
         target = root / name
         replace_dir_atomically(staged, target)
-    except BaseException:
+    except BaseException as exc:
+        error = as_storage_error(exc, root)  # before the staged files give their space back
         shutil.rmtree(staged, ignore_errors=True)
+        if error is not exc:
+            raise error from exc
         raise
     write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")
     for _, old in checkpoint_dirs(root)[:-keep]:

@@ -47,6 +47,7 @@ from learner.checkpoint_state import (
 from learner.distributed import Ranks
 from learner.model import hf_weights, quiet_transformers, replace_dir_atomically, save_hf
 from learner.trainer import Trainer
+from pipeline.contracts.durable import as_storage_error
 from pipeline.contracts.run_dir import CHECKPOINT_STATE, LATEST_CHECKPOINT, checkpoint_dirs, checkpoint_name
 
 SHARDS_DIR = "dcp"
@@ -87,9 +88,12 @@ def save_sharded_checkpoint(
         if ranks.leader:
             _write_leader_files(staged, trainer, consumed, extra or {}, ranks.world)
             replace_dir_atomically(staged, target)
-    except BaseException:
+    except BaseException as exc:
+        error = as_storage_error(exc, root)  # before the staged files give their space back
         if ranks.leader:
             shutil.rmtree(staged, ignore_errors=True)
+        if error is not exc:
+            raise error from exc
         raise
     if ranks.leader:
         write_text_atomically(root / LATEST_CHECKPOINT, name + "\n")

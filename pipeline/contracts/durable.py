@@ -75,6 +75,23 @@ def storage_fault_kind(exc: BaseException, directory: Path) -> str | None:
     return "other" if isinstance(exc, OSError) else None
 
 
+_FAULT_ERRNO = {"ENOSPC": errno.ENOSPC, "EROFS": errno.EROFS, "EDQUOT": errno.EDQUOT}
+
+
+def as_storage_error(exc: BaseException, directory: Path) -> BaseException:
+    """`exc`, or the OSError of the storage fault it is when it carries no errno (torch's zip writer),
+    classified now: a writer calls this before it removes its failed write's staged files, since once
+    their space is back a full disk no longer looks full (`storage_fault_kind` would say EIO)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc
+    code = _FAULT_ERRNO.get(storage_fault_kind(exc, directory) or "")
+    if code is None:
+        return exc
+    error = OSError(code, f"{os.strerror(code)} ({exc})")
+    error.__cause__ = exc
+    return error
+
+
 @dataclass(frozen=True)
 class Refusal:
     """One write the storage refused: why (`storage_fault_kind`), and whether it is the first refusal

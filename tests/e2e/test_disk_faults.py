@@ -61,6 +61,26 @@ def test_a_zip_writer_failure_on_a_nearly_full_file_system_is_enospc(
     assert storage_fault_kind(RuntimeError("file write failed"), tmp_path) == "ENOSPC"
 
 
+def test_a_writer_names_the_fault_before_its_staged_files_free_their_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zip_failure = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 6272 vs 6164")
+    # With room left it stays what it was; on a full disk it becomes the OSError it is, cause kept.
+    assert durable.as_storage_error(zip_failure, tmp_path) is zip_failure
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert durable.as_storage_error(full, tmp_path) is full
+    bug = ValueError("bad tensor shape")
+    assert durable.as_storage_error(bug, tmp_path) is bug
+
+    class _Full:
+        f_flag, f_bavail, f_frsize = 0, 0, 4096
+
+    monkeypatch.setattr(durable.os, "statvfs", lambda path: _Full())
+    error = durable.as_storage_error(zip_failure, tmp_path)
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC and error.__cause__ is zip_failure
+    assert "unexpected pos" in str(error)
+
+
 def test_an_error_that_is_not_the_storages_is_not_a_storage_fault(tmp_path: Path) -> None:
     assert storage_fault_kind(ValueError("bad tensor shape"), tmp_path / "not" / "yet") is None
 

@@ -33,9 +33,26 @@ def rotate(path: Path, keep: int) -> None:
         older = path.with_name(f"{path.name}.{n}")
         if older.exists():
             older.rename(path.with_name(f"{path.name}.{n + 1}"))
-    shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+    copy = path.with_name(f"{path.name}.1")
+    shutil.copyfile(path, copy)
+    _drop_torn_tail(copy)
     with open(path, "r+b") as handle:
         handle.truncate(0)
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut `path` after its last newline. A reader can see an append that crosses a page boundary half
+    done, so the copy may end in the first part of a line whose rest the truncation then removes: that
+    line is lost like the others written between the copy and the truncation, never kept torn."""
+    with open(path, "r+b") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        start = max(0, size - 65536)
+        handle.seek(start)
+        tail = handle.read()
+        cut = tail.rfind(b"\n")
+        if cut < 0 or cut == len(tail) - 1:  # no line end to cut at (not a line log), or whole
+            return
+        handle.truncate(start + cut + 1)
 
 
 def rotate_large_logs(logs_dir: Path, max_bytes: int, keep: int) -> list[str]:

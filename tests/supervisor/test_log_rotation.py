@@ -74,3 +74,15 @@ def test_log_rotation_config_keys_have_defaults_and_bounds() -> None:
     logs = load_config(None, []).logs
     assert (logs.max_bytes, logs.keep, logs.check_every_s) == (64 * 2**20, 3, 30.0)
     assert load_config(None, ["logs.keep=5"]).logs.keep == 5
+
+
+def test_a_copy_that_ends_in_a_torn_line_keeps_only_whole_lines(tmp_path: Path) -> None:
+    from pipeline.supervisor.log_rotation import _drop_torn_tail
+
+    whole, torn, bare = tmp_path / "whole.log", tmp_path / "torn.log", tmp_path / "bare.log"
+    whole.write_bytes(b"a\nb\n")
+    torn.write_bytes(b"a\nb\nhalf a li")
+    bare.write_bytes(b"half")
+    for path in (whole, torn, bare):
+        _drop_torn_tail(path)
+    assert (whole.read_bytes(), torn.read_bytes(), bare.read_bytes()) == (b"a\nb\n", b"a\nb\n", b"half")

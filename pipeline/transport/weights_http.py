@@ -276,7 +276,7 @@ async def fetch_version(
             raise FetchError(f"{base}/manifest is not a manifest: {str(manifest)[:200]}")
         if await asyncio.to_thread(_have_copy, final, manifest):
             return final
-        await asyncio.to_thread(_reset_dir, staged)
+        await asyncio.to_thread(_stage_for, staged, manifest)
         for entry in manifest["files"]:
             await _download(http, f"{base}/files/{entry['path']}", staged, entry)
     await asyncio.to_thread(_install, staged, final, dest_root, manifest)
@@ -295,28 +295,64 @@ def _have_copy(final: Path, manifest: dict[str, Any]) -> bool:
     return bool(kept.get("files") == manifest["files"] and (final / "config.json").is_file())
 
 
-def _reset_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+_STAGED_MANIFEST = ".manifest.json"
+
+
+def _stage_for(staged: Path, manifest: dict[str, Any]) -> None:
+    """Keep what an earlier, broken fetch of the same manifest staged (its files resume where they
+    stopped); start over for any other manifest."""
+    mark = staged / _STAGED_MANIFEST
+    try:
+        if json.loads(mark.read_text(encoding="utf-8")) == manifest:
+            return
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    mark.write_text(json.dumps(manifest), encoding="utf-8")
+
+
+def _partial(target: Path) -> tuple[int, Any]:
+    """Bytes already staged at `target` and their running sha256 (0 and a fresh one when none)."""
+    digest = hashlib.sha256()
+    try:
+        with open(target, "rb") as handle:
+            for block in iter(lambda: handle.read(CHUNK), b""):
+                digest.update(block)
+            return handle.tell(), digest
+    except FileNotFoundError:
+        return 0, digest
 
 
 async def _download(http: aiohttp.ClientSession, url: str, staged: Path, entry: dict[str, Any]) -> None:
+    """One file of the manifest, checked against its size and sha256. A file that an earlier attempt
+    left partly staged continues with an HTTP range request (the weight server's FileResponse answers
+    206), so a link that resets connections still makes progress; a server that answers 200 instead
+    sends it whole again."""
     rel = Path(entry["path"])
     if rel.is_absolute() or ".." in rel.parts:
         raise FetchError(f"manifest names an unsafe path {entry['path']!r}")
     target = staged / rel
     target.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    size = 0
-    async with http.get(url) as resp:
-        if resp.status != 200:
+    size, digest = await asyncio.to_thread(_partial, target)
+    if size > entry["size"]:
+        size, digest = 0, hashlib.sha256()
+    if size == entry["size"] and digest.hexdigest() == entry["sha256"]:
+        return
+    headers = {"Range": f"bytes={size}-"} if 0 < size < entry["size"] else None
+    async with http.get(url, headers=headers) as resp:
+        if resp.status == 200:
+            size, digest = 0, hashlib.sha256()
+        elif not (resp.status == 206 and headers is not None):
             raise FetchError(f"{url} answered {resp.status}")
-        with open(target, "wb") as handle:  # noqa: ASYNC230 - chunked; a thread hop per MiB costs more
+        # Chunked writes on the loop: a thread hop per MiB costs more.
+        with open(target, "ab" if size else "wb") as handle:  # noqa: ASYNC230
             async for block in resp.content.iter_chunked(CHUNK):
                 handle.write(block)
                 digest.update(block)
                 size += len(block)
     if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
+        target.unlink(missing_ok=True)  # the next attempt starts this file over
         raise FetchError(
             f"{url}: got {size} bytes sha256 {digest.hexdigest()[:12]}, manifest says {entry['size']} "
             f"bytes sha256 {entry['sha256'][:12]}"
@@ -324,6 +360,7 @@ async def _download(http: aiohttp.ClientSession, url: str, staged: Path, entry: 
 
 
 def _install(staged: Path, final: Path, dest_root: Path, manifest: dict[str, Any]) -> None:
+    (staged / _STAGED_MANIFEST).unlink(missing_ok=True)
     for path in staged.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:

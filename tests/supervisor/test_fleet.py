@@ -205,6 +205,43 @@ async def test_weights_travel_over_http_checked_against_the_manifest(tmp_path: P
         await fetcher.cleanup()
 
 
+async def test_a_copy_broken_mid_file_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """A link that resets connections (bench hosts' `drops`) must not restart a weight copy from zero:
+    the next attempt asks for the rest of the file with a range request."""
+    run = RunDir.at(str(tmp_path / "run"), None)
+    published = publish(run, 5)
+    whole = (published / "model.safetensors").read_bytes()  # 16,384 bytes
+    ranges: list[str | None] = []
+
+    @web.middleware
+    async def break_the_first_copy(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not request.path.endswith("/model.safetensors"):
+            return await handler(request)
+        ranges.append(request.headers.get("Range"))
+        if len(ranges) > 1:
+            return await handler(request)
+        response = web.StreamResponse(headers={"Content-Length": str(len(whole))})
+        await response.prepare(request)
+        await response.write(whole[:6000])
+        assert request.transport is not None
+        request.transport.close()  # reset mid-file
+        return response
+
+    server_app = web.Application(middlewares=[break_the_first_copy])
+    WeightServer(run.weights_of).add_routes(server_app)
+    server, source = await serve(server_app)
+    try:
+        with pytest.raises((aiohttp.ClientError, FetchError)):
+            await fetch_version(source, 5, tmp_path / "disk")
+        assert (tmp_path / "disk" / "v5.tmp" / "model.safetensors").stat().st_size == 6000
+        local = await fetch_version(source, 5, tmp_path / "disk")
+        assert (local / "model.safetensors").read_bytes() == whole
+        assert ranges == [None, "bytes=6000-"]
+        assert sorted(p.name for p in local.iterdir()) == ["config.json", "model.safetensors"]
+    finally:
+        await server.cleanup()
+
+
 async def test_nccl_weight_update_requests_have_sglangs_exact_fields(fakes: list[FakeSGLang]) -> None:
     fake = fakes[0]
     async with EngineClient(fake.base_url, retries=0) as client:

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -150,29 +150,9 @@ class MoePreset(Preset):
 # costs about what it costs there; the model holds 4x those MLP weights, spread over the experts.
 MOE_PRESETS: dict[str, MoePreset] = {
     # ~0.73M parameters; 8 experts, top-2.
-    "moe-tiny": MoePreset(
-        hidden_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-    ),
+    "moe-tiny": MoePreset(**asdict(PRESETS["tiny"]), moe_intermediate_size=128),
     # ~31M parameters; 8 experts, top-2.
-    "moe-small": MoePreset(
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=1024,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=512,
-    ),
+    "moe-small": MoePreset(**asdict(PRESETS["small"]), moe_intermediate_size=512),
 }
 PRESETS.update(MOE_PRESETS)
 

@@ -29,6 +29,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,11 +259,12 @@ def _tools_of(raw: Any) -> list[dict[str, Any]] | None:
     return list(raw) or None
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Validate a request body (module docstring); OpenAIRequestError (400) naming the offending field."""
+def request_model(body: Any, supported: AbstractSet[str]) -> str:
+    """The `model` of a request body, after the checks every OpenAI route makes first (a JSON object,
+    no parameter outside `supported`, a non-empty model name); OpenAIRequestError (400) naming the field."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", "body")
-    unknown = sorted(set(body) - _SUPPORTED)
+    unknown = sorted(set(body) - supported)
     if unknown:
         raise OpenAIRequestError(
             400,
@@ -273,6 +275,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model must be a non-empty string", "model")
+    return model
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a request body (module docstring); OpenAIRequestError (400) naming the offending field."""
+    model = request_model(body, _SUPPORTED)
     _refuse_unless(body.get("n") in (None, 1), "n", "one choice per request", body.get("n"))
     _refuse_unless(
         body.get("top_logprobs") in (None, 0),

@@ -46,6 +46,7 @@ from pipeline.supervisor.actors.openai_wire import (
     Message,
     OpenAIRequestError,
     normalise_messages,
+    request_model,
     tool_call_objects,
 )
 
@@ -277,19 +278,7 @@ def _check_inert_values(body: dict[str, Any]) -> list[str]:
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """Validate a request body (module docstring); OpenAIRequestError (400) naming the offending field."""
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object", "body")
-    unknown = sorted(set(body) - _SUPPORTED)
-    if unknown:
-        raise OpenAIRequestError(
-            400,
-            f"unsupported parameter(s): {', '.join(unknown)}",
-            param=unknown[0],
-            code="unsupported_parameter",
-        )
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model must be a non-empty string", "model")
+    model = request_model(body, _SUPPORTED)
     ignored = _check_inert_values(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):

@@ -174,7 +174,12 @@ class EngineFleet:
                     serving,
                     version,
                 )
-            await self.catch_up(client, serving, version)
+            try:
+                await self.catch_up(client, serving, version)
+            except _FETCH_FAILURES as exc:
+                # The pool keeps an engine it cannot load ejected and probes it again; any other error
+                # would end its probing for good.
+                raise EngineError(f"its fetcher could not fetch version {version}: {exc}") from exc
             metrics.POLICY_VERSION_SERVED.labels(engine=client.base_url).set(version)
 
     async def guard_availability(self, timeout_s: float) -> None:

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 KEEP_VERSIONS = 3
 MANIFEST_CACHE = 8  # manifests a WeightServer keeps (hashing a large model's files takes a while)
 CHUNK = 1 << 20
+STALL_S = 20.0  # seconds a download may go without a byte before it is given up and retried
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
@@ -265,7 +266,9 @@ async def fetch_version(
     staged = dest_root / f"v{version}.tmp"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     base = f"{source.rstrip('/')}/weights/v{version}"
-    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
+    # A transfer that stalls (a server whose handler died mid-file without closing the connection, seen
+    # under bench hosts' resets) fails after STALL_S without a byte, and the next attempt resumes it.
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0, sock_read=STALL_S)
     connector = aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as http:
         async with http.get(base + "/manifest") as resp:

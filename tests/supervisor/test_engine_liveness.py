@@ -18,6 +18,7 @@ from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.observability import metrics
 from pipeline.tools.fake_sglang import FakeSGLang
+from pipeline.transport.weights_http import FetchError
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -118,3 +119,26 @@ async def test_while_no_engine_answers_the_daemon_is_not_ready(fake: FakeSGLang,
     finally:
         sup.stopping.set()
         await sup.engines.stop(1.0)
+
+
+async def test_an_engine_whose_weights_cannot_be_fetched_yet_stays_ejected_and_is_tried_again(
+    fleet: tuple[EngineFleet, list[str]], fake: FakeSGLang
+) -> None:
+    # A fetch failure while an engine rejoins (the network to its fetcher) once ended the pool's probing
+    # of it for good: the engine never got work again (bench hosts' `drops`).
+    engines, failures = fleet
+    loads = engines.weights_for
+    tries: list[int] = []
+
+    async def flaky(url: str, version: int, published_path: str | None = None) -> str:
+        tries.append(version)
+        if len(tries) <= 2:
+            raise FetchError(f"{url} could not fetch version {version}: connection reset")
+        return await loads(url, version, published_path)
+
+    engines.weights_for = flaky  # type: ignore[method-assign]
+    fake.crash("killed by the test")
+    await until(lambda: engines.pool.serving == 0)
+    await fake.restart()
+    await until(lambda: engines.pool.serving == 1)
+    assert tries == [3, 3, 3] and fake.weight_version == "3" and failures == []

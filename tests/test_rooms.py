@@ -216,6 +216,14 @@ def test_file_names_are_distinct() -> None:
     assert {name: mods for name, mods in seen.items() if len(mods) > 1} == {}
 
 
+def test_the_daemon_reads_as_its_schedule() -> None:
+    """daemon.py is `Supervisor.run` and what it calls directly; machinery lives one call away (wiring,
+    lineage, learner_dispatch, fleet_services, status_report, observability.observers). The bound is the
+    point at which it last stopped reading top to bottom."""
+    lines = len((ROOT / "pipeline/supervisor/daemon.py").read_text().splitlines())
+    assert lines < 400, f"pipeline/supervisor/daemon.py has {lines} lines: move machinery out of Supervisor"
+
+
 # --- the checks themselves catch what they must ------------------------------------------------------------
 def synthetic_tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
     for rel, text in files.items():

@@ -5,7 +5,9 @@
 
 The machinery is one call away: config -> components (wiring.py), the learner child (learner_child.py)
 and what each of its events does (learner_dispatch.py), the version the engines serve and how a
-published one reaches them (lineage.py), the engine fleet (engine_fleet.py, fleet_membership.py).
+published one reaches them (lineage.py), the engine fleet (engine_fleet.py, fleet_membership.py), the
+doors other hosts use (fleet_services.py), the status line (status_report.py) and the observers
+(observability/observers.py).
 
 Resume: `rollwise run --run-dir DIR` on an existing run continues it; the learner restores its latest
 checkpoint and reports its policy version v, the engines start on the version that checkpoint
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -26,18 +27,18 @@ import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from pipeline.contracts import events, memory_trace, tracing
+from pipeline.contracts import events, memory_trace
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
-from pipeline.contracts.tls import context_for, pem_pair
+from pipeline.contracts.tls import context_for
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
-from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
 from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
 from pipeline.supervisor.fleet_membership import FleetMembership, scaled_concurrency
+from pipeline.supervisor.fleet_services import FleetServices
 from pipeline.supervisor.heap import freeze_startup_heap
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
@@ -46,17 +47,17 @@ from pipeline.supervisor.lineage import Lineage
 from pipeline.supervisor.log_rotation import keep_logs_small
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.loop_lag import measure_loop_lag
-from pipeline.supervisor.observability.service_health import watch_fleet, watch_run_dir
+from pipeline.supervisor.observability.observers import start_observers, stop_observers
+from pipeline.supervisor.observability.service_health import watch_run_dir
 from pipeline.supervisor.observability.trackers import build_trackers
 from pipeline.supervisor.progress import (
     Progress,
     RichProgress,
-    Totals,
     log_to_run_dir,
     make_progress,
-    status_between,
     stray_stdout_to_log,
 )
+from pipeline.supervisor.status_report import StatusReport
 from pipeline.supervisor.wiring import (
     RunSetup,
     bare_run_config,
@@ -68,13 +69,9 @@ from pipeline.supervisor.wiring import (
     resolve_config,
     start_openai_endpoint,
 )
-from pipeline.transport.flight import SpoolFlightService
-from pipeline.transport.weights_http import WeightServer
 
 log = logging.getLogger("rollwise.supervisor")
 T = TypeVar("T")
-
-STATUS_INTERVAL_S = 5.0
 
 
 class Supervisor:
@@ -141,15 +138,16 @@ class Supervisor:
             self.engines, self.engines.sync_lock, lambda: self.lineage.version, self.on_fleet_capacity
         )
         self.engines.progress_message = self.progress.message
-        self.admin = AdminEndpoint(
-            cfg.admin.host,
-            cfg.admin.port,
-            make_admin_app(self.membership, WeightServer(self.run_dir.weights_of), reveal(cfg.admin.token)),
-            ssl_context=context_for(cfg.admin.host, tls),
-        )
+        self.fleet_services = FleetServices(cfg, self.run_dir, self.membership)
         self.initial_capacity = 0
-        self.flight: SpoolFlightService | None = None
         self.started_at = time.monotonic()
+        self.status = StatusReport(
+            self.progress,
+            self.learner_events.book,
+            version=lambda: self.lineage.version,
+            scheduler=lambda: self.scheduler,
+            started_at=self.started_at,
+        )
 
     async def run(self) -> int:
         """The schedule. Returns the process exit code (0 after a requested stop, 1 after a fatal error)."""
@@ -159,14 +157,14 @@ class Supervisor:
             write_resolved(cfg, self.run_dir.root)
             # The ports first: a taken one (another daemon on this host) is one line before any work.
             await self.endpoints.start()
-            await self.start_fleet_services()
+            await self.fleet_services.start(self.engines, self.progress.message)
             await ensure_initial_model(self.setup)
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
             metrics.init_label_values(envs=[cfg.env.name], engines=[ENGINE_LABEL])
             metrics.init_long_run_label_values()
             metrics.init_service_label_values()
-            self.start_observers()
+            start_observers(cfg, self.trackers, self.engines)
             self.learner_events.step_log.open()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
@@ -191,7 +189,7 @@ class Supervisor:
                     background += [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
                         self.watch(self.engines.guard_availability(unavailable_s), "engine guard"),
-                        self.watch(self.report_status(), "status"),
+                        self.watch(self.status.run(), "status"),
                         self.watch(measure_loop_lag(self.stopping), "loop-lag"),
                         self.watch(watch_run_dir(self.run_dir.root, self.stopping), "disk-space"),
                     ]
@@ -213,46 +211,13 @@ class Supervisor:
                 await close_env(self.setup.env)
                 self.progress.stop()
                 self.learner_events.step_log.close()
-                await self.admin.stop()
-                if self.flight is not None:
-                    await asyncio.to_thread(self.flight.stop)
-                await self.stop_observers()
+                await self.fleet_services.stop()
+                await stop_observers(self.trackers)
                 await self.endpoints.stop()
         if self.fatal is not None:
             print(f"rollwise: {self.fatal}", file=sys.stderr)
             return 1
         return 0
-
-    def start_observers(self) -> None:
-        """Traces ([tracing]), experiment trackers ([trackers]) and the fleet's gauges: all optional, none
-        able to stop the run (a failure is logged once and counted in rollwise_tracker_errors_total)."""
-        otlp_errors = metrics.TRACKER_ERRORS.labels(tracker="otlp")
-        tracing.configure(self.cfg.tracing, process="supervisor", on_error=otlp_errors.inc)
-        if self.trackers is not None:
-            self.trackers.start(self.cfg)
-        watch_fleet(self.engines)
-
-    async def stop_observers(self) -> None:
-        if self.trackers is not None:
-            await asyncio.to_thread(self.trackers.close)
-        await asyncio.to_thread(tracing.shutdown)
-
-    async def start_fleet_services(self) -> None:
-        """The admin endpoint (engines add/drain, published weights for fetchers) and, with
-        transport.kind = flight, the spool's Flight service, which a learner may read at once."""
-        cfg = self.cfg
-        await self.admin.start()
-        self.engines.weight_source = cfg.admin.advertise_url or self.admin.url
-        self.engines.weight_token = reveal(cfg.admin.token)
-        if cfg.transport.kind == "flight":
-            t = cfg.transport
-            tls = cfg.tls.files()
-            pem = pem_pair(tls) if context_for(t.flight_host, tls) is not None else None
-            self.flight = SpoolFlightService(
-                self.run_dir.spool, host=t.flight_host, port=t.flight_port, token=reveal(t.token), tls=pem
-            )
-            self.flight.start()
-            self.progress.message(f"spool served over Arrow Flight at {self.flight.url}")
 
     def on_fleet_capacity(self, capacity: int) -> None:
         """Engines joined or left: the scheduler's concurrency follows the fleet's capacity."""
@@ -387,39 +352,6 @@ class Supervisor:
         if self.scheduler is None:
             reasons.append("scheduler")
         return reasons
-
-    def totals(self) -> Totals:
-        sched = self.scheduler
-        return Totals(
-            at=time.monotonic(),
-            episodes=sched.episodes_finished if sched is not None else 0,
-            successes=sched.episodes_succeeded if sched is not None else 0,
-            staleness_sum=self.learner_events.book.staleness_sum,
-            staleness_count=self.learner_events.book.staleness_tokens,
-            spool_depth_groups=self.learner_events.book.spool_depth_groups,
-        )
-
-    async def report_status(self) -> None:
-        before = self.totals()
-        while True:
-            await asyncio.sleep(STATUS_INTERVAL_S)
-            after = self.totals()
-            book = self.learner_events.book
-            status = status_between(
-                before,
-                after,
-                elapsed_s=time.monotonic() - self.started_at,
-                version=self.lineage.version,
-                step=book.step,
-                step_time_s=book.last_step_time_s,
-                step_rewards=book.take_rewards(),
-            )
-            if self.scheduler is not None:
-                status = dataclasses.replace(
-                    status, groups_running=self.scheduler.running, groups_accepted=self.scheduler.accepted
-                )
-            self.progress.on_status(status)
-            before = after
 
 
 # --- machinery --------------------------------------------------------------------------------------------

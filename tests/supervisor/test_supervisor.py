@@ -9,6 +9,8 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 import pytest
@@ -20,10 +22,11 @@ from pipeline.supervisor.children import Backoff, Child, ChildSpec, keep_running
 from pipeline.supervisor.daemon import main_run
 from pipeline.supervisor.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.http_endpoints import HttpEndpoints
-from pipeline.supervisor.learner_dispatch import step_line
+from pipeline.supervisor.learner_dispatch import StepBook, step_line
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.learner_metrics import record_step
 from pipeline.supervisor.progress import JsonProgress, Totals, status_between
+from pipeline.supervisor.status_report import StatusReport
 from pipeline.supervisor.wiring import initial_accepted, resolve_config
 
 
@@ -333,6 +336,29 @@ def test_status_without_new_episodes_or_steps_has_no_rates() -> None:
     t = Totals(1.0, episodes=5, successes=1, staleness_sum=0, staleness_count=0)
     status = status_between(t, t, elapsed_s=1.0, version=0, step=0, step_time_s=None, step_rewards=[])
     assert status.success_rate is None and status.reward_mean is None and status.episodes_per_s == 0.0
+
+
+def test_status_report_reads_the_book_and_the_scheduler_once_it_exists() -> None:
+    out = io.StringIO()
+    book = StepBook(
+        step=4, last_step_time_s=0.5, staleness_sum=30.0, staleness_tokens=60, spool_depth_groups=2
+    )
+    book.rewards = [0.25, 0.75]
+    scheduler: Any = None
+    report = StatusReport(
+        JsonProgress(out), book, version=lambda: 3, scheduler=lambda: scheduler, started_at=0.0
+    )
+    start = report.totals()
+    after_first = report.report(since=start)  # before the children are ready: no scheduler yet
+    scheduler = SimpleNamespace(episodes_finished=10, episodes_succeeded=4, running=2, accepted=7)
+    book.staleness_sum, book.staleness_tokens = 36.0, 63  # 3 more tokens, 2 versions behind each
+    report.report(since=after_first)
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert (first["episodes"], first["groups_running"], first["reward_mean"]) == (0, None, 0.5)
+    assert (first["policy_version"], first["learner_step"], first["staleness_mean"]) == (3, 4, None)
+    assert (second["episodes"], second["success_rate"], second["reward_mean"]) == (10, 0.4, None)
+    assert second["staleness_mean"] == 2.0
+    assert (second["groups_running"], second["groups_accepted"], second["spool_depth_groups"]) == (2, 7, 2)
 
 
 def test_json_progress_writes_one_object_per_line() -> None:

@@ -45,14 +45,14 @@ class _Pool(Protocol):
     def healthy_members(self) -> Sequence[object]: ...
 
 
-class _Fleet(Protocol):
+class Fleet(Protocol):
     @property
     def pool(self) -> _Pool: ...
 
     def not_up(self) -> list[str]: ...
 
 
-def watch_fleet(fleet: _Fleet) -> None:
+def watch_fleet(fleet: Fleet) -> None:
     """The engine gauges read the fleet at each scrape (nothing to keep in step)."""
     metrics.ENGINE_POOL_MEMBERS.set_function(lambda: len(fleet.pool.members))
     metrics.ENGINE_POOL_EJECTED.set_function(

@@ -11,7 +11,9 @@ def test_objects_alive_at_start_up_are_frozen_and_later_ones_are_not() -> None:
     before = [object()]  # alive when the heap is frozen
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
+        # Frozen objects still die by reference count (threads left by earlier tests drop theirs), so the
+        # permanent generation can only have shrunk since.
+        assert 0 < gc.get_freeze_count() <= frozen
         assert not any(o is before for o in gc.get_objects())  # out of every generation
         later = [object()]
         assert any(o is later for o in gc.get_objects())  # new objects are collected as usual

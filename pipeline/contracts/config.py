@@ -353,6 +353,16 @@ class EvalConfig(Section):
     max_concurrent_episodes: int = Field(
         32, ge=1, le=4096, description="Eval episodes in flight at once: the bound on eval's engine share."
     )
+    pause_training: bool = Field(
+        False,
+        description=(
+            "While an evaluation runs, start no new training group (running ones finish): the "
+            "evaluation then has the engines to itself instead of queueing behind training at its lower "
+            "priority, where its episodes can run into the env's episode timeout on an engine training "
+            "keeps full (a small CPU engine). Costs training the evaluation's duration; off by default "
+            "(a GPU fleet serves both)."
+        ),
+    )
     priority: int | Literal["off"] = Field(
         -100,
         description=(

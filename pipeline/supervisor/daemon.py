@@ -275,6 +275,7 @@ class Supervisor:
             progress=self.progress,
             started_at=self.started_at,
             on_result=self.trackers.log_eval if self.trackers is not None else None,
+            training=self.scheduler,
         )
         if self.evaluator is None:
             return

@@ -15,6 +15,10 @@ one runs is simply not evaluated. Each finished evaluation becomes
   to held-out tasks shows there first,
 - an `eval` line in the progress view.
 
+With `eval.pause_training` the evaluator holds training admission while it runs (`AdmissionHold`, the
+group scheduler): running groups finish and no new one starts, so the evaluation is not starved by
+training on an engine training keeps full. The seconds held are `rollwise_eval_training_paused_seconds`.
+
 A failed evaluation (a bug, not an env or engine failure: those are episodes) is logged and counted
 (`rollwise_eval_runs_total{status="failed"}`); it never stops the daemon.
 """
@@ -28,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from envs.api import EnvFactory, Environment
 from envs.task_split import TaskSplitError, eval_tasks
@@ -41,6 +45,14 @@ from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.progress import Progress
 
 log = logging.getLogger("rollwise.evaluation")
+
+
+class AdmissionHold(Protocol):
+    """What `eval.pause_training` needs from the training side (the group scheduler)."""
+
+    def pause(self, by: str) -> None: ...
+
+    def resume(self, by: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,7 @@ class Evaluator:
         started_at: float,
         training_env: str | None = None,
         on_result: Callable[[dict[str, Any]], None] | None = None,
+        training: AdmissionHold | None = None,
     ) -> None:
         self.setup = setup
         self.engine = engine
@@ -192,6 +205,7 @@ class Evaluator:
         self.completed = 0
         self.training_env = training_env  # the gap is computed only when eval plays the training env
         self.on_result = on_result  # each eval row, after the metrics (the experiment trackers)
+        self.training = training  # held while an evaluation runs (eval.pause_training); None = never
         metrics.init_eval_label_values(
             setup.env_name, setup.plan.modes, every_versions=every_versions, gap=training_env is not None
         )
@@ -215,6 +229,9 @@ class Evaluator:
 
     async def _evaluate(self, version: int, step: int) -> None:
         started = time.monotonic()
+        holder = f"eval v{version}"
+        if self.training is not None:
+            self.training.pause(holder)
         try:
             results = await run_evaluation(
                 self.engine,
@@ -235,6 +252,10 @@ class Evaluator:
             metrics.EVAL_RUNS.labels(env=self.setup.env_name, status="failed").inc()
             self.progress.message(f"evaluation of version {version} failed: {exc!r}")
             return
+        finally:
+            if self.training is not None:
+                self.training.resume(holder)
+                metrics.EVAL_TRAINING_PAUSED.labels(env=self.setup.env_name).inc(time.monotonic() - started)
         row = eval_row(
             self.setup,
             results,

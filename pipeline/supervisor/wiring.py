@@ -29,6 +29,7 @@ from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.eval_schedule import (
+    AdmissionHold,
     EvalSetup,
     Evaluator,
     evaluates_training_env,
@@ -399,9 +400,11 @@ def build_evaluator(
     progress: Progress,
     started_at: float,
     on_result: Callable[[dict[str, Any]], None] | None = None,
+    training: AdmissionHold | None = None,
 ) -> Evaluator | None:
     """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
-    off. `on_result` receives each evaluation's row (the experiment trackers)."""
+    off. `on_result` receives each evaluation's row (the experiment trackers); `training` is held while
+    an evaluation runs when `eval.pause_training` is set."""
     if setup.evaluation is None:
         return None
     return Evaluator(
@@ -415,6 +418,7 @@ def build_evaluator(
         started_at=started_at,
         training_env=setup.cfg.env.name if evaluates_training_env(setup.cfg) else None,
         on_result=on_result,
+        training=training if setup.cfg.eval.pause_training else None,
     )
 
 

@@ -260,6 +260,75 @@ async def test_finish_lets_a_running_evaluation_end_within_the_grace(
     assert [r["version"] for r in read_eval_log(tmp_path / "eval.jsonl")] == [7]
 
 
+class RecordingHold:
+    """The scheduler's pause/resume, recorded with whether the evaluation's requests had started."""
+
+    def __init__(self, fake: FakeSGLang) -> None:
+        self.fake = fake
+        self.calls: list[tuple[str, str, int]] = []
+
+    def pause(self, by: str) -> None:
+        self.calls.append(("pause", by, len(self.fake.generate_requests())))
+
+    def resume(self, by: str) -> None:
+        self.calls.append(("resume", by, len(self.fake.generate_requests())))
+
+
+def paused_seconds() -> float:
+    return REGISTRY.get_sample_value("rollwise_eval_training_paused_seconds_total", {"env": "coin"}) or 0.0
+
+
+async def test_pause_training_holds_admission_for_exactly_the_evaluation_even_when_it_fails(
+    fake: FakeSGLang, pool: EnginePool, tok: Any, tmp_path: Path
+) -> None:
+    """eval.pause_training: held before the first eval request, released after the last one (and after
+    a failed evaluation too, or training would stay paused for good); the seconds are exported."""
+    hold = RecordingHold(fake)
+    before = paused_seconds()
+    for tokenizer, version in ((tok, 0), (None, 1)):  # None: the evaluation fails (a bug, not an episode)
+        evaluator = Evaluator(
+            coin_setup(tasks=3),
+            engine=pool,
+            tokenizer=tokenizer,
+            settings=settings(),
+            every_versions=1,
+            log_path=tmp_path / "eval.jsonl",
+            progress=JsonProgress(io.StringIO()),
+            started_at=0.0,
+            training=hold,
+        )
+        evaluator.on_version(version, step=version)
+        assert evaluator.running is not None
+        await evaluator.running
+    assert hold.calls == [
+        ("pause", "eval v0", 0),
+        ("resume", "eval v0", 3),
+        ("pause", "eval v1", 3),
+        ("resume", "eval v1", 3),
+    ]
+    assert paused_seconds() > before
+
+
+def test_pause_training_is_wired_only_when_configured(tmp_path: Path) -> None:
+    from pipeline.supervisor.wiring import build_evaluator
+
+    hold = object()
+    for flag, expected in (("false", None), ("true", hold)):
+        cfg = load_config(None, ["eval.every_versions=2", f"eval.pause_training={flag}"])
+        setup = types.SimpleNamespace(
+            cfg=cfg, evaluation=coin_setup(), run=types.SimpleNamespace(eval_log=tmp_path / "e.jsonl")
+        )
+        evaluator = build_evaluator(
+            setup,  # type: ignore[arg-type]
+            engine=None,
+            tokenizer=None,
+            progress=JsonProgress(io.StringIO()),
+            started_at=0.0,
+            training=hold,  # type: ignore[arg-type]
+        )
+        assert evaluator is not None and evaluator.training is expected
+
+
 # --- config -----------------------------------------------------------------------------------------------
 def test_eval_priority_off_sends_none() -> None:
     assert resolve_eval(load_config(None, ["eval.priority=off"])).priority is None

@@ -491,6 +491,31 @@ async def test_admission_waits_while_no_engine_can_serve_and_resumes_when_one_an
     await runner
 
 
+async def test_a_pause_holds_new_groups_lets_running_ones_finish_and_resume_continues_the_books(
+    fake: FakeSGLang, pool: EnginePool, tmp_path: Path
+) -> None:
+    """eval.pause_training's mechanism: nothing starts while any holder remains; the counters are
+    untouched, so admission resumes exactly where it stood."""
+    fake.token_delay_s = 0.02
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=1)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.running == 4)  # (eta + 0 + 1) * 2 groups at version 0
+    sched.pause("eval v0")
+    sched.pause("other")
+    sched.on_version(1)  # room for two more, but admission is held
+    await until(lambda: sched.written == 4 and sched.running == 0)
+    await _settle()
+    assert (sched.started, sched.capacity(), sched.paused_by) == (4, 0, {"eval v0", "other"})
+    sched.resume("eval v0")
+    await _settle()
+    assert sched.started == 4  # one holder is left
+    sched.resume("other")
+    await until(lambda: sched.started == 6)
+    stop.set()
+    await runner
+
+
 async def test_a_straggler_from_an_older_version_holds_admission_for_its_patience_only(
     pool: EnginePool, tmp_path: Path
 ) -> None:

@@ -39,6 +39,9 @@ Decisions:
   duration of the last groups; admission then budgets from its version, so later groups cannot push it
   past its staleness bound. Past that patience it is on its own (it may arrive stale and be dropped):
   one stuck episode must not stop admission for its whole timeout. 0 turns protection off.
+- `pause(by)` / `resume(by)` hold admission for a caller (an evaluation with `eval.pause_training`):
+  nothing new starts while any holder remains, running groups go on, and the counters are untouched,
+  so staleness admission continues exactly where it stood.
 - A group being written when drain cancels it finishes its write (the write is shielded): a group is
   either fully durable and counted, or lost before its write started; never half-written.
 - A write the storage refuses (the run directory is full or read-only:
@@ -188,6 +191,7 @@ class GroupScheduler:
         if straggler_patience < 0:
             raise ValueError(f"straggler_patience must be >= 0, got {straggler_patience}")
         self.straggler_patience = straggler_patience
+        self._paused_by: set[str] = set()  # who holds admission (pause/resume), e.g. a running evaluation
         self._admitted: dict[str, tuple[int, float]] = {}  # running group -> (version, start time)
         self._durations: deque[float] = deque(maxlen=64)  # of the last groups run, for the patience
         # Observability (plain attributes, read by the supervisor and the bench).
@@ -219,6 +223,8 @@ class GroupScheduler:
             return 0  # finished groups wait for the spool; starting more would only add to them
         if not self.engines_up():
             return 0  # every episode would end engine_error at once
+        if self._paused_by:
+            return 0
         return self.admission.capacity(self.version, self._accepted, self._running, self.floor()[0])
 
     def floor(self, now: float | None = None) -> tuple[int | None, float | None]:
@@ -259,6 +265,18 @@ class GroupScheduler:
         self.admission = dataclasses.replace(self.admission, max_concurrent=max(1, groups))
         self._wake.set()
 
+    def pause(self, by: str) -> None:
+        """Start no new group until `resume(by)` (running groups go on); pauses by several holders nest."""
+        self._paused_by.add(by)
+
+    def resume(self, by: str) -> None:
+        self._paused_by.discard(by)
+        self._wake.set()
+
+    @property
+    def paused_by(self) -> frozenset[str]:
+        return frozenset(self._paused_by)
+
     def on_engines_changed(self) -> None:
         """An engine stopped answering or answers again: admission looks at the fleet again."""
         self._wake.set()
@@ -290,6 +308,7 @@ class GroupScheduler:
                 held = (
                     backoff_s <= 0
                     and not self._exhausted
+                    and not self._paused_by
                     and self.admission.held_by_staleness(self.version, self._accepted, self._running, floor)
                 )
                 # Wake when the backoff ends or a straggler's protection does (it may free room).

@@ -628,6 +628,12 @@ EVAL_INTERVAL = Gauge(
     ["env"],
     registry=REGISTRY,
 )
+EVAL_TRAINING_PAUSED = Counter(
+    "rollwise_eval_training_paused_seconds",
+    "Seconds no new training group was started because an evaluation ran (eval.pause_training).",
+    ["env"],
+    registry=REGISTRY,
+)
 EVAL_DURATION = Histogram(
     "rollwise_eval_duration_seconds",
     "Wall time of one evaluation (every mode).",
@@ -785,6 +791,7 @@ def init_eval_label_values(
             EVAL_EPISODES.labels(env=env, mode=mode, reason=reason)
     EVAL_VERSION.labels(env=env)
     EVAL_DURATION.labels(env=env)
+    EVAL_TRAINING_PAUSED.labels(env=env)
     for status in ("ok", "failed"):
         EVAL_RUNS.labels(env=env, status=status)
 

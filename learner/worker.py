@@ -70,6 +70,7 @@ from pipeline.contracts.config import (
     write_resolved,
 )
 from pipeline.contracts.durable import RefusedWrites, retry_delays
+from pipeline.contracts.kernel_caches import bound_kernel_caches
 from pipeline.contracts.run_dir import (
     DROPPED_GROUPS_KEY,
     PUBLISHED_VERSION_KEY,
@@ -799,6 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank != 0:
         quiet_stdout()
     memory_trace.start_from_env(name)
+    bound_kernel_caches()  # before the first matmul: micro-batches come in ever new token counts
     out = EventStream(sys.stdout)
     stop = StopFlag()
 

@@ -29,6 +29,7 @@ from pipeline.contracts.http_guard import (
     require_key_off_loopback,
     runner_options,
 )
+from pipeline.contracts.kernel_caches import bound_kernel_caches
 from pipeline.contracts.tls import (
     PlaintextRefused,
     TlsFileError,
@@ -131,6 +132,7 @@ def main(argv: list[str]) -> int:
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(config.threads or usable_cores())
+    bound_kernel_caches()  # before the first matmul: prefills come in ever new token counts
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per weight update would flood the engine's log

@@ -35,6 +35,7 @@ import aiohttp
 import torch
 
 from pipeline.contracts.cpu_features import usable_cores
+from pipeline.contracts.kernel_caches import bound_kernel_caches
 from pipeline.engine.model_loading import load_model, resolve_dtype
 from pipeline.engine.serve import RunningServer, start_server
 from pipeline.engine.serve_flags import ServerConfig
@@ -418,6 +419,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or usable_cores())
+    bound_kernel_caches()  # as the engine process does
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

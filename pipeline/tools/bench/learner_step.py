@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from pipeline.contracts.kernel_caches import bound_kernel_caches
 from pipeline.tools.bench.logprob_memory import PeakMemory, _proc_status_bytes
 
 # (precision, gradient checkpointing, LoRA, shared prefix); the first is the baseline of the ratios.
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.variant is not None:
         torch.set_num_threads(args.threads)
+        bound_kernel_caches()  # as the learner process does
         ranked = _RANKED.match(args.variant)
         if ranked is not None:
             nproc = int(ranked["nproc"])

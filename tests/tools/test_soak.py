@@ -112,6 +112,22 @@ def test_growth_is_judged_after_the_warmup_on_medians() -> None:
     assert growth(rising[:50], warmup_s=600.0) is None  # nothing after the warm-up to judge
 
 
+def test_the_worst_slope_is_reported_in_mib_per_hour_per_column() -> None:
+    from pipeline.tools.bench.soak import _worst_mib_per_hour
+
+    mib = 2**20
+    lives = [
+        {
+            "rss": {"slope_per_hour": 0.01, "first": 500 * mib},
+            "rss_anon": {"slope_per_hour": 0.0, "first": mib},
+        },
+        {"rss": {"slope_per_hour": 0.002, "first": 100 * mib}, "rss_anon": None},
+    ]
+    assert _worst_mib_per_hour(lives, "rss") == 5.0  # 1% an hour of 500 MiB
+    assert _worst_mib_per_hour(lives, "rss_anon") == 0.0
+    assert _worst_mib_per_hour([], "rss") is None
+
+
 def test_a_stall_that_contains_a_restart_is_not_counted_as_outside_restarts() -> None:
     steps = [(0.0, 1), (1.0, 2), (31.0, 3), (32.0, 4), (52.0, 5)]
     assert longest_stalls(steps, kills=[10.0], starts=[]) == {
@@ -133,6 +149,7 @@ def test_process_sampling_reads_this_process() -> None:
 
     me = sample_process(os.getpid())
     assert me is not None and me.rss_bytes > 10 * 2**20 and me.fds >= 3 and me.threads >= 1
+    assert 0 < me.anon_bytes < me.rss_bytes  # the libraries' pages are the rest
     assert daemon_processes(os.getpid())[os.getpid()] == "supervisor"
     assert sample_process(2**22 + 12345) is None
 
@@ -169,5 +186,10 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
         for p in json.loads(line)["procs"]
     }
     assert roles == {"supervisor", "engine", "learner"}
+    assert all(
+        0 < p["rss_anon"] < p["rss"]
+        for line in (out / "resources.jsonl").read_text().splitlines()
+        for p in json.loads(line)["procs"]
+    )
     assert (out / "soak.png").stat().st_size > 10_000
     assert "BALANCED" in proc.stdout

@@ -125,12 +125,13 @@ class Daemon:
 
 @dataclass
 class Life:
-    """One process's samples from its first sighting: (seconds since then, rss, fds, threads, tasks)."""
+    """One process's samples from its first sighting: (seconds since then, rss, fds, threads, tasks,
+    anonymous rss)."""
 
     role: str
     pid: int
     first_seen: float
-    points: list[tuple[float, float, float, float, float | None]] = field(default_factory=list)
+    points: list[tuple[float, float, float, float, float | None, float]] = field(default_factory=list)
 
 
 class Soak:
@@ -235,9 +236,18 @@ class Soak:
                 continue
             life = self.lives.setdefault((role, pid), Life(role, pid, t))
             life_tasks = tasks if role == "supervisor" else None
-            life.points.append((t - life.first_seen, got.rss_bytes, got.fds, got.threads, life_tasks))
+            life.points.append(
+                (t - life.first_seen, got.rss_bytes, got.fds, got.threads, life_tasks, got.anon_bytes)
+            )
             procs.append(
-                {"role": role, "pid": pid, "rss": got.rss_bytes, "fds": got.fds, "threads": got.threads}
+                {
+                    "role": role,
+                    "pid": pid,
+                    "rss": got.rss_bytes,
+                    "rss_anon": got.anon_bytes,
+                    "fds": got.fds,
+                    "threads": got.threads,
+                }
             )
         sizes = dir_sizes(self.run.root)
         self.disk.append((t, sizes))
@@ -315,7 +325,7 @@ def _growth_dict(g: Growth | None) -> dict[str, float] | None:
 
 
 def life_report(life: Life, warmup_s: float) -> dict[str, Any]:
-    columns = {"rss": 1, "fds": 2, "threads": 3, "asyncio_tasks": 4}
+    columns = {"rss": 1, "fds": 2, "threads": 3, "asyncio_tasks": 4, "rss_anon": 5}
     out: dict[str, Any] = {
         "role": life.role,
         "pid": life.pid,
@@ -325,6 +335,12 @@ def life_report(life: Life, warmup_s: float) -> dict[str, Any]:
         pts = [(p[0], float(v)) for p in life.points if (v := p[col]) is not None]
         out[name] = _growth_dict(growth(pts, warmup_s)) if pts else None
     return out
+
+
+def _worst_mib_per_hour(lives: list[dict[str, Any]], column: str) -> float | None:
+    """The steepest least-squares slope among `lives` of `column` (bytes), in MiB per hour."""
+    slopes = [lv[column]["slope_per_hour"] * lv[column]["first"] / 2**20 for lv in lives if lv.get(column)]
+    return round(max(slopes), 2) if slopes else None
 
 
 def summarise(soak: Soak, books: Books, final_code: int) -> dict[str, Any]:
@@ -339,6 +355,9 @@ def summarise(soak: Soak, books: Books, final_code: int) -> dict[str, Any]:
             "lives": sum(1 for life in soak.lives.values() if life.role == role),
             "lives_judged": len(mine),
             "worst_rss_growth": max((lv["rss"]["relative"] for lv in mine), default=None),
+            # The issue-33 goal's unit: MiB an hour, of all resident memory and of its anonymous part.
+            "worst_rss_mib_per_hour": _worst_mib_per_hour(mine, "rss"),
+            "worst_anon_mib_per_hour": _worst_mib_per_hour(mine, "rss_anon"),
             "peak_rss_mib": round(max(all_rss, default=0) / 2**20, 1),
         }
     worst = [r["worst_rss_growth"] for r in by_role.values() if r["worst_rss_growth"] is not None]
@@ -447,9 +466,14 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     for role, r in summary["rss"].items():
         growth_text = "n/a" if r["worst_rss_growth"] is None else f"{100 * r['worst_rss_growth']:+.1f}%"
+        slopes = (
+            ""
+            if r["worst_rss_mib_per_hour"] is None
+            else f" ({r['worst_rss_mib_per_hour']:+.1f} MiB/h; anonymous {r['worst_anon_mib_per_hour']:+.1f})"
+        )
         print(
             f"  {role:<10} lives {r['lives']} (judged {r['lives_judged']}), worst RSS growth after warm-up "
-            f"{growth_text}, peak {r['peak_rss_mib']} MiB"
+            f"{growth_text}{slopes}, peak {r['peak_rss_mib']} MiB"
         )
     s = summary["stalls"]
     print(

@@ -26,12 +26,16 @@ RUN_DIR_PARTS = ("spool", "weights", "checkpoints", "logs")
 
 @dataclass(frozen=True)
 class ProcessSample:
-    """One reading of one process. `rss_bytes` = VmRSS; `fds` = entries of /proc/<pid>/fd."""
+    """One reading of one process. `rss_bytes` = VmRSS; `anon_bytes` = RssAnon, the part of it the process
+    allocated (heap, arenas, stacks), without the pages of the libraries and files it maps (RssFile: a
+    library's code pages come in as new code paths run, bounded by its size, and are no leak); `fds` =
+    entries of /proc/<pid>/fd."""
 
     pid: int
     rss_bytes: int
     fds: int
     threads: int
+    anon_bytes: int = 0
 
 
 def sample_process(pid: int) -> ProcessSample | None:
@@ -44,10 +48,13 @@ def sample_process(pid: int) -> ProcessSample | None:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     try:
         rss_kib = int(fields["VmRSS"].split()[0])
+        anon_kib = int(fields["RssAnon"].split()[0])
         threads = int(fields["Threads"])
     except (KeyError, ValueError, IndexError):
         return None  # a zombie has no VmRSS
-    return ProcessSample(pid=pid, rss_bytes=rss_kib * 1024, fds=fds, threads=threads)
+    return ProcessSample(
+        pid=pid, rss_bytes=rss_kib * 1024, fds=fds, threads=threads, anon_bytes=anon_kib * 1024
+    )
 
 
 def _children(pid: int) -> list[int]:

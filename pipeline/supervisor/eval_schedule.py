@@ -19,8 +19,12 @@ With `eval.pause_training` the evaluator holds training admission while it runs 
 group scheduler): running groups finish and no new one starts, so the evaluation is not starved by
 training on an engine training keeps full. The seconds held are `rollwise_eval_training_paused_seconds`.
 
-A failed evaluation (a bug, not an env or engine failure: those are episodes) is logged and counted
-(`rollwise_eval_runs_total{status="failed"}`); it never stops the daemon.
+A failed evaluation is logged and counted (`rollwise_eval_runs_total{status="failed"}`), writes no row
+and never stops the daemon; the next version served is evaluated instead. It fails on a bug, and when
+any of its episodes ended `engine_error`: an engine that died or stopped answering (a restart, a
+machine out of memory) is no verdict on the policy, and 64 such episodes in a row scored 0.0 where
+the evaluations around it scored 0.56-0.67. Env failures (`env_error`, `timeout`) are the policy's
+episodes like any other and count.
 """
 
 from __future__ import annotations
@@ -224,10 +228,16 @@ class Evaluator:
         """The engines now serve `version` (at start: the version they start on)."""
         if not self.due(version):
             return
-        self.last_version = version
-        self.running = asyncio.create_task(self._evaluate(version, step), name=f"eval v{version}")
+        previous, self.last_version = self.last_version, version
+        self.running = asyncio.create_task(self._evaluate(version, step, previous), name=f"eval v{version}")
 
-    async def _evaluate(self, version: int, step: int) -> None:
+    def _failed(self, version: int, previous: int | None, why: str) -> None:
+        """Count and report a failed evaluation; the next version served is due again."""
+        self.last_version = previous
+        metrics.EVAL_RUNS.labels(env=self.setup.env_name, status="failed").inc()
+        self.progress.message(f"evaluation of version {version} failed: {why}")
+
+    async def _evaluate(self, version: int, step: int, previous: int | None = None) -> None:
         started = time.monotonic()
         holder = f"eval v{version}"
         if self.training is not None:
@@ -249,13 +259,22 @@ class Evaluator:
             raise
         except Exception as exc:
             log.exception("evaluation of version %d failed", version)
-            metrics.EVAL_RUNS.labels(env=self.setup.env_name, status="failed").inc()
-            self.progress.message(f"evaluation of version {version} failed: {exc!r}")
+            self._failed(version, previous, repr(exc))
             return
         finally:
             if self.training is not None:
                 self.training.resume(holder)
                 metrics.EVAL_TRAINING_PAUSED.labels(env=self.setup.env_name).inc(time.monotonic() - started)
+        engine_errors = sum(result.finish_reasons.get("engine_error", 0) for result in results.values())
+        if engine_errors:
+            episodes = sum(result.episodes for result in results.values())
+            why = (
+                f"{engine_errors} of {episodes} episodes ended engine_error (an engine failed, not the "
+                "policy); no score recorded, the next version is evaluated instead"
+            )
+            log.warning("evaluation of version %d failed: %s", version, why)
+            self._failed(version, previous, why)
+            return
         row = eval_row(
             self.setup,
             results,

@@ -20,7 +20,7 @@ from pipeline.supervisor.actors.heldout import EvalPlan, ModeResult, run_evaluat
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
-from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.engines.protocol import EngineError, SamplingParams
 from pipeline.supervisor.eval_schedule import (
     EvalSetup,
     Evaluator,
@@ -220,6 +220,53 @@ async def test_a_failing_evaluation_is_counted_and_reported_not_raised(
     after = REGISTRY.get_sample_value("rollwise_eval_runs_total", {"env": "coin", "status": "failed"})
     assert after == before + 1
     assert "evaluation of version 0 failed" in out.getvalue() and not (tmp_path / "eval.jsonl").exists()
+
+
+class DyingEngine:
+    """Answers the first `good` requests through `engine`, then fails as a killed engine does."""
+
+    def __init__(self, engine: EnginePool, good: int) -> None:
+        self.engine, self.good = engine, good
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str, **kw: Any) -> Any:
+        if self.good <= 0:
+            raise EngineError("engine http://127.0.0.1:1 stopped answering")
+        self.good -= 1
+        return await self.engine.generate(input_ids, sampling, rid, **kw)
+
+
+async def test_an_evaluation_with_engine_errors_scores_nothing_and_the_next_version_is_evaluated(
+    pool: EnginePool, tok: Any, tmp_path: Path
+) -> None:
+    """Seen with SmolLM2: an engine killed for memory mid-evaluation turned 64 episodes into
+    engine_error and the curve read 0.0 between 0.56 and 0.67. Such an evaluation is no score."""
+    out = io.StringIO()
+    log_path = tmp_path / "eval.jsonl"
+    failed = REGISTRY.get_sample_value("rollwise_eval_runs_total", {"env": "coin", "status": "failed"}) or 0.0
+    engine = DyingEngine(pool, good=3)
+    evaluator = Evaluator(
+        coin_setup(tasks=4),
+        engine=engine,
+        tokenizer=tok,
+        settings=settings(),
+        every_versions=5,
+        log_path=log_path,
+        progress=JsonProgress(out),
+        started_at=0.0,
+    )
+    evaluator.on_version(0, step=0)
+    assert evaluator.running is not None
+    await evaluator.running
+    assert not log_path.exists()
+    assert (
+        REGISTRY.get_sample_value("rollwise_eval_runs_total", {"env": "coin", "status": "failed"})
+        == failed + 1
+    )
+    assert "evaluation of version 0 failed: 1 of 4 episodes ended engine_error" in out.getvalue()
+    engine.good = 100  # the engine is back: the very next version is due, not 5 versions later
+    evaluator.on_version(1, step=1)
+    await evaluator.running
+    assert [r["version"] for r in read_eval_log(log_path)] == [1]
 
 
 async def test_stop_cancels_a_running_evaluation(

@@ -277,6 +277,10 @@ class Soak:
     def stop(self) -> int:
         """SIGTERM the daemon and wait for its graceful exit; returns its exit code."""
         assert self.daemon is not None
+        if self._expected_exit:
+            # The plan SIGKILLed it in the loop's last round: it may not be reaped yet (poll() still None),
+            # and a SIGTERM now would find it dying and report its -9 as the final exit.
+            self.daemon.proc.wait(timeout=60)
         if self.daemon.proc.poll() is not None:  # killed just before the end: restart it, then stop it
             self.reap_daemon()
         daemon = self.daemon

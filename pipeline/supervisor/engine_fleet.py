@@ -116,6 +116,11 @@ class EngineFleet:
         self.weight_token: str | None = None
         self.on_capacity: Callable[[], None] = lambda: None
         self.sync_lock = asyncio.Lock()  # one weight operation at a time, first come first served
+        # A version published while `start` waits for the engines (a learner that resumes and trains its
+        # pending groups at once) is synced once they answer: before that, an engine still warming up
+        # was paused and asked to load, and its warm-up waited behind the pause until both timed out.
+        self._starting = False
+        self._started = asyncio.Event()
         self.health_watch_s = HEALTH_WATCH_S
         self.pool.on_rejoin = self.rejoin
         self.progress_message: Callable[[str], None] = lambda text: None
@@ -129,6 +134,8 @@ class EngineFleet:
     async def sync(self, path: str, version: int, mode: SyncMode) -> SyncTimings:
         """Load published `version` (at `path`) on every engine: its weights (each engine's own copy when
         they travel over HTTP, fetched before the pause), or the version's adapter."""
+        if self._starting and not self._started.is_set():
+            await self._started.wait()
         local = await self.stage(version, path) if self.fetchers and self.adapters is None else None
         return await sync_weights(
             self.pool, model_path=path, version=version, mode=mode, model_paths=local, adapter=self.adapters
@@ -137,6 +144,13 @@ class EngineFleet:
     async def start(self) -> None:
         """Start the managed engines and wait until every engine, external ones included, answers
         /health; then the router, until it lists every engine as a healthy worker."""
+        self._starting = True
+        try:
+            await self._start()
+        finally:
+            self._started.set()  # also when starting failed: a waiting sync then meets the failure itself
+
+    async def _start(self) -> None:
         if self.adapters is not None:
             self.adapters.version = self.served_version()
         self.pool.weight_version = str(self.served_version())

@@ -106,6 +106,37 @@ async def membership(tmp_path: Path, fakes: list[FakeSGLang]) -> AsyncIterator[F
     await fleet.stop(1.0)
 
 
+async def test_a_version_published_while_the_engines_start_is_synced_once_they_answer(
+    tmp_path: Path, fakes: list[FakeSGLang]
+) -> None:
+    """Seen in CI: a resumed learner published a version while its restarted engine was warming up; the
+    sync paused that engine and asked it to load, its warm-up waited behind the pause, and both timed out.
+    """
+    cfg = load_config(None, ['engine.kind="external"', f'engine.urls=["{fakes[0].base_url}"]'])
+    run = RunDir.at(str(tmp_path / "run"), None)
+    publish(run, 4)
+    fleet = EngineFleet(cfg, run, asyncio.Event(), served_version=lambda: 0, fail=lambda why: None)
+    warm = asyncio.Event()
+    answer = fleet.clients[0].wait_ready
+
+    async def warming_up(timeout_s: float) -> None:
+        await warm.wait()
+        await answer(timeout_s)
+
+    fleet.clients[0].wait_ready = warming_up  # type: ignore[method-assign]
+    starting = asyncio.create_task(fleet.start())
+    syncing = asyncio.create_task(fleet.sync(str(run.weights_of(4)), 4, "in_place"))
+    await asyncio.sleep(0.3)
+    try:
+        assert not syncing.done() and fakes[0].update_calls == []  # nothing sent to a warming engine
+        warm.set()
+        await asyncio.wait_for(starting, 10)
+        timings = await asyncio.wait_for(syncing, 10)
+        assert timings.ok and fakes[0].update_calls[-1]["weight_version"] == "4"
+    finally:
+        await fleet.stop(1.0)
+
+
 async def test_a_joining_engine_loads_the_served_version_before_it_gets_work(
     membership: FleetMembership, fakes: list[FakeSGLang]
 ) -> None:

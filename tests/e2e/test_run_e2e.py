@@ -145,7 +145,8 @@ class DaemonRun:
         os.kill(self.proc.pid, sig)
 
     def tail(self, n: int = 40) -> str:
-        self._stderr.flush()
+        if not self._stderr.closed:  # wait() closes it; a failed wait's message still needs the tail
+            self._stderr.flush()
         lines = self.stderr_path.read_text(errors="replace").splitlines()[-n:]
         last = [json.dumps(e)[:300] for e in self.snapshot()[-6:]]
         return "stderr tail:\n" + "\n".join(lines) + "\nlast events:\n" + "\n".join(last)

@@ -336,6 +336,25 @@ def test_an_engine_stuck_on_an_old_version_fails_every_later_check_as_the_policy
         assert judge(serving[k], probe, 0.05, floor)[0] == "ok"
 
 
+def test_versions_about_one_floor_apart_pass_a_serving_engine_and_fail_one_stuck_versions_back() -> None:
+    """CI, a 2-rank learner against an fp32 engine: floor 0.0011, versions 0.00096 apart, and the engine
+    that served the new version read 0.00107 from it and 0.00085 from the previous one (noise decides at
+    that distance); three such checks in a row stopped the run. Now that band passes when the engine is
+    within floor + gap of the new version, which an engine stuck versions back is not."""
+    gap, floor = 0.00096, 0.0011
+    base = [-1.0 - 0.01 * i for i in range(100)]
+    version = [[b + k * gap for b in base] for k in range(5)]
+    # Numerical error of the floor's size, leaning away from the new version on 62 of 100 tokens.
+    error = [-0.00085 if i < 62 else 0.00085 for i in range(100)]
+    serving = [v - gap + e for v, e in zip(version[2], error, strict=True)]  # serves v2, reads like v1
+    probe = Probe(list(range(101)), version[2], version[1])
+    status, d_new, why = judge(serving, probe, 1e-3, floor)
+    assert status == "ok" and d_new == pytest.approx(0.001164) and why.startswith("within the engine"), why
+    assert judge(serving, probe, 1e-3, floor=None)[0] == "mismatch"  # the old rule's verdict
+    stuck = [v + e for v, e in zip(version[1], error, strict=True)]  # still on v1 when v4 is checked
+    assert judge(stuck, Probe(list(range(101)), version[4], version[3]), 1e-3, floor)[0] == "mismatch"
+
+
 def test_sglang_engines_are_launched_in_a_stated_dtype(tmp_path: Path) -> None:
     cfg = load_config(None, ['engine.kind="sglang"'])
     argv = engine_argv(cfg, plan_engines(cfg)[0], model_dir=tmp_path, version=0)

@@ -18,6 +18,14 @@ version when
                                                  by less than half the engine's numerical floor: they
                                                  cannot be told apart on this engine, and one is as good
                                                  as the other; or
+    gap <= floor and d_new <= floor + gap        they differ by no more than the floor, and the engine is
+                                                 no further from the new version than its floor plus
+                                                 that gap (at a distance of the floor's order, which of
+                                                 d_new and d_prev is smaller is noise: a 2-rank learner's
+                                                 floor of 0.0011 against a gap of 0.00096 read as
+                                                 "closer to the previous version" three times in a row
+                                                 and stopped a run; an engine stuck a few versions back
+                                                 is further than floor + gap, and fails); or
     d_new < d_prev                               closer to the new version than to the old one.
 
 The floor is calibrated once per engine (`calibrate`, before its first sync): its distance to the
@@ -114,6 +122,8 @@ def judge(
     )
     if floor is not None and gap <= floor / 2:
         return "ok", d_new, f"the versions differ by less than half the engine's floor ({distances})"
+    if floor is not None and gap <= floor and d_new <= floor + gap:
+        return "ok", d_new, f"within the engine's floor plus the versions' gap of the new one ({distances})"
     if d_new < d_prev:
         return "ok", d_new, f"closer to the new version than to the previous one ({distances})"
     return "mismatch", d_new, f"closer to the previous version than to the new one ({distances})"

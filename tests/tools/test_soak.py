@@ -186,10 +186,11 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
         for p in json.loads(line)["procs"]
     }
     assert roles == {"supervisor", "engine", "learner"}
-    assert all(
-        0 < p["rss_anon"] < p["rss"]
-        for line in (out / "resources.jsonl").read_text().splitlines()
-        for p in json.loads(line)["procs"]
-    )
+    samples = [
+        p for line in (out / "resources.jsonl").read_text().splitlines() for p in json.loads(line)["procs"]
+    ]
+    # A process read the moment it starts may have no anonymous pages yet; none has more than its RSS.
+    assert all(0 <= p["rss_anon"] <= p["rss"] for p in samples)
+    assert sum(p["rss_anon"] > 0 for p in samples) > len(samples) / 2
     assert (out / "soak.png").stat().st_size > 10_000
     assert "BALANCED" in proc.stdout

@@ -20,6 +20,7 @@ import ctypes.util
 import linecache
 import os
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -29,6 +30,7 @@ TRACE_ENV = "ROLLWISE_TRACEMALLOC"
 EVERY_ENV = "ROLLWISE_TRACEMALLOC_EVERY_S"
 WARMUP_ENV = "ROLLWISE_TRACEMALLOC_WARMUP_S"
 FRAMES_ENV = "ROLLWISE_TRACEMALLOC_FRAMES"
+TRIM_ENV = "ROLLWISE_TRACEMALLOC_TRIM"
 FRAMES = 8
 TOP = 25
 SETTLE_S = 60.0
@@ -45,10 +47,14 @@ def start_from_env(role: str) -> threading.Thread | None:
     every_s = float(os.environ.get(EVERY_ENV, "600"))
     warmup_s = float(os.environ.get(WARMUP_ENV, "600"))
     frames = int(os.environ.get(FRAMES_ENV, str(FRAMES)))
+    trim = os.environ.get(TRIM_ENV, "") not in ("", "0")
     out = Path(target) / f"{role}-{os.getpid()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     thread = threading.Thread(
-        target=_report_loop, args=(out, warmup_s, every_s, frames), name="tracemalloc-report", daemon=True
+        target=_report_loop,
+        args=(out, warmup_s, every_s, frames, trim),
+        name="tracemalloc-report",
+        daemon=True,
     )
     thread.start()
     return thread
@@ -65,13 +71,17 @@ class _MallInfo2(ctypes.Structure):
 
 
 def native_figures() -> dict[str, float]:
-    """MiB: rss (VmRSS), malloc_in_use, malloc_free_held, malloc_mmapped (glibc mallinfo2, summed over
-    its arenas) and arrow_allocated (when pyarrow is imported). Missing sources are left out."""
+    """MiB: rss (VmRSS), rss_anon (RssAnon), malloc_in_use, malloc_free_held, malloc_mmapped (glibc
+    mallinfo2, summed over its arenas), obmalloc_arenas and obmalloc_in_use (CPython's small-object
+    allocator, which maps its arenas itself, outside malloc's books) and arrow_allocated (when pyarrow is
+    imported). Missing sources are left out."""
     figures: dict[str, float] = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 figures["rss"] = int(line.split()[1]) / 1024
+            elif line.startswith("RssAnon:"):
+                figures["rss_anon"] = int(line.split()[1]) / 1024
     except OSError:
         pass
     try:
@@ -83,10 +93,78 @@ def native_figures() -> dict[str, float]:
         figures["malloc_mmapped"] = info.hblkhd / _MIB
     except (OSError, AttributeError):
         pass
+    figures.update(obmalloc_figures())
     arrow = sys.modules.get("pyarrow")
     if arrow is not None:
         figures["arrow_allocated"] = arrow.total_allocated_bytes() / _MIB
     return figures
+
+
+def obmalloc_figures() -> dict[str, float]:
+    """MiB in CPython's small-object allocator: `obmalloc_arenas` mapped and `obmalloc_in_use` in live
+    blocks; empty where the interpreter does not print them. `sys._debugmallocstats` writes to the C
+    stderr only, so fd 2 points at a temporary file for the call; whatever another thread wrote there
+    meanwhile is passed on to the real stderr."""
+    debug_stats = getattr(sys, "_debugmallocstats", None)
+    if debug_stats is None:
+        return {}
+    with tempfile.TemporaryFile() as capture:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(capture.fileno(), 2)
+            debug_stats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        capture.seek(0)
+        text = capture.read().decode("utf-8", "replace")
+    figures, other = parse_obmalloc_stats(text)
+    if other:
+        os.write(2, other.encode())
+    return figures
+
+
+def parse_obmalloc_stats(text: str) -> tuple[dict[str, float], str]:
+    """The arena and live-block figures of `sys._debugmallocstats` output, and its lines that are not
+    part of that output (another thread's writes)."""
+    figures: dict[str, float] = {}
+    other: list[str] = []
+    arena_bytes = 0
+    for line in text.splitlines(keepends=True):
+        key, sep, value = line.partition("=")
+        digits = value.strip().replace(",", "")
+        if sep and digits.isdigit():
+            if key.startswith("# arenas allocated current"):
+                figures["obmalloc_arenas"] = int(digits)
+            elif "bytes/arena" in key:
+                arena_bytes = int(key.split("*")[1].split()[0])
+            elif key.startswith("# bytes in allocated blocks"):
+                figures["obmalloc_in_use"] = int(digits) / _MIB
+        elif not _is_stats_line(line):
+            other.append(line)
+    if "obmalloc_arenas" in figures:
+        figures["obmalloc_arenas"] = figures["obmalloc_arenas"] * (arena_bytes or _MIB) / _MIB
+    return figures, "".join(other)
+
+
+def _is_stats_line(line: str) -> bool:
+    stripped = line.strip()
+    return (
+        not stripped
+        or stripped[0].isdigit()
+        or stripped.startswith(("#", "-", "class", "Small block", "arena map", "Total"))
+    )
+
+
+def malloc_trim() -> bool:
+    """Ask glibc to hand free pages of all its arenas back to the kernel; False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _native_line(at_s: float) -> str:
@@ -100,7 +178,7 @@ def _snapshot() -> tracemalloc.Snapshot:
     )
 
 
-def _report_loop(out: Path, warmup_s: float, every_s: float, frames: int) -> None:
+def _report_loop(out: Path, warmup_s: float, every_s: float, frames: int, trim: bool) -> None:
     started = time.monotonic()
     time.sleep(warmup_s)
     baseline = None
@@ -121,6 +199,8 @@ def _report_loop(out: Path, warmup_s: float, every_s: float, frames: int) -> Non
         report = _native_line(at_s)
         if baseline is not None:
             report += diff_report(baseline, _snapshot(), at_s)
+        if trim and malloc_trim():
+            report += "after malloc_trim: " + _native_line(at_s)
         with open(out, "a", encoding="utf-8") as handle:
             handle.write(report)
 

@@ -275,8 +275,9 @@ class EngineFleet:
 
     async def stage(self, version: int, published_path: str) -> dict[str, str | None]:
         """Each engine's path for `version`, fetched in parallel where needed (before any pause); None for
-        an engine whose fetcher failed FETCH_RETRY_S tries over (the network between here and it): that
-        engine sits this sync out, counted as its error, and loads the next version."""
+        an engine whose fetcher answered that it failed (it resumes a broken download itself for
+        weights_http.FETCHER_RETRY_S first) or could not be reached FETCH_RETRY_S tries over: that engine
+        sits this sync out, counted as its error, and loads the next version."""
 
         async def fetched(url: str) -> str | None:
             for delay in (*FETCH_RETRY_S, None):
@@ -284,7 +285,7 @@ class EngineFleet:
                     return await self.weights_for(url, version, published_path)
                 except _FETCH_FAILURES as exc:
                     why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                    if delay is None:
+                    if delay is None or isinstance(exc, FetchError):
                         log.error("engine %s: its fetcher could not fetch version %d: %s", url, version, why)
                         self.progress_message(
                             f"engine {url} could not fetch version {version} ({why}); it serves its current "

@@ -64,6 +64,10 @@ KEEP_VERSIONS = 3
 MANIFEST_CACHE = 8  # manifests a WeightServer keeps (hashing a large model's files takes a while)
 CHUNK = 1 << 20
 STALL_S = 20.0  # seconds a download may go without a byte before it is given up and retried
+# A fetcher (engine side) keeps resuming a broken download this long before it answers the failure: the
+# supervisor's request crosses the network too, and each of its retries would start from the manifest.
+FETCHER_RETRY_S = 60.0
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 2.0
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
@@ -244,7 +248,17 @@ def advertised_url(host: str, port: int, scheme: str = "http") -> str:
 
 
 class FetchError(Exception):
-    """A download that could not complete or did not match its manifest."""
+    """A download that could not complete or did not match its manifest. `transient`: the network's
+    doing (a short read, a 5xx answer), so another attempt, resuming what is staged, may succeed."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+# What a network that drops and resets connections raises; each is worth another attempt.
+_NETWORK_FAILURES = (aiohttp.ClientError, TimeoutError, ConnectionError)
+_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 async def fetch_version(
@@ -255,13 +269,46 @@ async def fetch_version(
     token: str | None = None,
     timeout_s: float = 3600.0,
     ssl_context: ssl.SSLContext | None = None,
+    retry_s: float = 0.0,
 ) -> Path:
     """Download version `version` from the weight server at `source` into `dest_root/v<version>`.
 
     Idempotent: a complete copy whose manifest (kept beside it as `v<n>.manifest.json`) is the one the
     source serves now is returned as is; a copy of another manifest (the same version number published
-    again by a learner that restarted from an older checkpoint) is replaced. Raises FetchError naming the
-    file."""
+    again by a learner that restarted from an older checkpoint) is replaced. A network failure (reset,
+    refused, stalled, a 5xx) is tried again, resuming the staged files, for up to `retry_s` seconds
+    (0: the first failure is raised). Raises FetchError naming the file, or the network's error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + retry_s
+    delay, attempt = RETRY_FIRST_S, 0
+    while True:
+        attempt += 1
+        try:
+            return await _fetch_once(source, version, dest_root, token, timeout_s, ssl_context)
+        except (*_NETWORK_FAILURES, FetchError) as exc:
+            if (isinstance(exc, FetchError) and not exc.transient) or loop.time() + delay > deadline:
+                raise
+            log.warning(
+                "fetching version %d from %s: attempt %d failed (%s: %s); resuming in %.2f s",
+                version,
+                source,
+                attempt,
+                type(exc).__name__,
+                str(exc)[:200],
+                delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+
+
+async def _fetch_once(
+    source: str,
+    version: int,
+    dest_root: Path,
+    token: str | None,
+    timeout_s: float,
+    ssl_context: ssl.SSLContext | None,
+) -> Path:
     final = dest_root / f"v{version}"
     staged = dest_root / f"v{version}.tmp"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -272,11 +319,18 @@ async def fetch_version(
     connector = aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None
     async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as http:
         async with http.get(base + "/manifest") as resp:
+            raw = await resp.read()
             if resp.status != 200:
-                raise FetchError(f"{base}/manifest answered {resp.status}: {(await resp.text())[:200]}")
-            manifest = await resp.json()
+                raise FetchError(
+                    f"{base}/manifest answered {resp.status}: {raw[:200].decode('utf-8', 'replace')}",
+                    transient=resp.status in _RETRYABLE_STATUS,
+                )
+        try:
+            manifest = json.loads(raw)
+        except ValueError:
+            manifest = None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
-            raise FetchError(f"{base}/manifest is not a manifest: {str(manifest)[:200]}")
+            raise FetchError(f"{base}/manifest is not a manifest: {raw[:200]!r}")
         if await asyncio.to_thread(_have_copy, final, manifest):
             return final
         await asyncio.to_thread(_stage_for, staged, manifest)
@@ -347,7 +401,7 @@ async def _download(http: aiohttp.ClientSession, url: str, staged: Path, entry: 
         if resp.status == 200:
             size, digest = 0, hashlib.sha256()
         elif not (resp.status == 206 and headers is not None):
-            raise FetchError(f"{url} answered {resp.status}")
+            raise FetchError(f"{url} answered {resp.status}", transient=resp.status in _RETRYABLE_STATUS)
         # Chunked writes on the loop: a thread hop per MiB costs more.
         with open(target, "ab" if size else "wb") as handle:  # noqa: ASYNC230
             async for block in resp.content.iter_chunked(CHUNK):
@@ -407,10 +461,12 @@ def add_fetch_route(
     *,
     ssl_context: ssl.SSLContext | None = None,
     allow_plaintext: bool = False,
+    retry_s: float = FETCHER_RETRY_S,
 ) -> None:
     """`POST /fetch_weights` (module docstring) storing versions under `dest_root`. `ssl_context`: what
     an https source is checked against; a plain http source on another host is refused unless
-    `allow_plaintext` (the request hands the source its token)."""
+    `allow_plaintext` (the request hands the source its token). A broken download is resumed for up to
+    `retry_s` seconds before the request is answered with the failure."""
     lock = asyncio.Lock()  # one download at a time: two syncs never race on the same staging dir
 
     async def fetch(request: web.Request) -> web.Response:
@@ -423,7 +479,9 @@ def add_fetch_route(
             return _failed(f"bad fetch_weights body: {exc}")
         async with lock:
             try:
-                path = await fetch_version(source, version, dest_root, token=token, ssl_context=ssl_context)
+                path = await fetch_version(
+                    source, version, dest_root, token=token, ssl_context=ssl_context, retry_s=retry_s
+                )
             except (FetchError, aiohttp.ClientError, TimeoutError, OSError, KeyError) as exc:
                 log.error("fetching version %d from %s failed: %r", version, source, exc)
                 return _failed(f"{type(exc).__name__}: {exc}")

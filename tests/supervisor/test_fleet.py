@@ -273,6 +273,63 @@ async def test_a_copy_broken_mid_file_resumes_where_it_stopped(tmp_path: Path) -
         await server.cleanup()
 
 
+async def test_a_fetcher_resumes_a_download_the_network_keeps_breaking_within_one_request(
+    tmp_path: Path,
+) -> None:
+    """An engine's fetcher behind a link that resets connections (bench hosts' `drops`, where the
+    supervisor's own request crosses the network too) resumes the copy itself until it is whole, instead
+    of answering the first reset; a version that is not published is still answered at once."""
+    run = RunDir.at(str(tmp_path / "run"), None)
+    published = publish(run, 5)
+    whole = (published / "model.safetensors").read_bytes()  # 16,384 bytes
+    seen: list[str] = []
+
+    @web.middleware
+    async def hostile(request: web.Request, handler: Any) -> web.StreamResponse:
+        seen.append(f"{request.path.rsplit('/', 1)[-1]} {request.headers.get('Range')}")
+        if request.path.endswith("/manifest") and seen.count("manifest None") == 1:
+            return web.Response(status=503, text="overloaded")
+        if not request.path.endswith("/model.safetensors") or len(seen) > 6:
+            return await handler(request)
+        asked = request.headers.get("Range")  # cut the answer 4,000 bytes after where it starts
+        start = int(asked[6:-1]) if asked else 0
+        cut = web.StreamResponse(
+            status=206 if asked else 200, headers={"Content-Length": str(len(whole) - start)}
+        )
+        await cut.prepare(request)
+        await cut.write(whole[start : start + 4000])
+        assert request.transport is not None
+        request.transport.close()
+        return cut
+
+    server_app = web.Application(middlewares=[hostile])
+    WeightServer(run.weights_of).add_routes(server_app)
+    fetcher_app = web.Application()
+    add_fetch_route(fetcher_app, tmp_path / "engine-disk")
+    server, source = await serve(server_app)
+    fetcher, fetcher_url = await serve(fetcher_app)
+    try:
+        local = await request_fetch(fetcher_url, source=source, version=5, token=None)
+        assert (Path(local) / "model.safetensors").read_bytes() == whole
+        assert seen == [
+            "manifest None",  # 503: tried again
+            "manifest None",
+            "config.json None",
+            "model.safetensors None",  # cut at 4,000
+            "manifest None",
+            "model.safetensors bytes=4000-",  # cut at 8,000
+            "manifest None",
+            "model.safetensors bytes=8000-",
+        ]
+        began = asyncio.get_running_loop().time()
+        with pytest.raises(FetchError, match="404"):
+            await request_fetch(fetcher_url, source=source, version=6, token=None)
+        assert asyncio.get_running_loop().time() - began < 5.0
+    finally:
+        await server.cleanup()
+        await fetcher.cleanup()
+
+
 async def test_nccl_weight_update_requests_have_sglangs_exact_fields(fakes: list[FakeSGLang]) -> None:
     fake = fakes[0]
     async with EngineClient(fake.base_url, retries=0) as client:

@@ -4,12 +4,15 @@ every child).
 
 With `ROLLWISE_TRACEMALLOC=<dir>` a process that calls `start_from_env(role)` waits
 `ROLLWISE_TRACEMALLOC_WARMUP_S` (600 s), then every `ROLLWISE_TRACEMALLOC_EVERY_S` (600 s) appends to
-`<dir>/<role>-<pid>.txt` one line of native figures - resident memory, glibc malloc's bytes in use and
-bytes free but held (fragmentation), mmapped bytes, and Arrow's allocated bytes - and, unless
+`<dir>/<role>-<pid>.txt` one line of native figures - resident memory and its anonymous part, glibc
+malloc's bytes in use and bytes free but held (fragmentation), mmapped bytes, CPython's small-object
+arenas (mapped outside malloc) and the bytes live in them, and Arrow's allocated bytes - and, unless
 `ROLLWISE_TRACEMALLOC_FRAMES` is 0, the Python allocation sites that grew most since a baseline snapshot
 (tracemalloc with that many frames, 8 by default, started after the warm-up: tracing a start, a model
 load with its imports, slows it tenfold). Growth of RSS with flat Python figures is native: malloc in
-use (a C-level leak) or malloc free-but-held (fragmentation, which malloc_trim returns). Nothing happens
+use (a C-level leak) or malloc free-but-held (fragmentation, which malloc_trim returns). With
+`ROLLWISE_TRACEMALLOC_TRIM=1` each report is followed by malloc_trim(0) and a second line of figures:
+memory that growth left resident in free pages shows as the gap between the two. Nothing happens
 without the variable. Imports only the standard library (Arrow's figure only where it is imported).
 """
 

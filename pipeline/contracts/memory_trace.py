@@ -29,6 +29,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from pipeline.contracts.malloc_trim import trim_now
+
 TRACE_ENV = "ROLLWISE_TRACEMALLOC"
 EVERY_ENV = "ROLLWISE_TRACEMALLOC_EVERY_S"
 WARMUP_ENV = "ROLLWISE_TRACEMALLOC_WARMUP_S"
@@ -105,7 +107,8 @@ def native_figures() -> dict[str, float]:
 
 def obmalloc_figures() -> dict[str, float]:
     """MiB in CPython's small-object allocator: `obmalloc_arenas` mapped and `obmalloc_in_use` in live
-    blocks; empty where the interpreter does not print them. `sys._debugmallocstats` writes to the C
+    blocks; empty where the interpreter does not print them (also while tracemalloc runs: its hooks stand
+    in front of the allocator, and CPython then prints nothing). `sys._debugmallocstats` writes to the C
     stderr only, so fd 2 points at a temporary file for the call; whatever another thread wrote there
     meanwhile is passed on to the real stderr."""
     debug_stats = getattr(sys, "_debugmallocstats", None)
@@ -160,16 +163,6 @@ def _is_stats_line(line: str) -> bool:
     )
 
 
-def malloc_trim() -> bool:
-    """Ask glibc to hand free pages of all its arenas back to the kernel; False where there is no glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
-
-
 def _native_line(at_s: float) -> str:
     figures = " ".join(f"{key}={value:.2f}" for key, value in native_figures().items())
     return f"native at {at_s:.0f} s (MiB): {figures}\n"
@@ -202,7 +195,7 @@ def _report_loop(out: Path, warmup_s: float, every_s: float, frames: int, trim: 
         report = _native_line(at_s)
         if baseline is not None:
             report += diff_report(baseline, _snapshot(), at_s)
-        if trim and malloc_trim():
+        if trim and trim_now():
             report += "after malloc_trim: " + _native_line(at_s)
         with open(out, "a", encoding="utf-8") as handle:
             handle.write(report)

@@ -75,6 +75,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from pipeline.contracts.malloc_trim import Trimmer
 from pipeline.engine import routed_experts
 from pipeline.engine.engine_metrics import EngineMetrics, version_value
 from pipeline.engine.prefix_cache import LayerKV, PrefixCache, PrefixMatch
@@ -420,6 +421,7 @@ class ContinuousBatcher:
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.kv_epoch = 0  # bumped whenever cached KV stops matching the served weights
         self.prefix_stats = PrefixStats()
+        self.trimmer = Trimmer()  # hands the freed KV's pages back (pipeline/contracts/malloc_trim.py)
         self._thread = threading.Thread(target=self._run, name="rollwise-engine-worker", daemon=True)
         metrics.weight_version.set(version_value(weight_version))
 
@@ -567,6 +569,7 @@ class ContinuousBatcher:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
             self._publish_prefix_size()
+        self.trimmer.maybe()
 
     def _publish_prefix_size(self) -> None:
         cache = self.prefix_cache
@@ -610,6 +613,8 @@ class ContinuousBatcher:
         with torch.inference_mode():
             while not self._stopping:
                 idle = self._paused or (self._batch is None and not self._waiting)
+                if idle:
+                    self.trimmer.maybe()  # also an engine no weight update comes to churns its heap
                 self._drain_commands(block=idle)
                 if self._stopping or self._paused:
                     self._publish()

@@ -74,6 +74,13 @@ async def server_info(request: web.Request) -> web.Response:
             "threads": torch.get_num_threads(),
             "disable_radix_cache": scheduler.prefix_cache is None,
             "prefix_cache": prefix_cache_info(scheduler),
+            # Free pages handed back to the kernel (pipeline/contracts/malloc_trim.py).
+            "malloc_trim": {
+                "available": scheduler.trimmer.available,
+                "every_s": scheduler.trimmer.every_s,
+                "trims": scheduler.trimmer.trims,
+                "last_ms": round(1e3 * scheduler.trimmer.last_duration_s, 3),
+            },
             "weight_version": scheduler.weight_version,
             "internal_states": [
                 {

@@ -34,13 +34,31 @@ def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
     return "float32", f"auto: no native bf16 known on {device}"
 
 
+# safetensors' memory-mapped reads keep two Python ints alive for every tensor they read (safetensors
+# 0.6.2, 0.7.0 and 0.8.0 alike: 2.0 objects of 28 bytes per `get_tensor` or `get_slice(...)[...]`; reading a
+# whole file from bytes keeps none). An engine reads every tensor at every weight update: the toy's soak
+# loaded ~6,500 versions an hour and its engine grew ~9 MiB/h of them. Checkpoints up to this size are
+# read from bytes instead (transformers' `disable_mmap`), which holds the file in memory once more while
+# it loads; larger ones are mapped, as they are loaded rarely and that extra copy would cost more.
+READ_WHOLE_LIMIT = 1 << 30
+
+
+def read_whole(path: Path) -> bool:
+    """True when the checkpoint's safetensors files fit READ_WHOLE_LIMIT bytes together."""
+    files = list(path.glob("*.safetensors"))
+    return bool(files) and sum(f.stat().st_size for f in files) <= READ_WHOLE_LIMIT
+
+
 def load_model(path: str, device: str, dtype: str) -> Any:
     """HF causal LM from a directory, through `from_pretrained` (the path of a real checkpoint)."""
     from transformers import AutoModelForCausalLM
 
-    if not Path(path).is_dir():
+    directory = Path(path)
+    if not directory.is_dir():
         raise FileNotFoundError(f"model_path {path!r} is not a directory")
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], disable_mmap=read_whole(directory)
+    )
     return model.to(device).eval()
 
 

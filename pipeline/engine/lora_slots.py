@@ -33,6 +33,7 @@ import concurrent.futures
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,24 @@ class _Adapter:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"  # peft's SAFETENSORS_WEIGHTS_NAME
+
+
 def read_adapter(path: str, device: str) -> tuple[Any, dict[str, Any]]:
-    """peft's config and tensors of a PEFT adapter directory (runs in the loader thread)."""
+    """peft's config and tensors of a PEFT adapter directory (runs in the loader thread). Its safetensors
+    file is read from bytes, not memory-mapped as peft's `load_peft_weights` does: mapped reads keep two
+    Python ints per tensor (pipeline/engine/model_loading.py), and an engine reads an adapter per version."""
     from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(path)
+    weights_file = Path(path) / ADAPTER_SAFETENSORS
+    if weights_file.is_file():
+        from safetensors.torch import load
+
+        return config, {key: t.to(device) for key, t in load(weights_file.read_bytes()).items()}
     from peft.utils import load_peft_weights
 
-    return PeftConfig.from_pretrained(path), load_peft_weights(path, device=device)
+    return config, load_peft_weights(path, device=device)
 
 
 def attach_adapter(model: Any, name: str, config: Any, weights: dict[str, Any]) -> Any:

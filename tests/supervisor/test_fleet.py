@@ -198,15 +198,24 @@ async def test_admin_endpoint_requires_its_token_and_the_cli_drives_it(
         await admin.stop()
 
 
+async def _weight_server_and_fetcher(
+    run: RunDir, dest: Path, *middlewares: Any
+) -> tuple[web.AppRunner, str, web.AppRunner, str]:
+    """A weight server of `run`'s versions (behind `middlewares`) and a fetcher storing into `dest`:
+    (server runner, its URL, fetcher runner, its URL)."""
+    server_app = web.Application(middlewares=list(middlewares))
+    WeightServer(run.weights_of).add_routes(server_app)
+    fetcher_app = web.Application()
+    add_fetch_route(fetcher_app, dest)
+    server, source = await serve(server_app)
+    fetcher, fetcher_url = await serve(fetcher_app)
+    return server, source, fetcher, fetcher_url
+
+
 async def test_weights_travel_over_http_checked_against_the_manifest(tmp_path: Path) -> None:
     run = RunDir.at(str(tmp_path / "run"), None)
     published = publish(run, 5)
-    server_app = web.Application()
-    WeightServer(run.weights_of).add_routes(server_app)
-    fetcher_app = web.Application()
-    add_fetch_route(fetcher_app, tmp_path / "engine-disk")
-    server, source = await serve(server_app)
-    fetcher, fetcher_url = await serve(fetcher_app)
+    server, source, fetcher, fetcher_url = await _weight_server_and_fetcher(run, tmp_path / "engine-disk")
     try:
         local = await request_fetch(fetcher_url, source=source, version=5, token=None)
         assert Path(local) == tmp_path / "engine-disk" / "v5"
@@ -302,12 +311,9 @@ async def test_a_fetcher_resumes_a_download_the_network_keeps_breaking_within_on
         request.transport.close()
         return cut
 
-    server_app = web.Application(middlewares=[hostile])
-    WeightServer(run.weights_of).add_routes(server_app)
-    fetcher_app = web.Application()
-    add_fetch_route(fetcher_app, tmp_path / "engine-disk")
-    server, source = await serve(server_app)
-    fetcher, fetcher_url = await serve(fetcher_app)
+    server, source, fetcher, fetcher_url = await _weight_server_and_fetcher(
+        run, tmp_path / "engine-disk", hostile
+    )
     try:
         local = await request_fetch(fetcher_url, source=source, version=5, token=None)
         assert (Path(local) / "model.safetensors").read_bytes() == whole

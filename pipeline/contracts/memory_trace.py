@@ -155,11 +155,14 @@ def parse_obmalloc_stats(text: str) -> tuple[dict[str, float], str]:
 
 
 def _is_stats_line(line: str) -> bool:
+    """Headings, `... = N` figures and the size-class table's rows of numbers (a log line of another
+    thread, which starts with a date, is none of these)."""
     stripped = line.strip()
     return (
         not stripped
-        or stripped[0].isdigit()
-        or stripped.startswith(("#", "-", "class", "Small block", "arena map", "Total"))
+        or stripped.replace(" ", "").isdigit()
+        or " = " in stripped
+        or stripped.startswith(("#", "-", "class", "Small block", "arena map"))
     )
 
 

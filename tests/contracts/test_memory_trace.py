@@ -30,14 +30,14 @@ arena map counts
 # arena map mid nodes              =                    1
 
            11 free PyDictObjects * 48 bytes each =                  528
-another thread's line
+2026-11-27 00:06:38,574 INFO another thread's line
 """
 
 
 def test_the_arena_figures_are_read_and_another_threads_writes_are_handed_back() -> None:
     figures, other = memory_trace.parse_obmalloc_stats(STATS)
     assert figures == {"obmalloc_arenas": 10.0, "obmalloc_in_use": 7.0}
-    assert other == "another thread's line\n"
+    assert other == "2026-11-27 00:06:38,574 INFO another thread's line\n"
 
 
 def test_an_interpreter_that_prints_nothing_gives_no_figures() -> None:

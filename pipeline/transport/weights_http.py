@@ -277,7 +277,8 @@ async def fetch_version(
     source serves now is returned as is; a copy of another manifest (the same version number published
     again by a learner that restarted from an older checkpoint) is replaced. A network failure (reset,
     refused, stalled, a 5xx) is tried again, resuming the staged files, for up to `retry_s` seconds
-    (0: the first failure is raised). Raises FetchError naming the file, or the network's error."""
+    (0: the first failure is raised); a certificate the source fails is not. Raises FetchError naming the
+    file, or the network's error."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_s
     delay, attempt = RETRY_FIRST_S, 0
@@ -286,7 +287,10 @@ async def fetch_version(
         try:
             return await _fetch_once(source, version, dest_root, token, timeout_s, ssl_context)
         except (*_NETWORK_FAILURES, FetchError) as exc:
-            if (isinstance(exc, FetchError) and not exc.transient) or loop.time() + delay > deadline:
+            permanent = isinstance(exc, aiohttp.ClientConnectorCertificateError) or (
+                isinstance(exc, FetchError) and not exc.transient
+            )
+            if permanent or loop.time() + delay > deadline:
                 raise
             log.warning(
                 "fetching version %d from %s: attempt %d failed (%s: %s); resuming in %.2f s",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,11 +25,19 @@ log = logging.getLogger(__name__)
 TRIM_EVERY_S = 60.0
 
 
-def _load_trim() -> Callable[[int], int] | None:
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (`find_library` runs a subprocess); None where it cannot be loaded."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _load_trim() -> Callable[[int], int] | None:
+    library = libc()
+    trim = getattr(library, "malloc_trim", None) if library is not None else None
+    if trim is None:
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int

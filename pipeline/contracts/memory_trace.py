@@ -19,7 +19,6 @@ without the variable. Imports only the standard library (Arrow's figure only whe
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import linecache
 import os
 import sys
@@ -29,7 +28,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from pipeline.contracts.malloc_trim import trim_now
+from pipeline.contracts.malloc_trim import libc, trim_now
 
 TRACE_ENV = "ROLLWISE_TRACEMALLOC"
 EVERY_ENV = "ROLLWISE_TRACEMALLOC_EVERY_S"
@@ -90,9 +89,11 @@ def native_figures() -> dict[str, float]:
     except OSError:
         pass
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        info = libc.mallinfo2()
+        library = libc()
+        if library is None:
+            raise OSError("no C library")
+        library.mallinfo2.restype = _MallInfo2
+        info = library.mallinfo2()
         figures["malloc_in_use"] = (info.uordblks + info.hblkhd) / _MIB
         figures["malloc_free_held"] = info.fordblks / _MIB
         figures["malloc_mmapped"] = info.hblkhd / _MIB

@@ -16,6 +16,7 @@ def test_bench_actors_runs_both_sides_and_reports_a_ratio(capsys: pytest.Capture
     report = json.loads(capsys.readouterr().out)
     # 10 episodes in groups of 4, 4 and 2; every one of them takes exactly 3 turns.
     assert report["runner"]["turns"] == 30 and report["bare"]["turns"] == 30
+    assert report["transport"]["turns"] == 30  # the bare loop again, through rollwise's HTTP client
     sizes = report["runner"]["payload_sizes"]
     assert len(sizes) == 3 and sizes[0] < sizes[1] < sizes[2]  # the buffer grows every turn
     assert report["ratio"] == pytest.approx(report["runner"]["turns_per_s"] / report["bare"]["turns_per_s"])
@@ -29,6 +30,7 @@ def test_bench_actors_runs_both_sides_and_reports_a_ratio(capsys: pytest.Capture
     text = actors.format_report(report)
     assert "ratio runner/bare" in text and "p99" in text and "replies never repeat" in text
     assert "prefill tokens per generated token" in text
+    assert "runner's own CPU per turn above its transport" in text and "transport " in text
 
 
 def test_prefill_tokens_counts_a_groups_first_prompt_once_and_then_what_each_turn_appended() -> None:

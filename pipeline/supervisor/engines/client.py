@@ -8,6 +8,8 @@ Retry rules, chosen so that no generation is ever run twice by accident:
   `generate` is not idempotent (a duplicate rid, twice the compute), so it is retried after a reply only
   on 503 (the server refused to take it);
 - 4xx replies are never retried.
+The transport is pipeline.supervisor.engines.http1 (keep-alive HTTP/1.1; its ConnectFailed is "never
+sent", its ConnectionLost and TimeoutError "maybe sent").
 Backoff is exponential with jitter. A circuit breaker counts consecutive connection failures across
 calls (a call that times out counts too); once open it fails calls fast for `circuit_reset_s`, then
 lets one trial call through. `health()` bypasses it: the probe is what closes it again.
@@ -32,9 +34,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
-import aiohttp
 import pydantic_core
 
+from pipeline.supervisor.engines.http1 import ConnectFailed, ConnectionLost, Http1Pool
 from pipeline.supervisor.engines.protocol import (
     EngineError,
     EngineHTTPError,
@@ -49,13 +51,6 @@ from pipeline.supervisor.engines.protocol import (
 from pipeline.supervisor.observability import metrics
 
 PauseMode = Literal["abort", "retract", "in_place"]
-
-# aiohttp >= 3.10 raises ConnectionTimeoutError for a connect timeout; older versions a plain
-# ServerTimeoutError (then treated as "maybe sent", the conservative choice).
-_CONNECT_ERRORS: tuple[type[BaseException], ...] = (
-    aiohttp.ClientConnectorError,
-    getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError),
-)
 
 # sglang-router's session-affinity header (policy `manual`): one key, one worker.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -178,9 +173,8 @@ class EngineClient:
         # Who receives those aborts: this server, unless it forwards requests it cannot abort itself
         # (sglang-router answers /abort_request with 404): then the workers behind it (EnginePool sets it).
         self.abort_targets: Callable[[], list[EngineClient]] = lambda: [self]
-        self._session: aiohttp.ClientSession | None = None
+        self._http: Http1Pool | None = None
         self._closed = False
-        self._limits: aiohttp.ClientTimeout | None = None
 
     def __repr__(self) -> str:
         return f"EngineClient({self.base_url!r})"
@@ -199,32 +193,23 @@ class EngineClient:
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=self.abort_timeout_s)
         self._closed = True
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
-    def _get_session(self) -> aiohttp.ClientSession:
+    def _get_http(self) -> Http1Pool:
         if self._closed:
             raise EngineUnavailable(self.base_url, "client is closed")
-        if self._session is None:
+        if self._http is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            # Created lazily so that the session belongs to the running event loop.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=self.max_connections, limit_per_host=0, ssl=self.ssl_context or True
-                ),
+            self._http = Http1Pool(
+                self.base_url,
+                limit=self.max_connections,
+                connect_timeout_s=self.connect_timeout_s,
+                ssl_context=self.ssl_context,
                 headers=headers,
             )
-        return self._session
-
-    def _timeout(self, total_s: float) -> aiohttp.ClientTimeout:
-        # sock_connect, not connect: waiting for a free pooled connection is not a connection failure.
-        limits = self._limits
-        if limits is None or limits.total != total_s or limits.sock_connect != self.connect_timeout_s:
-            limits = aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_timeout_s)
-            if total_s == self.request_timeout_s:  # the one every /generate uses: keep it (immutable)
-                self._limits = limits
-        return limits
+        return self._http
 
     def _backoff_s(self, attempt: int) -> float:
         cap = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
@@ -233,21 +218,22 @@ class EngineClient:
     async def _send_once(
         self,
         method: str,
-        url: str,
+        path: str,
         body: dict[str, Any] | None,
-        limits: aiohttp.ClientTimeout,
+        timeout_s: float,
         headers: dict[str, str] | None = None,
     ) -> _Reply:
-        session = self._get_session()
+        """One exchange. Raises ConnectFailed (never sent), ConnectionLost or TimeoutError (maybe sent)."""
         data = None
         if body is not None:
             # pydantic-core's encoder writes the same JSON for these plain bodies ~4x faster than
             # json.dumps; a /generate body is mostly its input_ids, re-sent in full every turn.
             data = _encode_json(body)
             headers = _JSON_HEADERS if headers is None else {**headers, **_JSON_HEADERS}
-        async with session.request(method, url, data=data, timeout=limits, headers=headers) as resp:
-            data = await resp.read()
-            return _Reply(resp.status, data)
+        status, reply = await self._get_http().request(
+            method, path, data, timeout_s=timeout_s, headers=headers
+        )
+        return _Reply(status, reply)
 
     async def _call(
         self,
@@ -260,22 +246,22 @@ class EngineClient:
     ) -> _Reply:
         """Send with retries and the circuit breaker. Returns a 2xx reply; raises EngineError else."""
         url = self.base_url + path
-        limits = self._timeout(self.request_timeout_s)
+        timeout_s = self.request_timeout_s
         attempt = 0
         failure: EngineError
         while True:
             is_trial = self.breaker.admit(url)
             try:
-                reply = await self._send_once(method, url, body, limits, headers)
-            except _CONNECT_ERRORS as exc:
+                reply = await self._send_once(method, path, body, timeout_s, headers)
+            except ConnectFailed as exc:
                 self.breaker.record_failure()
                 failure = EngineUnavailable(url, f"cannot connect: {exc}", maybe_sent=False)
                 failure.__cause__ = exc
                 retryable = True
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            except (ConnectionLost, TimeoutError) as exc:
                 self.breaker.record_failure()
                 if isinstance(exc, TimeoutError):
-                    reason = f"no complete reply within {limits.total} s"
+                    reason = f"no complete reply within {timeout_s} s"
                 else:
                     reason = f"connection lost: {type(exc).__name__}: {exc}"
                 failure = EngineUnavailable(url, reason, maybe_sent=True)
@@ -372,10 +358,8 @@ class EngineClient:
 
     async def _abort_once(self, rid: str, reason: str) -> None:
         try:
-            reply = await self._send_once(
-                "POST", self.base_url + "/abort_request", {"rid": rid}, self._timeout(self.abort_timeout_s)
-            )
-        except (aiohttp.ClientError, TimeoutError, EngineUnavailable):
+            reply = await self._send_once("POST", "/abort_request", {"rid": rid}, self.abort_timeout_s)
+        except (ConnectionError, TimeoutError, EngineUnavailable):
             return  # the server is gone or unreachable: it decodes nothing for us then either
         if 200 <= reply.status < 300:
             metrics.ENGINE_ABORTS.labels(reason=reason).inc()
@@ -430,8 +414,8 @@ class EngineClient:
         """
         url = self.base_url + "/health"
         try:
-            reply = await self._send_once("GET", url, None, self._timeout(timeout_s))
-        except (aiohttp.ClientError, TimeoutError):
+            reply = await self._send_once("GET", "/health", None, timeout_s)
+        except (ConnectionError, TimeoutError):
             return False
         if reply.status == 200:
             self.breaker.record_success()

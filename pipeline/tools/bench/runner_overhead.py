@@ -6,6 +6,9 @@ so it does not share the event loop or the CPU with the measured side (pinned to
 
 - bare loop: E coroutines, each posting T /generate requests in sequence with payloads of the same
   sizes the episodes send, reading the reply and nothing else (one aiohttp session, C connections);
+- transport loop: the same requests through rollwise's own HTTP client (engines/http1.py, what
+  EngineClient sends with since 2026-11-27), so that runner minus transport loop is the runner's own
+  CPU per turn, apart from the client it speaks HTTP with;
 - runner: E concurrent episodes (groups of G, pipeline.supervisor.actors.rollout.run_group) of a T-turn echo
   environment through EnginePool/EngineClient (C connections), chat-template rendering, tool-call
   parsing, metrics and the Arrow record batch of every group included.
@@ -199,14 +202,23 @@ class SideResult:
         return 1e6 * self.cpu_seconds / self.turns
 
 
-async def bare_loop(url: str, payload_sizes: Sequence[int], episodes: int, connections: int) -> SideResult:
-    """`episodes` coroutines, each posting one request per entry of `payload_sizes` in sequence."""
-    sampling = {
-        "max_new_tokens": 16,
-        "stop_token_ids": [0],
-        "skip_special_tokens": False,
-        "no_stop_trim": True,
+def _bare_body(index: int, turn: int, size: int) -> dict[str, Any]:
+    return {
+        "input_ids": list(range(size)),
+        "sampling_params": {
+            "max_new_tokens": 16,
+            "stop_token_ids": [0],
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        },
+        "return_logprob": True,
+        "rid": f"bare-{index}-t{turn}",
     }
+
+
+async def bare_loop(url: str, payload_sizes: Sequence[int], episodes: int, connections: int) -> SideResult:
+    """`episodes` coroutines, each posting one request per entry of `payload_sizes` in sequence, through
+    aiohttp (the baseline the goal is set against)."""
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0)
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=600)
@@ -214,13 +226,7 @@ async def bare_loop(url: str, payload_sizes: Sequence[int], episodes: int, conne
 
         async def one(index: int) -> int:
             for turn, size in enumerate(payload_sizes):
-                body = {
-                    "input_ids": list(range(size)),
-                    "sampling_params": sampling,
-                    "return_logprob": True,
-                    "rid": f"bare-{index}-t{turn}",
-                }
-                async with session.post(f"{url}/generate", json=body) as resp:
+                async with session.post(f"{url}/generate", json=_bare_body(index, turn, size)) as resp:
                     resp.raise_for_status()
                     await resp.read()
             return len(payload_sizes)
@@ -228,6 +234,33 @@ async def bare_loop(url: str, payload_sizes: Sequence[int], episodes: int, conne
         cpu, start = time.process_time(), time.perf_counter()
         counts = await asyncio.gather(*(one(i) for i in range(episodes)))
         return SideResult(sum(counts), time.perf_counter() - start, time.process_time() - cpu)
+
+
+async def transport_loop(
+    url: str, payload_sizes: Sequence[int], episodes: int, connections: int
+) -> SideResult:
+    """The bare loop through rollwise's own HTTP client (engines/http1.py, what EngineClient sends with),
+    JSON written the same way: runner minus this is the runner's own cost per turn."""
+    from pipeline.supervisor.engines.client import _encode_json
+    from pipeline.supervisor.engines.http1 import Http1Pool
+
+    http = Http1Pool(url, limit=connections, connect_timeout_s=60.0)
+    headers = {"Content-Type": "application/json"}
+
+    async def one(index: int) -> int:
+        for turn, size in enumerate(payload_sizes):
+            body = _encode_json(_bare_body(index, turn, size))
+            status, _ = await http.request("POST", "/generate", body, timeout_s=600.0, headers=headers)
+            if status != 200:
+                raise RuntimeError(f"instant server answered {status}")
+        return len(payload_sizes)
+
+    try:
+        cpu, start = time.process_time(), time.perf_counter()
+        counts = await asyncio.gather(*(one(i) for i in range(episodes)))
+        return SideResult(sum(counts), time.perf_counter() - start, time.process_time() - cpu)
+    finally:
+        await http.close()
 
 
 @dataclass
@@ -571,6 +604,7 @@ async def _measure(args: argparse.Namespace, url: str, tokenizer: Any) -> dict[s
     for variant, unique in (("repeating", False), ("unique", True)):
         runners: list[RunnerResult] = []
         bares: list[SideResult] = []
+        transports: list[SideResult] = []
         for _ in range(args.repeats):
             runners.append(
                 await runner_side(
@@ -584,15 +618,22 @@ async def _measure(args: argparse.Namespace, url: str, tokenizer: Any) -> dict[s
                 )
             )
             bares.append(await bare_loop(url, runners[-1].payload_sizes, args.episodes, args.connections))
+            transports.append(
+                await transport_loop(url, runners[-1].payload_sizes, args.episodes, args.connections)
+            )
         runner = max(runners, key=lambda r: r.turns_per_s)
         bare = max(bares, key=lambda r: r.turns_per_s)
+        transport = max(transports, key=lambda r: r.turns_per_s)
         ratio = runner.turns_per_s / bare.turns_per_s
         section = {
             "bare": asdict(bare) | {"turns_per_s": bare.turns_per_s, "cpu_us_per_turn": bare.cpu_us_per_turn},
+            "transport": asdict(transport)
+            | {"turns_per_s": transport.turns_per_s, "cpu_us_per_turn": transport.cpu_us_per_turn},
             "runner": asdict(runner)
             | {"turns_per_s": runner.turns_per_s, "cpu_us_per_turn": runner.cpu_us_per_turn},
             "rounds_turns_per_s": {
                 "bare": [round(r.turns_per_s, 1) for r in bares],
+                "transport": [round(r.turns_per_s, 1) for r in transports],
                 "runner": [round(r.turns_per_s, 1) for r in runners],
             },
             "ratio": ratio,
@@ -737,17 +778,22 @@ def format_report(report: dict[str, Any]) -> str:
         f" (server core {report.get('server_core')}, actor core {report.get('actor_core')})",
     ]
     for title, section in (("replies repeat", report), ("replies never repeat", report["unique"])):
-        bare, runner = section["bare"], section["runner"]
+        bare, transport, runner = section["bare"], section["transport"], section["runner"]
         lines += [
             "",
             f"{title}:",
             f"{'side':<12}{'turns':>9}{'seconds':>10}{'turns/s':>11}{'CPU us/turn':>13}",
             f"{'bare loop':<12}{bare['turns']:>9}{bare['seconds']:>10.2f}{bare['turns_per_s']:>11.0f}"
             f"{bare['cpu_us_per_turn']:>13.0f}",
+            f"{'transport':<12}{transport['turns']:>9}{transport['seconds']:>10.2f}"
+            f"{transport['turns_per_s']:>11.0f}{transport['cpu_us_per_turn']:>13.0f}",
             f"{'runner':<12}{runner['turns']:>9}{runner['seconds']:>10.2f}{runner['turns_per_s']:>11.0f}"
             f"{runner['cpu_us_per_turn']:>13.0f}",
             f"rounds (turns/s): bare {section['rounds_turns_per_s']['bare']}, "
+            f"transport {section['rounds_turns_per_s']['transport']}, "
             f"runner {section['rounds_turns_per_s']['runner']}",
+            f"runner's own CPU per turn above its transport (runner - transport loop): "
+            f"{runner['cpu_us_per_turn'] - transport['cpu_us_per_turn']:.0f} us",
             f"ratio runner/bare = {section['ratio']:.2f} (goal >= {report['goal_ratio']}: "
             f"{'met' if section['ratio'] >= report['goal_ratio'] else 'MISSED'}); CPU-bound ratio "
             f"(bare CPU/turn / runner CPU/turn) = {section['cpu_ratio']:.2f}",

@@ -88,6 +88,18 @@ def always(data: bytes, close: bool = False) -> Reply:
     return reply
 
 
+def never_answers() -> tuple[asyncio.Event, Reply]:
+    """A reply that never comes, and the event set once a request has arrived for it."""
+    arrived = asyncio.Event()
+
+    async def reply(head: bytes, body: bytes) -> tuple[bytes, bool]:
+        arrived.set()
+        await asyncio.sleep(30)
+        return b"", True
+
+    return arrived, reply
+
+
 def pool(url: str, limit: int = 8, connect_timeout_s: float = 5.0, **kwargs: Any) -> Http1Pool:
     return Http1Pool(url, limit=limit, connect_timeout_s=connect_timeout_s, **kwargs)
 
@@ -182,7 +194,12 @@ def test_a_reply_split_anywhere_parses_the_same_as_in_one_piece() -> None:
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad header line"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabcd\r\n", "chunk not followed by CRLF"),
-        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000, "reply head longer than"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000, "reply head longer than 65536 bytes"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 5000,
+            "chunk size line longer than",
+        ),
+        (CHUNKED[:-2] + b"T: " + b"t" * 70_000, "trailer line longer than"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "connection lost before a complete reply"),
         (b"", "connection lost before a complete reply"),  # closed without a word
     ],
@@ -232,13 +249,7 @@ async def test_a_reply_later_than_the_timeout_is_never_read_as_the_next_requests
 
 
 async def test_a_cancelled_request_closes_its_connection() -> None:
-    arrived = asyncio.Event()
-
-    async def never(head: bytes, body: bytes) -> tuple[bytes, bool]:
-        arrived.set()
-        await asyncio.sleep(30)
-        return b"", True
-
+    arrived, never = never_answers()
     async with raw_server(never) as server:
         client = pool(server.url)
         try:
@@ -308,13 +319,7 @@ async def test_refused_and_unanswered_connects_fail_as_never_sent(monkeypatch: p
 
 
 async def test_closing_fails_requests_in_flight_and_refuses_new_ones() -> None:
-    arrived = asyncio.Event()
-
-    async def never(head: bytes, body: bytes) -> tuple[bytes, bool]:
-        arrived.set()
-        await asyncio.sleep(30)
-        return b"", True
-
+    arrived, never = never_answers()
     async with raw_server(never) as server:
         client = pool(server.url)
         task = asyncio.create_task(client.request("POST", "/", b"x", timeout_s=60))

@@ -38,6 +38,14 @@ class ConnectionLost(ConnectionError):
     """The connection broke, or the reply was not valid HTTP, after the request may have been sent."""
 
 
+def _find(buf: bytearray, separator: bytes, limit: int, what: str) -> int:
+    """Where `separator` starts in `buf`, -1 while more bytes may bring it; a defect past `limit` bytes."""
+    end = buf.find(separator)
+    if end < 0 and len(buf) > limit:
+        raise ConnectionLost(f"{what} longer than {limit} bytes")
+    return end
+
+
 class _Reply:
     """The incremental parser of one reply; `feed` returns True once the reply is complete."""
 
@@ -62,10 +70,8 @@ class _Reply:
         while True:
             mode = self._mode
             if mode == "head":
-                end = buf.find(b"\r\n\r\n")
+                end = _find(buf, b"\r\n\r\n", MAX_HEAD_BYTES, "reply head")
                 if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise ConnectionLost(f"reply head longer than {MAX_HEAD_BYTES} bytes")
                     return False
                 head = bytes(buf[:end])
                 del buf[: end + 4]
@@ -77,10 +83,8 @@ class _Reply:
                 del buf[: self._remaining]
                 return self._done()
             elif mode == "chunk_size":
-                end = buf.find(b"\r\n")
+                end = _find(buf, b"\r\n", MAX_CHUNK_LINE_BYTES, "chunk size line")
                 if end < 0:
-                    if len(buf) > MAX_CHUNK_LINE_BYTES:
-                        raise ConnectionLost("chunk size line too long")
                     return False
                 size_text = bytes(buf[:end]).split(b";", 1)[0].strip()
                 del buf[: end + 2]
@@ -101,10 +105,8 @@ class _Reply:
                 del buf[: self._remaining + 2]
                 self._mode = "chunk_size"
             elif mode == "trailers":
-                end = buf.find(b"\r\n")
+                end = _find(buf, b"\r\n", MAX_HEAD_BYTES, "trailer line")
                 if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise ConnectionLost("trailers too long")
                     return False
                 del buf[: end + 2]
                 if end == 0:  # the empty line after the last chunk's trailers

@@ -513,6 +513,8 @@ def test_client_rejects_bad_settings() -> None:
         EngineClient("127.0.0.1:30000")
     with pytest.raises(ValueError, match="retries >= 0"):
         EngineClient("http://127.0.0.1:1", retries=-1)
+    with pytest.raises(ValueError, match="credentials, a query or a fragment"):
+        EngineClient("http://user:secret@127.0.0.1:30000")
 
 
 async def test_closed_client_raises_unavailable(fake: FakeSGLang) -> None:
@@ -522,7 +524,9 @@ async def test_closed_client_raises_unavailable(fake: FakeSGLang) -> None:
         await c.generate([1], SamplingParams(), "r")
 
 
-async def test_many_concurrent_generates_share_one_session(fake: FakeSGLang, client: EngineClient) -> None:
+async def test_many_concurrent_generates_run_at_once_on_one_client(
+    fake: FakeSGLang, client: EngineClient
+) -> None:
     results = await asyncio.gather(
         *(client.generate([i, i + 1], SamplingParams(max_new_tokens=3), f"c{i}") for i in range(64))
     )

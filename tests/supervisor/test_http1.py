@@ -341,7 +341,23 @@ async def test_a_header_that_would_split_the_request_is_refused(headers: dict[st
     await client.close()
 
 
-@pytest.mark.parametrize("url", ["ftp://host/", "http://", "localhost:30000"])
-def test_a_base_url_without_an_http_scheme_and_host_is_refused(url: str) -> None:
-    with pytest.raises(ValueError, match="base URL must be http"):
+@pytest.mark.parametrize(
+    ("url", "defect"),
+    [
+        ("ftp://host/", "must be http"),
+        ("http://", "must be http"),
+        ("localhost:30000", "must be http"),
+        ("http://user:secret@host:30000", "credentials, a query or a fragment"),
+        ("http://host:30000/?x=1", "credentials, a query or a fragment"),
+    ],
+)
+def test_a_base_url_that_is_not_just_a_server_is_refused(url: str, defect: str) -> None:
+    with pytest.raises(ValueError, match=defect):
         pool(url)
+
+
+async def test_an_ipv6_server_gets_its_bracketed_host_header() -> None:
+    client = pool("http://[::1]:30000/api")
+    assert (client.host, client.port, client.prefix) == ("::1", 30000, "/api")
+    assert b"Host: [::1]:30000\r\n" in client._fixed
+    await client.close()

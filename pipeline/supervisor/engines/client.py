@@ -173,7 +173,14 @@ class EngineClient:
         # Who receives those aborts: this server, unless it forwards requests it cannot abort itself
         # (sglang-router answers /abort_request with 404): then the workers behind it (EnginePool sets it).
         self.abort_targets: Callable[[], list[EngineClient]] = lambda: [self]
-        self._http: Http1Pool | None = None
+        # Built here so that a URL it cannot use fails now; it binds to the event loop of its first request.
+        self._http = Http1Pool(
+            self.base_url,
+            limit=max_connections,
+            connect_timeout_s=connect_timeout_s,
+            ssl_context=ssl_context,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        )
         self._closed = False
 
     def __repr__(self) -> str:
@@ -188,27 +195,16 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the HTTP session (after the pending background aborts had their chance). Idempotent;
+        """Close the connections (after the pending background aborts had their chance). Idempotent;
         the client cannot be used afterwards."""
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=self.abort_timeout_s)
         self._closed = True
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self._http.close()
 
     def _get_http(self) -> Http1Pool:
         if self._closed:
             raise EngineUnavailable(self.base_url, "client is closed")
-        if self._http is None:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            self._http = Http1Pool(
-                self.base_url,
-                limit=self.max_connections,
-                connect_timeout_s=self.connect_timeout_s,
-                ssl_context=self.ssl_context,
-                headers=headers,
-            )
         return self._http
 
     def _backoff_s(self, attempt: int) -> float:

@@ -276,6 +276,11 @@ class Http1Pool:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base URL must be http:// or https:// with a host, got {base_url!r}")
+        if parts.username is not None or parts.query or parts.fragment:
+            raise ValueError(
+                f"base URL {base_url!r} has credentials, a query or a fragment: give the server as "
+                "scheme://host:port[/path] (an API key goes in api_key)"
+            )
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.host = parts.hostname

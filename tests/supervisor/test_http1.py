@@ -4,6 +4,7 @@ writes exact bytes: framing, keep-alive, broken replies, timeouts, cancellation,
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -361,3 +362,23 @@ async def test_an_ipv6_server_gets_its_bracketed_host_header() -> None:
     assert (client.host, client.port, client.prefix) == ("::1", 30000, "/api")
     assert b"Host: [::1]:30000\r\n" in client._fixed
     await client.close()
+
+
+async def test_a_server_that_hangs_up_while_a_large_body_is_sent_is_a_lost_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.transport.abort()  # a reset while the client still has megabytes to send
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    client = pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        with pytest.raises(ConnectionLost, match="connection lost"):
+            await client.request("POST", "/", b"7" * 50_000_000, timeout_s=30)
+    finally:
+        await client.close()
+        server.close()
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text  # the reply's future failed too, and was seen

@@ -236,13 +236,15 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._reply = _Reply(head_only)
         self._waiter = waiter = loop.create_future()
-        transport.write(request)
-        if self._paused:  # a large body: wait until the kernel took it, as a stream writer's drain does
-            self._drain = loop.create_future()
-            await self._drain
         try:
+            transport.write(request)
+            if self._paused:  # a large body: wait until the kernel took it, as a stream writer's drain does
+                self._drain = loop.create_future()
+                await self._drain
             return await waiter
         finally:
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # seen: when sending failed, that failure is the one raised
             self._reply = self._waiter = self._drain = None
 
     def abort(self) -> None:

@@ -224,7 +224,7 @@ class EngineClient:
         if body is not None:
             # pydantic-core's encoder writes the same JSON for these plain bodies ~4x faster than
             # json.dumps; a /generate body is mostly its input_ids, re-sent in full every turn.
-            data = _encode_json(body)
+            data = encode_json_body(body)
             headers = _JSON_HEADERS if headers is None else {**headers, **_JSON_HEADERS}
         status, reply = await self._get_http().request(
             method, path, data, timeout_s=timeout_s, headers=headers
@@ -572,7 +572,8 @@ class EngineClient:
         return reply.body.decode("utf-8", errors="replace")
 
 
-def _encode_json(body: dict[str, Any]) -> bytes:
+def encode_json_body(body: dict[str, Any]) -> bytes:
+    """A request body as EngineClient sends it: compact UTF-8 JSON (json.dumps if pydantic-core refuses)."""
     try:
         return pydantic_core.to_json(body)
     except pydantic_core.PydanticSerializationError:  # e.g. a lone surrogate, which json escapes

@@ -241,7 +241,7 @@ async def transport_loop(
 ) -> SideResult:
     """The bare loop through rollwise's own HTTP client (engines/http1.py, what EngineClient sends with),
     JSON written the same way: runner minus this is the runner's own cost per turn."""
-    from pipeline.supervisor.engines.client import _encode_json
+    from pipeline.supervisor.engines.client import encode_json_body
     from pipeline.supervisor.engines.http1 import Http1Pool
 
     http = Http1Pool(url, limit=connections, connect_timeout_s=60.0)
@@ -249,7 +249,7 @@ async def transport_loop(
 
     async def one(index: int) -> int:
         for turn, size in enumerate(payload_sizes):
-            body = _encode_json(_bare_body(index, turn, size))
+            body = encode_json_body(_bare_body(index, turn, size))
             status, _ = await http.request("POST", "/generate", body, timeout_s=600.0, headers=headers)
             if status != 200:
                 raise RuntimeError(f"instant server answered {status}")

@@ -173,7 +173,8 @@ class EngineClient:
         # Who receives those aborts: this server, unless it forwards requests it cannot abort itself
         # (sglang-router answers /abort_request with 404): then the workers behind it (EnginePool sets it).
         self.abort_targets: Callable[[], list[EngineClient]] = lambda: [self]
-        # Built here so that a URL it cannot use fails now; it binds to the event loop of its first request.
+        # Built here so that a URL it cannot use fails now (its limit, connect timeout, key and TLS context
+        # are fixed from here on); it binds to the event loop of its first request.
         self._http = Http1Pool(
             self.base_url,
             limit=max_connections,

@@ -240,7 +240,7 @@ async def transport_loop(
     url: str, payload_sizes: Sequence[int], episodes: int, connections: int
 ) -> SideResult:
     """The bare loop through rollwise's own HTTP client (engines/http1.py, what EngineClient sends with),
-    JSON written the same way: runner minus this is the runner's own cost per turn."""
+    bodies encoded as EngineClient encodes them: runner minus this is the runner's own cost per turn."""
     from pipeline.supervisor.engines.client import encode_json_body
     from pipeline.supervisor.engines.http1 import Http1Pool
 

@@ -206,20 +206,26 @@ def test_a_reply_split_anywhere_parses_the_same_as_in_one_piece() -> None:
     ],
 )
 async def test_a_broken_reply_is_a_lost_connection_naming_the_defect(raw: bytes, defect: str) -> None:
-    async with raw_server(always(raw, close=True)) as server:
+    replies = [(raw, True), (ok(b"fine"), False)]
+
+    async def broken_once(head: bytes, body: bytes) -> tuple[bytes, bool]:
+        return replies.pop(0)
+
+    async with raw_server(broken_once) as server:
         client = pool(server.url)
         try:
             with pytest.raises(ConnectionLost, match=defect):
                 await client.request("POST", "/generate", b"{}", timeout_s=5)
             # ... and the next request is answered on a fresh connection, unaffected.
+            assert await client.request("POST", "/generate", b"{}", timeout_s=5) == (200, b"fine")
         finally:
             await client.close()
+    assert server.connections == 2
 
 
 async def test_a_connection_the_server_closed_while_idle_is_replaced_without_an_error() -> None:
-    async with raw_server(
-        always(ok(b"x"), close=True)
-    ) as server:  # answers, then closes: uvicorn's idle timeout
+    # The server answers, then closes the connection: what uvicorn does to a connection idle for 5 s.
+    async with raw_server(always(ok(b"x"), close=True)) as server:
         client = pool(server.url)
         try:
             assert await client.request("GET", "/", None, timeout_s=5) == (200, b"x")

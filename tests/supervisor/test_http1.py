@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -388,3 +390,75 @@ async def test_a_server_that_hangs_up_while_a_large_body_is_sent_is_a_lost_conne
     gc.collect()
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text  # the reply's future failed too, and was seen
+
+
+@pytest.fixture
+def uvicorn_url() -> Iterator[tuple[str, list[tuple[str, int]]]]:
+    """A real uvicorn server, run as SGLang runs its HTTP server (`uvicorn.run(app, ...,
+    timeout_keep_alive=5)` in sglang/srt/entrypoints/http_server.py), with a 1 s keep-alive so that the
+    test sees it close an idle connection. Yields its URL and the client address of every request."""
+    uvicorn = pytest.importorskip("uvicorn", reason="uvicorn (installed with sglang-router) is missing")
+    clients: list[tuple[str, int]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        clients.append(tuple(scope["client"]))
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        size = int(scope["path"].rsplit("/", 1)[-1]) if scope["path"].startswith("/bytes/") else 0
+        reply = b"x" * size if size else b'{"got":%d}' % len(body)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": reply})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="critical", timeout_keep_alive=1, lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", clients
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+async def test_against_uvicorn_connections_are_reused_and_replaced_after_its_keep_alive_closes_them(
+    uvicorn_url: tuple[str, list[tuple[str, int]]],
+) -> None:
+    url, clients = uvicorn_url
+    client = pool(url)
+    try:
+        assert await client.request("POST", "/generate", b"[1,2,3]", timeout_s=5) == (200, b'{"got":7}')
+        assert await client.request("POST", "/generate", b"[1]", timeout_s=5) == (200, b'{"got":3}')
+        # uvicorn closes the connection once it has been idle for its keep-alive (1 s here).
+        idle = client._idle[0]
+        for _ in range(200):  # 10 s at most
+            if idle.closed:
+                break
+            await asyncio.sleep(0.05)
+        assert idle.closed, "uvicorn kept the idle connection open for 10 s"
+        assert await client.request("POST", "/generate", b"[]", timeout_s=5) == (200, b'{"got":2}')
+        status, big = await client.request("GET", "/bytes/3000000", None, timeout_s=10)
+        assert status == 200 and big == b"x" * 3_000_000
+    finally:
+        await client.close()
+    assert clients[0] == clients[1]  # kept alive
+    assert clients[2] != clients[1]  # a fresh connection once the server closed the idle one
+    assert clients[3] == clients[2]

@@ -19,6 +19,7 @@ without the variable. Imports only the standard library (Arrow's figure only whe
 from __future__ import annotations
 
 import ctypes
+import functools
 import linecache
 import os
 import sys
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.contracts.malloc_trim import libc, trim_now
@@ -74,6 +76,16 @@ class _MallInfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    """glibc's mallinfo2 (2.33 and later), typed once; None without it."""
+    library = libc()
+    function = getattr(library, "mallinfo2", None) if library is not None else None
+    if function is not None:
+        function.restype = _MallInfo2
+    return function
+
+
 def native_figures() -> dict[str, float]:
     """MiB: rss (VmRSS), rss_anon (RssAnon), malloc_in_use, malloc_free_held, malloc_mmapped (glibc
     mallinfo2, summed over its arenas), obmalloc_arenas and obmalloc_in_use (CPython's small-object
@@ -88,17 +100,12 @@ def native_figures() -> dict[str, float]:
                 figures["rss_anon"] = int(line.split()[1]) / 1024
     except OSError:
         pass
-    try:
-        library = libc()
-        if library is None:
-            raise OSError("no C library")
-        library.mallinfo2.restype = _MallInfo2
-        info = library.mallinfo2()
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is not None:
+        info = mallinfo2()
         figures["malloc_in_use"] = (info.uordblks + info.hblkhd) / _MIB
         figures["malloc_free_held"] = info.fordblks / _MIB
         figures["malloc_mmapped"] = info.hblkhd / _MIB
-    except (OSError, AttributeError):
-        pass
     figures.update(obmalloc_figures())
     arrow = sys.modules.get("pyarrow")
     if arrow is not None:

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -231,9 +231,7 @@ async def bare_loop(url: str, payload_sizes: Sequence[int], episodes: int, conne
                     await resp.read()
             return len(payload_sizes)
 
-        cpu, start = time.process_time(), time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(episodes)))
-        return SideResult(sum(counts), time.perf_counter() - start, time.process_time() - cpu)
+        return await _timed_loops(one, episodes)
 
 
 async def transport_loop(
@@ -256,11 +254,16 @@ async def transport_loop(
         return len(payload_sizes)
 
     try:
-        cpu, start = time.process_time(), time.perf_counter()
-        counts = await asyncio.gather(*(one(i) for i in range(episodes)))
-        return SideResult(sum(counts), time.perf_counter() - start, time.process_time() - cpu)
+        return await _timed_loops(one, episodes)
     finally:
         await http.close()
+
+
+async def _timed_loops(one: Callable[[int], Awaitable[int]], episodes: int) -> SideResult:
+    """Run `one(0) .. one(episodes - 1)` at once; the turns they return, wall time and this process's CPU."""
+    cpu, start = time.process_time(), time.perf_counter()
+    counts = await asyncio.gather(*(one(i) for i in range(episodes)))
+    return SideResult(sum(counts), time.perf_counter() - start, time.process_time() - cpu)
 
 
 @dataclass

@@ -26,10 +26,11 @@ ADAPTER_DIR = "adapter"
 
 @dataclass
 class ConsumedState:
-    """Which trajectories the learner has already trained on (spool resume point)."""
+    """Which trajectories the learner has already trained on (spool resume point, learner.spool_cursor)."""
 
-    last_seq: int = -1  # highest spool sequence number consumed; -1: none yet
+    last_seq: int = -1  # the watermark: every spool seq <= it is consumed; -1: none yet
     group_ids: list[str] = field(default_factory=list)
+    after: list[int] = field(default_factory=list)  # seqs > last_seq consumed too (taken out of write order)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
     python -m learner.worker --config RUN_DIR/config.toml --run-dir RUN_DIR
     python -m learner.worker --config - --run-dir LEARNER_DIR        (its own run directory)
 
-Loop: tail the spool after the checkpoint's consumed_seq -> decode each group once and triage it (train,
-or drop and say why: learner.groups) -> B trainable groups -> Trainer.step -> publish weights every
+Loop: tail the spool after the checkpoint's position (learner.spool_cursor), reading up to 2·B groups
+ahead and decoding each once -> take them earliest staleness deadline first
+(pipeline.contracts.staleness.deadline_key) and triage each (train, or drop and say why: learner.groups)
+-> B trainable groups -> Trainer.step -> publish weights every
 `sync_every_steps` versions -> checkpoint every `checkpoint_every` steps. It tells the supervisor what
 happened as typed events (pipeline.contracts.events), one JSON line each on stdout; logs go to stderr.
 
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
+from learner.spool_cursor import Consumed, SpoolCursor
 from pipeline.contracts import events, memory_trace, tracing
 from pipeline.contracts.config import (
     Config,
@@ -82,7 +85,8 @@ from pipeline.contracts.run_dir import (
     prune_weights,
     published_version,
 )
-from pipeline.contracts.schema import RejectedRow, batch_to_segments
+from pipeline.contracts.schema import EpisodeSegment, RejectedRow, batch_to_segments
+from pipeline.contracts.staleness import deadline_key
 from pipeline.transport.readers import open_spool_reader
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file, spool_name
 
@@ -208,12 +212,31 @@ class StorageGaveUp(Exception):
 
 @dataclass
 class _Pending:
-    """Groups taken since the last step: the ones to train and every seq/id consumed with them."""
+    """Groups taken since the last step: the ones to train and every id consumed with them."""
 
     items: list[tuple[SpoolItem, TrainGroup]] = field(default_factory=list)
-    last_seq: int = 0
     consumed_ids: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)  # group_id -> reason, of consumed_ids
+
+
+@dataclass(frozen=True)
+class _Read:
+    """A spool group read ahead and decoded once, waiting to be taken."""
+
+    item: SpoolItem
+    rows: list[EpisodeSegment]
+    rejected: list[RejectedRow]
+    oldest_version: int | None  # of its trainable rows' generated tokens
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return deadline_key(self.oldest_version, self.item.seq)
+
+
+def read_ahead(item: SpoolItem) -> _Read:
+    rows, rejected = batch_to_segments(item.batch)
+    versions = [v for row in rows if row.trainable and (v := row.min_version()) is not None]
+    return _Read(item, rows, rejected, min(versions) if versions else None)
 
 
 class LearnerWorker:
@@ -243,9 +266,14 @@ class LearnerWorker:
         self.told_at = time.monotonic()
         self.batch_groups = cfg.learner.batch_groups
         self._setup_model()
-        self.reader = open_spool_reader(cfg, run.spool, after_seq=self.consumed_seq)
-        self.queue: collections.deque[SpoolItem] = collections.deque()
-        self.pending = _Pending(last_seq=self.consumed_seq)
+        self.reader = open_spool_reader(cfg, run.spool, after_seq=self.consumed.watermark)
+        # Read ahead: one batch beyond the one being filled, so a group that ran long can be taken before
+        # groups admitted after it (learner.spool_cursor); bounded, since each is held decoded in memory.
+        self.lookahead_groups = 2 * self.batch_groups
+        self.lookahead: list[_Read] = []
+        self.cursor = SpoolCursor(self.consumed.watermark, self.consumed.after)
+        self.after_bytes: dict[int, int] = {}  # file sizes of the groups consumed after the watermark
+        self.pending = _Pending()
         self.idle_s = 0.0
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
@@ -312,22 +340,23 @@ class LearnerWorker:
                     f"the learner's ranks see different latest checkpoints {seen}: every rank must see the "
                     "same run directory (a shared file system across the learner's nodes)"
                 )
-        self.consumed_seq = 0
+        self.consumed = Consumed(0)
         self.checkpoint_seqs: collections.deque[int] = collections.deque(maxlen=cfg.learner.keep_checkpoints)
         self.last_published = 0
         if self.leader:
             append_consumed(self.run_dir.consumed_log, {"restored": ckpt.step if ckpt is not None else 0})
         if ckpt is not None:
             restore(self.trainer, ckpt, adapter=self.lora)
-            self.consumed_seq = max(0, ckpt.consumed.last_seq)
-            self.checkpoint_seqs.append(self.consumed_seq)
+            self.consumed = Consumed(max(0, ckpt.consumed.last_seq), tuple(sorted(ckpt.consumed.after)))
+            self.checkpoint_seqs.append(self.consumed.watermark)
             self.last_published = published_version(ckpt.path)
             log.info(
-                "restored %s: step %d, version %d, consumed_seq %d",
+                "restored %s: step %d, version %d, consumed through seq %d and %d group(s) after it",
                 ckpt.path,
                 ckpt.step,
                 self.trainer.policy_version,
-                self.consumed_seq,
+                self.consumed.watermark,
+                len(self.consumed.after),
             )
         else:
             log.info(
@@ -337,6 +366,10 @@ class LearnerWorker:
     @property
     def version(self) -> int:
         return int(self.trainer.policy_version)
+
+    @property
+    def consumed_seq(self) -> int:
+        return self.consumed.watermark
 
     def announce_ready(self) -> None:
         path = self.run_dir.weights_of(self.version)
@@ -349,6 +382,7 @@ class LearnerWorker:
                 version=self.version,
                 step=self.trainer.steps,
                 consumed_seq=self.consumed_seq,
+                consumed_after=list(self.consumed.after),
                 path=str(path),
                 weights_url=self.weights_url,
                 initial_model_digest=self.initial_model_digest,
@@ -424,19 +458,29 @@ class LearnerWorker:
             groups.append(verdict)
         return groups
 
-    def next_item(self) -> SpoolItem | None:
-        if not self.queue:
-            items = self.reader.poll(limit=self.batch_groups)
+    def next_item(self) -> _Read | None:
+        """The waiting group with the earliest staleness deadline, after reading ahead what fits."""
+        room = self.lookahead_groups - len(self.lookahead)
+        if room > 0:
+            items = self.reader.poll(limit=room)
             for blocked, message in self.reader.drain_reachability():  # once per outage, once per recovery
                 self.out.emit(events.Unreachable(what="spool", blocked=blocked, message=message))
-            for bad in self.reader.drain_quarantined():  # they precede `items` in sequence order
+            for bad in self.reader.drain_quarantined():
                 self.report_quarantined(bad)
-            self.queue.extend(items)
-        return self.queue.popleft() if self.queue else None
+            for item in items:
+                if self.cursor.consumed(item.seq):  # consumed before the restart (its checkpoint's `after`)
+                    self.after_bytes[item.seq] = item.nbytes
+                    continue
+                self.cursor.read(item.seq)
+                self.lookahead.append(read_ahead(item))
+        if not self.lookahead:
+            return None
+        first = min(range(len(self.lookahead)), key=lambda k: self.lookahead[k].key)
+        return self.lookahead.pop(first)
 
     def report_quarantined(self, bad: QuarantinedFile) -> None:
         self.out.emit(events.Quarantined(seq=bad.seq, file=bad.file, kind=bad.kind, reason=bad.reason))
-        self.pending.last_seq = max(self.pending.last_seq, bad.seq)
+        self.cursor.passed(bad.seq)
         self.drop(bad.seq, bad.file, "quarantined")
 
     def drop(self, seq: int, group_id: str, reason: str) -> None:
@@ -446,6 +490,12 @@ class LearnerWorker:
         """Decode and validate a spool group once: train it (a TrainGroup) or drop it (the reason), at
         this learner's version (learner.groups.triage_group); and the rows that broke the schema."""
         rows, rejected = batch_to_segments(batch)
+        return self.verdict(group_id, rows, rejected), rejected
+
+    def verdict(
+        self, group_id: str, rows: list[EpisodeSegment], rejected: list[RejectedRow]
+    ) -> TrainGroup | str:
+        """A decoded group's triage at this learner's version (learner.groups.triage_group)."""
         verdict = triage_group(
             group_id,
             rows,
@@ -463,11 +513,12 @@ class LearnerWorker:
                 and (problem := row.routed_experts.model_problem(*(self.routing or (0, 0, 0)))) is not None
             ]
             log.warning("group %s dropped: %s", group_id, problems[0] if problems else verdict)
-        return verdict, rejected
+        return verdict
 
-    def take(self, item: SpoolItem) -> None:
+    def take(self, read: _Read) -> None:
         """Train the group or drop it."""
-        verdict, rejected = self.triage(item.group_id, item.batch)
+        item, rejected = read.item, read.rejected
+        verdict = self.verdict(item.group_id, read.rows, rejected)
         if rejected:
             log.warning(
                 "group %s (seq %d): %d invalid row(s), first: %s",
@@ -476,7 +527,8 @@ class LearnerWorker:
                 len(rejected),
                 rejected[0].reason,
             )
-        self.pending.last_seq = max(self.pending.last_seq, item.seq)
+        self.cursor.take(item.seq)
+        self.after_bytes[item.seq] = item.nbytes
         self.pending.consumed_ids.append(item.group_id)
         if isinstance(verdict, str):
             self.drop(item.seq, item.group_id, verdict)
@@ -486,7 +538,7 @@ class LearnerWorker:
 
     def train_step(self) -> None:
         started = time.monotonic()
-        pending, self.pending = self.pending, _Pending(last_seq=self.pending.last_seq)
+        pending, self.pending = self.pending, _Pending()
         groups = [group for _, group in pending.items]
         version_before = self.version
         self.tell(Command("train", tuple(item.seq for item, _ in pending.items)))
@@ -499,7 +551,8 @@ class LearnerWorker:
             for item, _ in pending.items:
                 self.drop(item.seq, item.group_id, "no_update")
                 pending.dropped[item.group_id] = "no_update"
-        self.consumed_seq = pending.last_seq
+        self.consumed = self.cursor.commit()
+        self.after_bytes = {s: n for s, n in self.after_bytes.items() if s in self.consumed.after}
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
@@ -508,6 +561,9 @@ class LearnerWorker:
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
         depth_groups, depth_bytes = self.reader.depth(self.consumed_seq)
+        # What waits to be trained: the groups after the watermark, less those consumed out of order.
+        depth_groups = max(0, depth_groups - len(self.consumed.after))
+        depth_bytes = max(0, depth_bytes - sum(self.after_bytes.values()))
         self.out.emit(
             events.Step(
                 step=self.trainer.steps,
@@ -515,6 +571,7 @@ class LearnerWorker:
                 groups=len(groups) if updated else 0,
                 group_ids=[item.group_id for item, _ in pending.items],
                 consumed_seq=self.consumed_seq,
+                consumed_after=list(self.consumed.after),
                 metrics={k: events.finite_or_none(v) for k, v in metrics.items()},
                 staleness=dict(sorted(token_staleness(groups, version_before).items())),
                 idle_s=self.idle_s,
@@ -641,7 +698,11 @@ class LearnerWorker:
         from learner.checkpoint_state import ConsumedState
 
         started = time.monotonic()
-        consumed = ConsumedState(last_seq=self.consumed_seq, group_ids=list(self.consumed_since_checkpoint))
+        consumed = ConsumedState(
+            last_seq=self.consumed_seq,
+            group_ids=list(self.consumed_since_checkpoint),
+            after=list(self.consumed.after),
+        )
         extra = {
             PUBLISHED_VERSION_KEY: self.last_published,
             DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
@@ -692,6 +753,7 @@ class LearnerWorker:
                 step=self.trainer.steps,
                 path=str(path),
                 consumed_seq=self.consumed_seq,
+                consumed_after=list(self.consumed.after),
                 seconds=time.monotonic() - started,
             )
         )

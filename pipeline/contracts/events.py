@@ -32,6 +32,7 @@ class Ready:
     path: str
     weights_url: str | None = None
     initial_model_digest: str | None = None
+    consumed_after: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Step:
     spool_read_s: float  # listing, reading, decoding and validating spool files since the last step
     spool_depth_groups: int
     spool_depth_bytes: int
+    consumed_after: list[int] = field(default_factory=list)
 
     def metric(self, key: str) -> float | None:
         return self.metrics.get(key)
@@ -96,14 +98,15 @@ class Published:
 
 @dataclass(frozen=True)
 class CheckpointSaved:
-    """A checkpoint of `step` is complete at `path`; it consumed the spool up to `consumed_seq` and took
-    `seconds` to write."""
+    """A checkpoint of `step` is complete at `path`; it consumed the spool up to `consumed_seq` and the seqs
+    in `consumed_after` beyond it (learner.spool_cursor), and took `seconds` to write."""
 
     name: ClassVar[str] = "checkpoint"
     step: int
     path: str
     consumed_seq: int
     seconds: float
+    consumed_after: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -336,7 +336,7 @@ def build_scheduler(
     `dropped_already` and installs the result with no await in between, so no learner event can land
     between the read and the scheduler that must see it."""
     cfg, run = setup.cfg, setup.run
-    unconsumed, _ = spool_depth(run.spool, ready.consumed_seq)
+    unconsumed, _ = spool_depth(run.spool, ready.consumed_seq, consumed=set(ready.consumed_after))
     spool = SpoolWriter(run.spool)
     # A resumed run continues the task stream after the groups already produced instead of replaying it.
     # Tasks held out for evaluation (eval.holdout_fraction) are never trained on.

@@ -22,7 +22,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,12 +78,13 @@ def deleted_through(spool_dir: Path) -> int:
         raise ValueError(f"{path} is not a valid retention record: {exc}") from exc
 
 
-def spool_depth(spool_dir: Path, after_seq: int) -> tuple[int, int]:
-    """(groups, bytes) of complete spool files with seq > after_seq: produced but not yet consumed."""
+def spool_depth(spool_dir: Path, after_seq: int, *, consumed: Collection[int] = ()) -> tuple[int, int]:
+    """(groups, bytes) of complete spool files with seq > after_seq and not in `consumed` (the seqs the
+    learner took out of order, learner.spool_cursor): produced but not yet consumed."""
     groups = 0
     nbytes = 0
     for seq, path in _listed(spool_dir):
-        if seq > after_seq:
+        if seq > after_seq and seq not in consumed:
             try:
                 nbytes += path.stat().st_size
             except FileNotFoundError:  # pruned or quarantined since the listing

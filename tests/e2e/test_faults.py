@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -122,12 +123,18 @@ def test_kill_9_at_random_moments_loses_no_durable_group_and_trains_none_twice(
         assert first == checkpointed + 1, "the learner's step counter must resume from the last checkpoint"
     trained = _lineage_group_ids(run_dir)
     assert len(trained) == len(set(trained)), "a consumed group was trained twice"
-    consumed_seq = int(checkpoint_state(run_dir)["consumed"]["last_seq"])
+    consumed = checkpoint_state(run_dir)["consumed"]
     written = {seq: read_group_file(path)[0] for seq, path in _spool_files(run_dir / "spool")}
-    # Every fsync'd group up to the resume point was consumed exactly once along the chain (trained or
-    # dropped with a reason); the ones after it wait in the spool for the next start. None is lost.
+    # Every fsync'd group up to the resume point (the watermark and the seqs consumed after it) was
+    # consumed exactly once along the chain (trained or dropped with a reason); the others wait in the
+    # spool for the next start. None is lost.
     assert sorted(written) == list(range(1, max(written) + 1)), "a spool sequence number is missing"
-    assert {gid for seq, gid in written.items() if seq <= consumed_seq} == set(trained)
+    assert {gid for seq, gid in written.items() if _consumed(consumed, seq)} == set(trained)
+
+
+def _consumed(consumed: dict[str, Any], seq: int) -> bool:
+    """Whether a checkpoint's `consumed` record (learner.spool_cursor) covers spool seq `seq`."""
+    return seq <= int(consumed["last_seq"]) or seq in consumed.get("after", [])
 
 
 def _spool_files(spool: Path) -> list[tuple[int, Path]]:
@@ -191,10 +198,11 @@ def test_corrupt_and_truncated_spool_files_are_quarantined_and_training_continue
     daemons.append(first)
     assert first.wait(timeout_s=120) == 0, first.tail()
     spool = run_dir / "spool"
-    consumed = int(checkpoint_state(run_dir)["consumed"]["last_seq"])
+    consumed = checkpoint_state(run_dir)["consumed"]
     # The next two groups the learner will read: one overwritten with garbage, one cut in half (they
     # may exist already, written during the first run's drain, or not yet).
-    garbage, truncated = spool / f"g{consumed + 1:012d}.arrow", spool / f"g{consumed + 2:012d}.arrow"
+    unconsumed = (s for s in itertools.count(int(consumed["last_seq"]) + 1) if not _consumed(consumed, s))
+    garbage, truncated = (spool / f"g{s:012d}.arrow" for s in itertools.islice(unconsumed, 2))
     whole = sorted(spool.glob("g*.arrow"))[0].read_bytes()
     garbage.write_bytes(b"this is not arrow at all")
     truncated.write_bytes(whole[: len(whole) // 2])

@@ -374,13 +374,15 @@ def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_n
         assert _sha(sup_dir / "fetched" / "engine0" / f"v{newest}" / name) == learners
 
     # Exactly once across the kill: every group in the supervisor's spool up to the learner's consumed
-    # sequence was consumed once along its checkpoint chain, none twice, none lost.
+    # sequence, and those it consumed after it (taken out of write order), was consumed once along its
+    # checkpoint chain, none twice, none lost.
     trained = _lineage_group_ids(learner_dir)
     assert len(trained) == len(set(trained)), "a consumed group was trained twice"
     written = {seq: read_group_file(path)[0] for seq, path in _spool_files(sup_dir / "spool")}
     assert sorted(written) == list(range(1, max(written) + 1))
-    consumed_seq = int(checkpoint_state(learner_dir)["consumed"]["last_seq"])
-    assert {gid for seq, gid in written.items() if seq <= consumed_seq} == set(trained)
+    consumed = checkpoint_state(learner_dir)["consumed"]
+    last_seq, after = int(consumed["last_seq"]), set(consumed["after"])
+    assert {gid for seq, gid in written.items() if seq <= last_seq or seq in after} == set(trained)
 
     # A new daemon on both directories: the version to serve comes from the learner's ready event (the
     # supervisor's directory holds no checkpoint), and training goes on from the learner's checkpoint.

@@ -249,7 +249,9 @@ def test_worker_trains_publishes_checkpoints_and_drops(
     (run_dir / "spool" / spool_name(7)).write_bytes(b"not arrow")
     spool.next_seq = 8  # the corrupt file bypassed the writer; it must not reuse 7
     w.wait_for(event_is("dropped", seq=7))
-    dropped = [(e["seq"], e["group_id"], e["reason"]) for e in w.of("dropped")]
+    w.wait_for(event_is("dropped", seq=6))
+    # in seq order: the learner reads ahead, and reports a quarantined file when its read reaches it
+    dropped = sorted((e["seq"], e["group_id"], e["reason"]) for e in w.of("dropped"))
     assert dropped == [
         (5, "old", "stale"),
         (6, "lonely", "too_few_members"),
@@ -349,3 +351,47 @@ def test_sigterm_finishes_with_a_checkpoint(tmp_path: Path, tiny_model: Path, wo
     [ckpt] = w.of("checkpoint")
     assert (ckpt["step"], ckpt["consumed_seq"]) == (1, B)
     assert (run_dir / "checkpoints" / "step1" / "state.json").is_file()
+
+
+@pytest.mark.integration
+def test_groups_nearest_their_staleness_deadline_go_first_and_a_restart_skips_them(
+    tmp_path: Path, tiny_model: Path, workers: list[Worker]
+) -> None:
+    """Five groups written before the learner starts; the last two ran long (tokens of version 0, the
+    others of version 1). The learner reads 2·B = 4 ahead and trains the two old ones first, so its
+    checkpoint records a watermark below groups already trained; a restart trains each group once."""
+    from learner.checkpoint_state import load_latest_checkpoint
+
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=2)
+    spool = SpoolWriter(run_dir / "spool")
+    for k, version in enumerate([1, 1, 1, 0, 0]):
+        write_group(spool, f"g{k}", version=version)  # seq k + 1
+    first = Worker(run_dir)
+    workers.append(first)
+    first.wait_for(event_is("checkpoint", step=2))
+    first.send({"cmd": "stop"})
+    assert first.finish() == 0
+    steps = first.of("step")
+    assert [s["group_ids"] for s in steps] == [["g3", "g4"], ["g0", "g1"]]
+    # after step 1 seqs 1-3 wait (the watermark stays 0), after step 2 seq 3 does
+    assert [(s["consumed_seq"], s["consumed_after"]) for s in steps] == [(0, [4, 5]), (2, [4, 5])]
+    # what is left to train: spool files after the watermark, less those consumed after it
+    assert [s["spool_depth_groups"] for s in steps] == [3, 1]
+    [ckpt] = first.of("checkpoint")
+    assert (ckpt["consumed_seq"], ckpt["consumed_after"]) == (2, [4, 5])
+    latest = load_latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None
+    assert (latest.consumed.last_seq, latest.consumed.after) == (2, [4, 5])
+    assert latest.consumed.group_ids == ["g3", "g4", "g0", "g1"]
+
+    write_group(spool, "g5", version=1)  # seq 6
+    second = Worker(run_dir)
+    workers.append(second)
+    ready = second.wait_for(event_is("ready"))
+    assert (ready["step"], ready["consumed_seq"], ready["consumed_after"]) == (2, 2, [4, 5])
+    third = second.wait_for(event_is("step", step=3))
+    second.send({"cmd": "stop"})
+    assert second.finish() == 0
+    assert third["group_ids"] == ["g2", "g5"]  # seqs 4 and 5 were skipped: trained before the restart
+    assert (third["consumed_seq"], third["consumed_after"]) == (6, [])
+    assert second.of("dropped") == []

@@ -134,6 +134,40 @@ def test_initial_accepted_counts_trained_versions_and_unconsumed_spool() -> None
     assert initial_accepted(version=3, batch_groups=4, unconsumed_groups=5) == 17
 
 
+def test_a_resumed_scheduler_does_not_count_groups_the_learner_consumed_after_its_watermark(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from pipeline.contracts.schema import segments_to_batch
+    from pipeline.supervisor.wiring import build_scheduler, rollout_settings
+    from pipeline.transport.spool import SpoolWriter
+    from tests.helpers.train_groups import one_turn_row
+
+    ns = argparse.Namespace(
+        config=None,
+        set=[f"model.path={json.dumps(str(tiny_model_dir))}", "learner.batch_groups=2"],
+        run_dir=str(tmp_path / "run"),
+        max_steps=None,
+        log_format=None,
+    )
+    setup = resolve_config(ns)
+    spool = SpoolWriter(setup.run.spool)
+    for k in range(7):
+        batch = segments_to_batch([one_turn_row(f"g{k}", i, 0) for i in range(2)])
+        spool.write_group(batch, group_id=f"g{k}")
+    # version 1: two groups trained (seqs 4 and 5, taken before 1-3), then seqs 1 and 2 consumed too
+    ready = events.Ready(version=1, step=1, consumed_seq=2, path="", consumed_after=[4, 5])
+    scheduler = build_scheduler(
+        setup,
+        engine=None,  # type: ignore[arg-type]
+        tokenizer=None,  # type: ignore[arg-type]
+        agent_endpoint=SimpleNamespace(settings=rollout_settings(setup.cfg)),  # type: ignore[arg-type]
+        ready=ready,
+        served_version=1,
+        dropped_already=0,
+    )
+    assert scheduler.accepted == 1 * 2 + 3  # seqs 3, 6 and 7 wait in the spool
+
+
 def test_serving_weights_prefer_the_published_version(tmp_path: Path) -> None:
     run = RunDir.at(tmp_path)
     model = tmp_path.resolve() / "model"

@@ -20,12 +20,19 @@ from pipeline.transport.spool import spool_name
 from tests.e2e.test_run_e2e import REPO
 
 
-def _checkpoint(run: RunDir, step: int, last_seq: int, ids: list[str], dropped: dict[str, str]) -> None:
+def _checkpoint(
+    run: RunDir,
+    step: int,
+    last_seq: int,
+    ids: list[str],
+    dropped: dict[str, str],
+    after: tuple[int, ...] = (),
+) -> None:
     state = {
         "format": 1,
         "step": step,
         "counters": {"policy_version": step},
-        "consumed": {"last_seq": last_seq, "group_ids": ids},
+        "consumed": {"last_seq": last_seq, "group_ids": ids, "after": list(after)},
         "extra": {"published_version": step, "dropped_groups": dropped},
         "rng": {},
     }
@@ -85,6 +92,29 @@ def test_a_record_never_committed_is_superseded_by_the_restore_that_followed(tmp
     books = reconcile(run)
     assert books.problems == [] and books.trained_twice == []
     assert (books.written, books.consumed_seq, books.trained, books.pending) == (5, 5, 5, 0)
+
+
+def test_books_count_groups_consumed_after_the_watermark_as_consumed_not_pending(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path)
+    # step 1 took seqs 4 and 5 (nearer their staleness deadline) while 1-3 waited; step 2 took 1 and 2
+    _checkpoint(run, 1, 0, ["d", "e"], {}, after=(4, 5))
+    _checkpoint(run, 2, 2, ["a", "b"], {"b": "stale"}, after=(4, 5))
+    _spool(run, 1, 2, 3, 4, 5, 6, 7)
+    books = reconcile(run)
+    assert books.problems == []
+    assert (books.written, books.consumed_seq, books.consumed_after, books.trained, books.pending) == (
+        7,
+        2,
+        2,
+        3,
+        3,  # seqs 3, 6, 7
+    )
+    # the same chain without its `after` does not balance: two groups consumed beyond the watermark
+    run2 = RunDir.at(tmp_path / "without")
+    _checkpoint(run2, 1, 0, ["d", "e"], {})
+    _checkpoint(run2, 2, 2, ["a", "b"], {"b": "stale"})
+    _spool(run2, 1, 2, 3, 4, 5, 6, 7)
+    assert any("consumed_seq is 2 with 0 consumed after it" in p for p in reconcile(run2).problems)
 
 
 def test_books_name_a_group_trained_twice_and_a_lost_sequence_number(tmp_path: Path) -> None:

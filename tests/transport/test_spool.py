@@ -220,6 +220,8 @@ def test_depth_counts_unconsumed_groups_and_bytes(tmp_path: Path) -> None:
     assert writer.depth(0) == (3, sum(e.nbytes for e in entries))
     assert spool_depth(tmp_path, 2) == (1, entries[2].nbytes)
     assert spool_depth(tmp_path, 3) == (0, 0)
+    # groups the learner took out of order after its watermark are consumed, not waiting
+    assert spool_depth(tmp_path, 0, consumed={2, 3}) == (1, entries[0].nbytes)
 
 
 def test_prune_deletes_only_consumed_files(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ must be >= k-1, or η = 0 would wait forever for a version that is never served.
 
 On restart the supervisor passes `initial_version` (the version the engines serve) and
 `initial_accepted` = groups the restored learner already trained in versions < v plus the unconsumed
-spool depth, i.e. `v * B + depth(consumed_seq)` - so admission continues where it stopped.
+spool depth, i.e. `v * B + depth(consumed_seq)` less the groups it consumed out of order after that seq
+(learner.spool_cursor) - so admission continues where it stopped.
 
 Decisions:
 - A group whose every episode failed (env/engine errors, zero rows) is still written: the learner

@@ -12,7 +12,8 @@ What is real and what is modelled:
   version and goes on with its next step while the supervisor syncs the engines (pause -> update with
   `load_s` of sleep -> continue), one sync at a time, skipping a version a newer one overtook, and
   tells admission the served version when a sync completes: as the daemon does (learner.worker
-  publishes and trains on; pipeline.supervisor.lineage syncs); groups older than v − η are dropped.
+  publishes and trains on; pipeline.supervisor.lineage syncs); it reads up to 2·B groups ahead and takes
+  them earliest staleness deadline first, as learner.worker does; groups older than v − η are dropped.
 
 Both runs use the same seeds and parameters; only η differs. Reported per η: learner steps/hour,
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
@@ -40,7 +41,7 @@ from typing import Any
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments
-from pipeline.contracts.staleness import is_stale
+from pipeline.contracts.staleness import deadline_key, is_stale
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
@@ -189,6 +190,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     trained = 0
     sync_times: list[float] = []
     published = asyncio.Event()
+    waiting: list[tuple[int | None, list[int], int]] = []  # read, not taken: (oldest version, versions, seq)
 
     async def sync_engines() -> None:
         """The supervisor's side: sync each published version in turn, the newest when several wait."""
@@ -215,18 +217,21 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             taken = 0
             wait_from = time.monotonic()
             while taken < params.batch_groups and time.monotonic() < deadline:
-                items = await asyncio.to_thread(reader.poll, params.batch_groups - taken)
-                if not items:
+                room = 2 * params.batch_groups - len(waiting)  # the learner's look-ahead
+                if room > 0:
+                    items = await asyncio.to_thread(reader.poll, room)
+                    waiting.extend((*_group_min_version(item.batch), item.seq) for item in items)
+                if not waiting:
                     await asyncio.sleep(0.005)
                     continue
-                for item in items:
-                    oldest, versions = _group_min_version(item.batch)
-                    if oldest is None or is_stale(oldest, version, eta):
-                        dropped += 1
-                        scheduler.on_dropped(1)
-                        continue
-                    batch_versions.extend(version - v for v in versions)
-                    taken += 1
+                waiting.sort(key=lambda w: deadline_key(w[0], w[2]))
+                oldest, versions, _ = waiting.pop(0)
+                if oldest is None or is_stale(oldest, version, eta):
+                    dropped += 1
+                    scheduler.on_dropped(1)
+                    continue
+                batch_versions.extend(version - v for v in versions)
+                taken += 1
             idle_s += time.monotonic() - wait_from
             if taken < params.batch_groups:
                 break

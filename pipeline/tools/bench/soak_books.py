@@ -11,8 +11,8 @@ Sources, all on disk (a SIGKILLed supervisor remembers nothing):
   old checkpoints, the ledger keeps their records; steps redone after a restart supersede the lost
   lineage's). The committed chain is the records up to the final checkpoint's step;
 - quarantined: spool/quarantine/g<seq>.arrow;
-- pending: sequence numbers after the final checkpoint's consumed_seq still in the spool (the next start
-  of the learner reads them).
+- pending: sequence numbers after the final checkpoint's consumed_seq, less those it consumed out of
+  order (its `after`, learner.spool_cursor), still in the spool (the next start of the learner reads them).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Books:
 
     written: int
     consumed_seq: int
+    consumed_after: int
     final_step: int
     trained: int
     dropped: dict[str, int]
@@ -75,6 +76,7 @@ def reconcile(run: RunDir, *, learner: RunDir | None = None) -> Books:
         records[int(final["step"])] = final  # the last word (the same record the ledger holds)
     final_step = int(final["step"])
     consumed_seq = max(0, int(final["consumed"]["last_seq"]))
+    after = {int(s) for s in final["consumed"].get("after") or []}
 
     chain: list[dict[str, Any]] = [records[s] for s in sorted(records) if s <= final_step]
     last_seqs = [int(r["consumed"]["last_seq"]) for r in chain]
@@ -101,16 +103,19 @@ def reconcile(run: RunDir, *, learner: RunDir | None = None) -> Books:
     if missing:
         problems.append(f"{len(missing)} spool sequence number(s) lost: {missing[:10]}")
     quarantined_consumed = sum(1 for s in quarantine_seqs if s <= consumed_seq)
-    if len(consumed_ids) + quarantined_consumed != consumed_seq:
+    if len(consumed_ids) + quarantined_consumed != consumed_seq + len(after):
         problems.append(
             f"the committed chain accounts for {len(consumed_ids)} consumed + {quarantined_consumed} "
-            f"quarantined groups, but its consumed_seq is {consumed_seq} (a checkpoint record was missed, "
-            "or a group was counted twice)"
+            f"quarantined groups, but its consumed_seq is {consumed_seq} with {len(after)} consumed after it "
+            "(a checkpoint record was missed, or a group was counted twice)"
         )
+    missing_after = sorted(after - set(spool_seqs))
+    if missing_after:
+        problems.append(f"consumed after consumed_seq but not in the spool: {missing_after[:10]}")
     if pruned_through > consumed_seq:
         problems.append(f"retention pruned through seq {pruned_through}, past consumed_seq {consumed_seq}")
     quarantined_after = len(quarantine_seqs) - quarantined_consumed
-    pending = written - consumed_seq - quarantined_after
+    pending = written - consumed_seq - len(after) - quarantined_after
     if len(trained) + sum(dropped.values()) + len(quarantine_seqs) + pending != written:
         problems.append(
             f"written {written} != trained {len(trained)} + dropped {sum(dropped.values())} + quarantined "
@@ -119,6 +124,7 @@ def reconcile(run: RunDir, *, learner: RunDir | None = None) -> Books:
     return Books(
         written=written,
         consumed_seq=consumed_seq,
+        consumed_after=len(after),
         final_step=final_step,
         trained=len(trained),
         dropped=dict(sorted(dropped.items())),

@@ -271,6 +271,7 @@ class LearnerWorker:
         # groups admitted after it (learner.spool_cursor); bounded, since each is held decoded in memory.
         self.lookahead_groups = 2 * self.batch_groups
         self.lookahead: list[_Read] = []
+        self.refresh = True  # read ahead once per step, and whenever the held groups cannot fill the batch
         self.cursor = SpoolCursor(self.consumed.watermark, self.consumed.after)
         self.after_bytes: dict[int, int] = {}  # file sizes of the groups consumed after the watermark
         self.pending = _Pending()
@@ -459,10 +460,15 @@ class LearnerWorker:
         return groups
 
     def next_item(self) -> _Read | None:
-        """The waiting group with the earliest staleness deadline, after reading ahead what fits."""
+        """The waiting group with the earliest staleness deadline among those read ahead.
+
+        The spool is read once per step (each read lists the spool directory, or asks the Flight service)
+        and again whenever the held groups cannot complete the batch; a Flight read waits on the
+        service for a new group only when nothing is held."""
         room = self.lookahead_groups - len(self.lookahead)
-        if room > 0:
-            items = self.reader.poll(limit=room)
+        if room > 0 and (self.refresh or len(self.lookahead) < self.batch_groups - len(self.pending.items)):
+            self.refresh = False
+            items = self.reader.poll(limit=room, wait=not self.lookahead)
             for blocked, message in self.reader.drain_reachability():  # once per outage, once per recovery
                 self.out.emit(events.Unreachable(what="spool", blocked=blocked, message=message))
             for bad in self.reader.drain_quarantined():
@@ -552,6 +558,7 @@ class LearnerWorker:
                 self.drop(item.seq, item.group_id, "no_update")
                 pending.dropped[item.group_id] = "no_update"
         self.consumed = self.cursor.commit()
+        self.refresh = True
         self.after_bytes = {s: n for s, n in self.after_bytes.items() if s in self.consumed.after}
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)

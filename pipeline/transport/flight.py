@@ -250,12 +250,13 @@ class FlightSpoolReader:
         seconds, self.read_seconds = self.read_seconds, 0.0
         return seconds
 
-    def poll(self, limit: int | None = None) -> list[SpoolItem]:
+    def poll(self, limit: int | None = None, *, wait: bool = True) -> list[SpoolItem]:
         """Groups after the last one returned, in sequence order (at most `limit`); waits up to `wait_s`
-        on the server for the first. A broken connection returns what fully arrived before it."""
+        on the server for the first, or not at all with `wait=False` (a caller that has work in hand).
+        A broken connection returns what fully arrived before it."""
         items: list[SpoolItem] = []
         try:
-            self._poll(limit, items)
+            self._poll(limit, items, self.wait_s if wait else 0.0)
         except (
             flight.FlightUnavailableError,
             flight.FlightTimedOutError,
@@ -299,9 +300,9 @@ class FlightSpoolReader:
         out, self._reachability = self._reachability, []
         return out
 
-    def _poll(self, limit: int | None, items: list[SpoolItem]) -> None:
+    def _poll(self, limit: int | None, items: list[SpoolItem], wait_s: float) -> None:
         client = self._connection()
-        command = {"after_seq": self.after_seq, "limit": limit or 64, "wait_s": self.wait_s}
+        command = {"after_seq": self.after_seq, "limit": limit or 64, "wait_s": wait_s}
         descriptor = flight.FlightDescriptor.for_command(json.dumps(command))
         info = client.get_flight_info(descriptor, self._list_options)
         started = self._clock()

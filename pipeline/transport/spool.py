@@ -250,8 +250,9 @@ class SpoolReader:
     def depth(self, after_seq: int | None = None) -> tuple[int, int]:
         return spool_depth(self.spool_dir, self.after_seq if after_seq is None else after_seq)
 
-    def poll(self, limit: int | None = None) -> list[SpoolItem]:
-        """Complete groups after the last one returned, in sequence order (at most `limit`).
+    def poll(self, limit: int | None = None, *, wait: bool = True) -> list[SpoolItem]:
+        """Complete groups after the last one returned, in sequence order (at most `limit`). Never waits
+        (`wait` is FlightSpoolReader's: a local directory is listed at once).
 
         Unusable files are moved to quarantine, appended to `self.quarantined` (the caller drains and
         counts them) and skipped; a gap they leave never stalls the reader. A call returns either good

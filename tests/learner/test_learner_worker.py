@@ -358,8 +358,9 @@ def test_groups_nearest_their_staleness_deadline_go_first_and_a_restart_skips_th
     tmp_path: Path, tiny_model: Path, workers: list[Worker]
 ) -> None:
     """Five groups written before the learner starts; the last two ran long (tokens of version 0, the
-    others of version 1). The learner reads 2·B = 4 ahead and trains the two old ones first, so its
-    checkpoint records a watermark below groups already trained; a restart trains each group once."""
+    others of version 1). The learner reads 2·B = 4 ahead (once per step, and again when what it holds
+    cannot fill the batch) and takes the old ones first, so its checkpoint records a watermark below
+    groups already trained; a restart trains each group once."""
     from learner.checkpoint_state import load_latest_checkpoint
 
     run_dir = make_run_dir(tmp_path, tiny_model, eta=2)
@@ -372,9 +373,10 @@ def test_groups_nearest_their_staleness_deadline_go_first_and_a_restart_skips_th
     first.send({"cmd": "stop"})
     assert first.finish() == 0
     steps = first.of("step")
-    assert [s["group_ids"] for s in steps] == [["g3", "g4"], ["g0", "g1"]]
-    # after step 1 seqs 1-3 wait (the watermark stays 0), after step 2 seq 3 does
-    assert [(s["consumed_seq"], s["consumed_after"]) for s in steps] == [(0, [4, 5]), (2, [4, 5])]
+    # step 1 holds seqs 1-4: g3 (version 0) first, then g0; step 2 reads seq 5 and takes g4, then g1
+    assert [s["group_ids"] for s in steps] == [["g3", "g0"], ["g4", "g1"]]
+    # after step 1 seqs 2-3 wait (watermark 1), after step 2 seq 3 does (watermark 2)
+    assert [(s["consumed_seq"], s["consumed_after"]) for s in steps] == [(1, [4]), (2, [4, 5])]
     # what is left to train: spool files after the watermark, less those consumed after it
     assert [s["spool_depth_groups"] for s in steps] == [3, 1]
     [ckpt] = first.of("checkpoint")
@@ -382,7 +384,7 @@ def test_groups_nearest_their_staleness_deadline_go_first_and_a_restart_skips_th
     latest = load_latest_checkpoint(run_dir / "checkpoints")
     assert latest is not None
     assert (latest.consumed.last_seq, latest.consumed.after) == (2, [4, 5])
-    assert latest.consumed.group_ids == ["g3", "g4", "g0", "g1"]
+    assert latest.consumed.group_ids == ["g3", "g0", "g4", "g1"]
 
     write_group(spool, "g5", version=1)  # seq 6
     second = Worker(run_dir)

@@ -72,6 +72,10 @@ def test_a_poll_waits_on_the_server_for_the_next_group(spool: Path, service: Spo
     writer.join()
     assert [i.group_id for i in items] == ["late"]
     assert time.monotonic() - started < 9.0  # answered when the file appeared, not at the deadline
+    # a reader with groups in hand asks without waiting: nothing new, an empty answer at once
+    started = time.monotonic()
+    assert reader.poll(wait=False) == []
+    assert time.monotonic() - started < 2.0
 
 
 def test_a_broken_connection_resumes_where_it_stopped_with_nothing_lost_or_read_twice(spool: Path) -> None:

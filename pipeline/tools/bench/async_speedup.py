@@ -216,9 +216,11 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             batch_versions: list[int] = []
             taken = 0
             wait_from = time.monotonic()
+            refresh = True
             while taken < params.batch_groups and time.monotonic() < deadline:
-                room = 2 * params.batch_groups - len(waiting)  # the learner's look-ahead
-                if room > 0:
+                room = 2 * params.batch_groups - len(waiting)  # the learner's look-ahead, read as it does
+                if room > 0 and (refresh or len(waiting) < params.batch_groups - taken):
+                    refresh = False
                     items = await asyncio.to_thread(reader.poll, room)
                     waiting.extend((*_group_min_version(item.batch), item.seq) for item in items)
                 if not waiting:

@@ -15,8 +15,8 @@ def deadline_key(group_min_version: int | None, seq: int) -> tuple[int, int]:
 
     A group with oldest token version m can be trained up to version m + η, so among waiting groups the
     smallest m has the nearest deadline; ties (and η = 0, where every waiting group has the same m) go
-    in write order. Taking one group per slot with the same length of work, this order misses no
-    deadline that any other order would meet (Jackson's rule), whereas write order trains a group that
-    ran long behind groups admitted after it, and those can push it past its bound. A group with no
+    in write order. Each group takes one slot of a step, so if any order of the waiting groups trains
+    them all before their deadlines, this one does (Jackson's rule); write order instead trains a group
+    that ran long behind groups admitted after it, and those can push it past its bound. A group with no
     generated token (None) comes first: it is dropped at once and costs no slot."""
     return (-1 if group_min_version is None else group_min_version, seq)

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
-from learner.spool_cursor import Consumed, SpoolCursor
+from learner.spool_cursor import SpoolCursor
 from pipeline.contracts import events, memory_trace, tracing
 from pipeline.contracts.config import (
     Config,
@@ -266,14 +266,12 @@ class LearnerWorker:
         self.told_at = time.monotonic()
         self.batch_groups = cfg.learner.batch_groups
         self._setup_model()
-        self.reader = open_spool_reader(cfg, run.spool, after_seq=self.consumed.watermark)
+        self.reader = open_spool_reader(cfg, run.spool, after_seq=self.consumed_seq)
         # Read ahead: one batch beyond the one being filled, so a group that ran long can be taken before
         # groups admitted after it (learner.spool_cursor); bounded, since each is held decoded in memory.
         self.lookahead_groups = 2 * self.batch_groups
         self.lookahead: list[_Read] = []
         self.refresh = True  # read ahead once per step, and whenever the held groups cannot fill the batch
-        self.cursor = SpoolCursor(self.consumed.watermark, self.consumed.after)
-        self.after_bytes: dict[int, int] = {}  # file sizes of the groups consumed after the watermark
         self.pending = _Pending()
         self.idle_s = 0.0
         self.last_checkpoint_step = self.trainer.steps
@@ -341,23 +339,23 @@ class LearnerWorker:
                     f"the learner's ranks see different latest checkpoints {seen}: every rank must see the "
                     "same run directory (a shared file system across the learner's nodes)"
                 )
-        self.consumed = Consumed(0)
+        self.cursor = SpoolCursor()  # where the spool is consumed up to (learner.spool_cursor)
         self.checkpoint_seqs: collections.deque[int] = collections.deque(maxlen=cfg.learner.keep_checkpoints)
         self.last_published = 0
         if self.leader:
             append_consumed(self.run_dir.consumed_log, {"restored": ckpt.step if ckpt is not None else 0})
         if ckpt is not None:
             restore(self.trainer, ckpt, adapter=self.lora)
-            self.consumed = Consumed(max(0, ckpt.consumed.last_seq), tuple(sorted(ckpt.consumed.after)))
-            self.checkpoint_seqs.append(self.consumed.watermark)
+            self.cursor = SpoolCursor(max(0, ckpt.consumed.last_seq), ckpt.consumed.after)
+            self.checkpoint_seqs.append(self.consumed_seq)
             self.last_published = published_version(ckpt.path)
             log.info(
                 "restored %s: step %d, version %d, consumed through seq %d and %d group(s) after it",
                 ckpt.path,
                 ckpt.step,
                 self.trainer.policy_version,
-                self.consumed.watermark,
-                len(self.consumed.after),
+                self.consumed_seq,
+                len(self.cursor.committed.after),
             )
         else:
             log.info(
@@ -370,7 +368,7 @@ class LearnerWorker:
 
     @property
     def consumed_seq(self) -> int:
-        return self.consumed.watermark
+        return self.cursor.committed.watermark
 
     def announce_ready(self) -> None:
         path = self.run_dir.weights_of(self.version)
@@ -383,7 +381,7 @@ class LearnerWorker:
                 version=self.version,
                 step=self.trainer.steps,
                 consumed_seq=self.consumed_seq,
-                consumed_after=list(self.consumed.after),
+                consumed_after=list(self.cursor.committed.after),
                 path=str(path),
                 weights_url=self.weights_url,
                 initial_model_digest=self.initial_model_digest,
@@ -475,7 +473,6 @@ class LearnerWorker:
                 self.report_quarantined(bad)
             for item in items:
                 if self.cursor.consumed(item.seq):  # consumed before the restart (its checkpoint's `after`)
-                    self.after_bytes[item.seq] = item.nbytes
                     continue
                 self.cursor.read(item.seq)
                 self.lookahead.append(read_ahead(item))
@@ -534,7 +531,6 @@ class LearnerWorker:
                 rejected[0].reason,
             )
         self.cursor.take(item.seq)
-        self.after_bytes[item.seq] = item.nbytes
         self.pending.consumed_ids.append(item.group_id)
         if isinstance(verdict, str):
             self.drop(item.seq, item.group_id, verdict)
@@ -557,9 +553,8 @@ class LearnerWorker:
             for item, _ in pending.items:
                 self.drop(item.seq, item.group_id, "no_update")
                 pending.dropped[item.group_id] = "no_update"
-        self.consumed = self.cursor.commit()
+        self.cursor.commit()
         self.refresh = True
-        self.after_bytes = {s: n for s, n in self.after_bytes.items() if s in self.consumed.after}
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
         if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
@@ -567,10 +562,8 @@ class LearnerWorker:
                 self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
             self.checkpoint()
-        depth_groups, depth_bytes = self.reader.depth(self.consumed_seq)
         # What waits to be trained: the groups after the watermark, less those consumed out of order.
-        depth_groups = max(0, depth_groups - len(self.consumed.after))
-        depth_bytes = max(0, depth_bytes - sum(self.after_bytes.values()))
+        depth_groups, depth_bytes = self.reader.depth(self.consumed_seq, consumed=self.cursor.committed.after)
         self.out.emit(
             events.Step(
                 step=self.trainer.steps,
@@ -578,7 +571,7 @@ class LearnerWorker:
                 groups=len(groups) if updated else 0,
                 group_ids=[item.group_id for item, _ in pending.items],
                 consumed_seq=self.consumed_seq,
-                consumed_after=list(self.consumed.after),
+                consumed_after=list(self.cursor.committed.after),
                 metrics={k: events.finite_or_none(v) for k, v in metrics.items()},
                 staleness=dict(sorted(token_staleness(groups, version_before).items())),
                 idle_s=self.idle_s,
@@ -708,7 +701,7 @@ class LearnerWorker:
         consumed = ConsumedState(
             last_seq=self.consumed_seq,
             group_ids=list(self.consumed_since_checkpoint),
-            after=list(self.consumed.after),
+            after=list(self.cursor.committed.after),
         )
         extra = {
             PUBLISHED_VERSION_KEY: self.last_published,
@@ -760,7 +753,7 @@ class LearnerWorker:
                 step=self.trainer.steps,
                 path=str(path),
                 consumed_seq=self.consumed_seq,
-                consumed_after=list(self.consumed.after),
+                consumed_after=list(self.cursor.committed.after),
                 seconds=time.monotonic() - started,
             )
         )

@@ -11,8 +11,9 @@ local reader's rule carried over a connection:
   service (the supervisor owns the directory) and the stream carries no batch and the schema metadata
   `rollwise.quarantined` = {"file", "kind", "reason"}; a file pruned in between carries
   `rollwise.missing`.
-- `do_action("depth", {"after_seq"})` -> {"groups", "bytes"}; `do_action("prune", {"through_seq"})`
-  applies retention (`prune_consumed`) for a learner whose checkpoints say what it consumed.
+- `do_action("depth", {"after_seq", "consumed"?})` -> {"groups", "bytes"} (`consumed`: seqs after it the
+  learner took out of order, not counted); `do_action("prune", {"through_seq"})` applies retention
+  (`prune_consumed`) for a learner whose checkpoints say what it consumed.
 
 `FlightSpoolReader` has SpoolReader's interface. Its position is the last sequence number it returned
 (or reported quarantined); each poll asks for files after it, so a broken connection costs a retry,
@@ -29,7 +30,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,8 @@ class _SpoolServer(flight.FlightServerBase):
         try:
             body = json.loads(action.body.to_pybytes() or b"{}")
             if action.type == "depth":
-                groups, nbytes = spool_depth(self.spool_dir, int(body["after_seq"]))
+                consumed = {int(s) for s in body.get("consumed", [])}
+                groups, nbytes = spool_depth(self.spool_dir, int(body["after_seq"]), consumed=consumed)
                 return [json.dumps({"groups": groups, "bytes": nbytes}).encode()]
             if action.type == "prune":
                 deleted = prune_consumed(self.spool_dir, int(body["through_seq"]))
@@ -330,8 +332,9 @@ class FlightSpoolReader:
         out, self.quarantined = self.quarantined, []
         return out
 
-    def depth(self, after_seq: int | None = None) -> tuple[int, int]:
-        reply = self._action("depth", {"after_seq": self.after_seq if after_seq is None else after_seq})
+    def depth(self, after_seq: int | None = None, *, consumed: Collection[int] = ()) -> tuple[int, int]:
+        position = self.after_seq if after_seq is None else after_seq
+        reply = self._action("depth", {"after_seq": position, "consumed": sorted(consumed)})
         return (int(reply["groups"]), int(reply["bytes"])) if reply else (0, 0)
 
     def prune(self, through_seq: int) -> int:

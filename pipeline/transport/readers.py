@@ -4,6 +4,7 @@ depth, prune, take_read_seconds) and the same exactly-once rule (pipeline.transp
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -19,7 +20,7 @@ class GroupReader(Protocol):
 
     def drain_quarantined(self) -> list[QuarantinedFile]: ...
 
-    def depth(self, after_seq: int | None = None) -> tuple[int, int]: ...
+    def depth(self, after_seq: int | None = None, *, consumed: Collection[int] = ()) -> tuple[int, int]: ...
 
     def prune(self, through_seq: int) -> int: ...
 

@@ -247,8 +247,10 @@ class SpoolReader:
         """A local directory is never unreachable (FlightSpoolReader's counterpart reports outages)."""
         return []
 
-    def depth(self, after_seq: int | None = None) -> tuple[int, int]:
-        return spool_depth(self.spool_dir, self.after_seq if after_seq is None else after_seq)
+    def depth(self, after_seq: int | None = None, *, consumed: Collection[int] = ()) -> tuple[int, int]:
+        return spool_depth(
+            self.spool_dir, self.after_seq if after_seq is None else after_seq, consumed=consumed
+        )
 
     def poll(self, limit: int | None = None, *, wait: bool = True) -> list[SpoolItem]:
         """Complete groups after the last one returned, in sequence order (at most `limit`). Never waits

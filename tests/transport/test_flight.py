@@ -125,6 +125,8 @@ def test_depth_and_retention_run_on_the_service(spool: Path, service: SpoolFligh
     reader = FlightSpoolReader(service.url, after_seq=0, wait_s=0.0)
     groups, nbytes = reader.depth(1)
     assert groups == 2 and nbytes == sum((spool / spool_name(s)).stat().st_size for s in (2, 3))
+    # seqs the learner consumed after its watermark are not counted (learner.spool_cursor)
+    assert reader.depth(1, consumed=[3]) == (1, (spool / spool_name(2)).stat().st_size)
     assert reader.prune(2) == 2
     assert sorted(p.name for p in spool.glob("g*.arrow")) == [spool_name(3)]
     assert SpoolWriter(spool).next_seq == 4  # retention.json keeps the numbers moving forward

@@ -262,6 +262,18 @@ class AsyncConfig(Section):
             "is high (docs/operations.md, 'Stale groups')."
         ),
     )
+    cut_late_groups: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description=(
+            "Cut a running group at its last chance of being trained (the learner at its admission version "
+            "+ max_staleness, its batch one group short) when at most this share of its episodes is still "
+            "running: those end with finish reason 'cut' and the finished ones are written in time instead "
+            "of all being dropped as stale. The cut episodes are the group's slowest, a bias towards short "
+            "episodes (docs/operations.md, 'Stale groups'); 0 = never cut."
+        ),
+    )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig)
 

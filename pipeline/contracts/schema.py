@@ -28,7 +28,7 @@ import pyarrow as pa
 SCHEMA_VERSION = "1"
 SCHEMA_VERSION_KEY = b"rollwise.schema_version"
 
-FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
+FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout", "cut")
 # Episodes that failed for reasons outside the policy's control carry no learning signal.
 TRAINABLE_FINISH_REASONS = frozenset({"stop", "length", "truncated"})
 

@@ -30,10 +30,13 @@ class StepTracker(Protocol):
     def log_step(self, event: events.Step) -> None: ...
 
 
-class DropListener(Protocol):
-    """The scheduler's side of a dropped group: its admission slot comes back."""
+class SchedulerSide(Protocol):
+    """What the scheduler hears of the learner: a dropped group gives its admission slot back, and each
+    step's version and spool depth say which running groups are at their last chance (late_cut)."""
 
     def on_dropped(self, count: int) -> None: ...
+
+    def on_learner_step(self, version: int, spool_depth_groups: int) -> None: ...
 
 
 @dataclass
@@ -125,10 +128,10 @@ class LearnerEvents:
         self.book = StepBook()
         self.dropped_seqs: set[int] = set()
         self.drops_unclaimed = 0  # dropped groups announced before the scheduler existed
-        self.scheduler: DropListener | None = None
+        self.scheduler: SchedulerSide | None = None
         self.storage_blocked: set[str] = set()  # learner components waiting for the run directory
 
-    def attach(self, scheduler: DropListener) -> int:
+    def attach(self, scheduler: SchedulerSide) -> int:
         """From now on dropped groups go to `scheduler`; returns those announced before it existed."""
         self.scheduler = scheduler
         unclaimed, self.drops_unclaimed = self.drops_unclaimed, 0
@@ -173,6 +176,8 @@ class LearnerEvents:
         self.progress.on_step(step_line(event))
         if self.trackers is not None:
             self.trackers.log_step(event)
+        if self.scheduler is not None:
+            self.scheduler.on_learner_step(event.version, event.spool_depth_groups)
 
     def on_dropped(self, seq: int, reason: str) -> None:
         """A written group the learner will never train: admission gets its slot back. Deduplicated by

@@ -362,6 +362,7 @@ def build_scheduler(
         agent_endpoint=agent_endpoint,
         engines_up=engines_up,
         straggler_patience=cfg.async_.straggler_patience,
+        cut_late_groups=cfg.async_.cut_late_groups,
     )
 
 

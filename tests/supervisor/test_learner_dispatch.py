@@ -23,9 +23,13 @@ from tests.supervisor.test_supervisor import _step
 class _Admission:
     def __init__(self) -> None:
         self.returned = 0
+        self.steps: list[tuple[int, int]] = []
 
     def on_dropped(self, count: int) -> None:
         self.returned += count
+
+    def on_learner_step(self, version: int, spool_depth_groups: int) -> None:
+        self.steps.append((version, spool_depth_groups))
 
 
 @dataclass
@@ -73,6 +77,15 @@ async def test_a_step_reaches_the_book_the_step_log_and_the_progress_stream(disp
     logged = [json.loads(line) for line in handler.step_log.path.read_text().splitlines()]
     assert [(line["event"], line["step"]) for line in logged] == [("step", 7)]
     assert json.loads(out.getvalue().splitlines()[-1])["step"] == 7
+
+
+async def test_each_step_tells_the_scheduler_the_learners_version_and_spool_depth(dispatch: Dispatch) -> None:
+    handler = dispatch.handler
+    await handler.handle(_step(6))  # before the scheduler exists: nothing to tell
+    admission = _Admission()
+    handler.attach(admission)
+    await handler.handle(_step(7))
+    assert admission.steps == [(7, 3)]
 
 
 async def test_finished_stops_the_daemon_with_the_learners_reason(dispatch: Dispatch) -> None:

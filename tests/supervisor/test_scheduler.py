@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from envs.api import Environment, Task
+from envs.api import Action, Environment, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
@@ -57,6 +57,7 @@ def make_scheduler(
     tasks: Iterator[Task] | None = None,
     factory: Callable[..., Environment] = CoinEnv,
     failure_backoff_s: tuple[float, float] = (0.05, 2.0),
+    group_size: int = G,
 ) -> GroupScheduler:
     return GroupScheduler(
         engine=pool,
@@ -65,7 +66,7 @@ def make_scheduler(
         env_name="bench-coin",
         env_options={"turns": 2},
         settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
-        group_size=G,
+        group_size=group_size,
         admission=AdmissionController(batch_groups=batch, max_staleness=eta, max_concurrent=max_concurrent),
         spool=SpoolWriter(spool_dir),
         tasks=tasks if tasks is not None else _tasks(),
@@ -577,3 +578,103 @@ async def test_no_straggler_protection_with_patience_zero(pool: EnginePool, tmp_
             tasks=_tasks(),
             straggler_patience=-1.0,
         )
+
+
+class _SecondEpisodeHangs(CoinEnv):
+    """The second environment made (the first group's second episode) never answers its first step;
+    those made after the first four groups' (of 4 episodes) wait for `release` before their reset."""
+
+    made = 0
+    release: asyncio.Event
+
+    def __init__(self, turns: int = 2) -> None:
+        super().__init__(turns)
+        type(self).made += 1
+        self.number = type(self).made
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        if self.number > 4 * 4:
+            await type(self).release.wait()
+        return await super().reset(task)
+
+    async def step(self, action: Action) -> StepResult:
+        if self.number == 2:
+            await asyncio.Event().wait()
+        return await super().step(action)
+
+
+def _episodes_cut() -> float:
+    value = metrics.REGISTRY.get_sample_value(
+        "rollwise_episodes_total", {"env": "bench-coin", "reason": "cut"}
+    )
+    return value or 0.0
+
+
+def _a_group_left_behind(tmp_path: Path, pool: EnginePool, *, cut: float) -> GroupScheduler:
+    """Version 0, B = 2, η = 1, G = 4: four groups admitted, the first held by its hung episode."""
+
+    class Hangs(_SecondEpisodeHangs):
+        made = 0
+        release = asyncio.Event()
+
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=1, max_concurrent=4, factory=Hangs, group_size=4)
+    sched.cut_late_groups = cut
+    sched.release = Hangs.release  # type: ignore[attr-defined]
+    return sched
+
+
+async def test_a_group_at_its_last_chance_is_cut_and_written_with_its_finished_episodes(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """Issue 34: a group whose episode hangs is cut once the learner is at the group's last version and a
+    group started later could complete the batch in its place; the episode that finished is written."""
+    sched = _a_group_left_behind(tmp_path, pool, cut=0.25)
+    episodes_cut_before = _episodes_cut()
+    groups_cut_before = metrics.REGISTRY.get_sample_value("rollwise_groups_cut_total") or 0.0
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 3 and sched.running == 1)
+    # The learner trained one batch (version 1 = 0 + η: the hung group's last) and one written group
+    # waits. The batch is one group short, and no other group runs: the learner would wait for this one.
+    sched.on_learner_step(1, 1)
+    await _settle()
+    assert (sched.groups_cut, sched.running, sched.written) == (0, 1, 3)
+    # The engines serve version 1: admission starts two groups (held in their reset), either of which
+    # could take the place: the admission round cuts the hung group, and it is written before them.
+    sched.on_version(1)
+    await until(lambda: sched.written == 4)
+    assert (sched.groups_cut, sched.started, sched.running) == (1, 6, 2)
+    sched.release.set()  # type: ignore[attr-defined]
+    await until(lambda: sched.written == 6)
+    stop.set()
+    await runner
+    [first] = [item for item in SpoolReader(tmp_path, after_seq=0).poll() if item.group_id == "test-g000001"]
+    segments, rejected = batch_to_segments(first.batch)
+    by_episode = {seg.episode_id: seg for seg in segments}
+    assert rejected == []
+    reasons = {episode: seg.finish_reason for episode, seg in by_episode.items()}
+    assert reasons.pop("test-g000001-1") == "cut"  # its first turn, kept for accounting
+    assert sorted(reasons) == ["test-g000001-0", "test-g000001-2", "test-g000001-3"]
+    assert set(reasons.values()) <= {"stop", "length"}
+    assert _episodes_cut() == episodes_cut_before + 1
+    assert metrics.REGISTRY.get_sample_value("rollwise_groups_cut_total") == groups_cut_before + 1
+
+
+@pytest.mark.parametrize("share", [0.0, 0.2])
+async def test_no_group_is_cut_with_cutting_off_or_a_share_below_one_episode(
+    pool: EnginePool, tmp_path: Path, share: float
+) -> None:
+    sched = _a_group_left_behind(tmp_path, pool, cut=share)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 3 and sched.running == 1)
+    sched.on_learner_step(1, 1)
+    sched.on_version(1)
+    sched.release.set()  # type: ignore[attr-defined]
+    await until(lambda: sched.written == 5)
+    sched.on_learner_step(2, 3)
+    await _settle()
+    assert (sched.groups_cut, sched.running) == (0, 1)  # the hung group runs on, stale by now
+    stop.set()
+    await runner
+    assert await sched.drain(0.0) == (0, 1)

@@ -33,6 +33,8 @@ finish_reason says why the episode ended:
   template cannot render (kind "invalid");
 - "engine_error": any EngineError (ENGINE_ERRORS kind protocol, http, unavailable) or an aborted
   generation that is not resubmitted (kind "abort").
+- "cut": the scheduler cut its group so that the episodes already finished are trained before the group
+  goes stale (pipeline.supervisor.actors.late_cut); the error says at which learner version.
 Rows of failed episodes are kept for accounting (the learner skips them); an episode whose reset
 failed has no tokens and so no row. A failing `env.close()` is counted (kind "close"), not raised.
 With `retry_aborted`, a generation aborted with partial output (SGLang's abort-mode weight sync) is
@@ -46,6 +48,7 @@ Metric labels: env = the `env_name` argument; engine = "pool" (the pool hides wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Awaitable, Coroutine, Generator, Mapping, Sequence
@@ -67,6 +70,7 @@ from pipeline.contracts.schema import (
     segments_to_batch,
 )
 from pipeline.supervisor.actors.chat import ChatBuffer, ChatTokenizer
+from pipeline.supervisor.actors.late_cut import GroupCut
 from pipeline.supervisor.engines.protocol import (
     EngineError,
     EngineHTTPError,
@@ -745,12 +749,15 @@ async def run_episode(
     group_id: str,
     env_name: str,
     record_metrics: bool = True,
+    cut: GroupCut | None = None,
 ) -> EpisodeOutcome:
     """Run one episode to its end (see the module docstring); never raises for env or engine failures.
 
     Cancellation propagates (after env.close()). The rows are the episode's segments, in order.
     `record_metrics = False` (evaluation) keeps the episode out of the training episodes' metrics
     (episodes, turns, rewards, successes, in flight); engine and env failures are still counted.
+    `cut` (its group's, pipeline.supervisor.actors.late_cut) ends the episode where it stands when it
+    fires, as its timeout would, with finish reason `cut`.
     """
     started = time.perf_counter()
     in_flight = metrics.EPISODES_IN_FLIGHT if record_metrics else None
@@ -767,13 +774,17 @@ async def run_episode(
             )
             episode.span, episode.trace_id = current, tracing.trace_id(current)
             try:
-                async with asyncio.timeout(env.spec.episode_timeout_s):
-                    finish_reason = await episode.play(task)
+                async with asyncio.timeout(env.spec.episode_timeout_s) as scope:
+                    with cut.watching(scope) if cut is not None else contextlib.nullcontext():
+                        finish_reason = await episode.play(task)
             except _EpisodeEnded as ended:
                 finish_reason, error = ended.finish_reason, ended.message
             except TimeoutError:
-                finish_reason = "timeout"
-                error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
+                if cut is not None and cut.fired:
+                    finish_reason, error = "cut", cut.reason
+                else:
+                    finish_reason = "timeout"
+                    error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
             if current.is_recording():
                 current.set_attributes(_episode_attributes(episode, finish_reason))
     finally:
@@ -847,8 +858,12 @@ async def run_group(
     env_name: str,
     env_options: Mapping[str, Any] | None = None,
     agent_runner: AgentRunner | None = None,
+    cut: GroupCut | None = None,
 ) -> GroupOutcome:
     """Run `group_size` episodes of `task` concurrently, each with its own `factory(**env_options)`.
+
+    `cut` fired ends the token-in/token-out episodes still running with finish reason `cut` (an agent
+    function's episode runs on: its agent holds the conversation, and stopping it midway is its own call).
 
     Episode ids are `"{group_id}-{i}"`. An `AgentEnvironment`'s episodes are run by `agent_runner` (its
     agent function against the OpenAI endpoint); without one they fail as env_error. If the runner itself
@@ -881,6 +896,7 @@ async def run_group(
             episode_id=episode_id,
             group_id=group_id,
             env_name=env_name,
+            cut=cut,
         )
 
     tasks = [asyncio.create_task(one(i)) for i in range(group_size)]

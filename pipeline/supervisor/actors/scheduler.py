@@ -40,6 +40,14 @@ Decisions:
   duration of the last groups; admission then budgets from its version, so later groups cannot push it
   past its staleness bound. Past that patience it is on its own (it may arrive stale and be dropped):
   one stuck episode must not stop admission for its whole timeout. 0 turns protection off.
+- Late groups (pipeline.supervisor.actors.late_cut): a running group at its last chance of being trained
+  (the learner at its admission version + η, and the batch the learner collects one group short) with at
+  most `cut_late_groups` of its episodes unfinished is cut: those end `cut` and the group is written with
+  the finished ones. The scheduler knows the learner's version and the spool's depth from the learner's
+  step events (`on_learner_step`); groups written since the last one are added to that depth, so the
+  estimate errs towards a full batch (a group written just before the learner measured its depth counts
+  twice) and cutting a little early, never late. Checked at each step event, each group written and each
+  admission round.
 - `pause(by)` / `resume(by)` hold admission for a caller (an evaluation with `eval.pause_training`):
   nothing new starts while any holder remains, running groups go on, and the counters are untouched,
   so staleness admission continues exactly where it stood.
@@ -74,6 +82,7 @@ from envs.api import EnvFactory, Task
 from pipeline.contracts.durable import RefusedWrites, retry_delays
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
+from pipeline.supervisor.actors.late_cut import GroupCut, cut_due
 from pipeline.supervisor.actors.rollout import (
     AgentRunner,
     EpisodeOutcome,
@@ -156,6 +165,7 @@ class GroupScheduler:
         agent_endpoint: AgentEndpoint | None = None,
         engines_up: Callable[[], bool] | None = None,
         straggler_patience: float = 0.0,
+        cut_late_groups: float = 0.25,
     ) -> None:
         self.engine = engine
         # Runs agent-function episodes (pipeline.supervisor.actors.openai_endpoint); owned: drain() closes it.
@@ -195,6 +205,12 @@ class GroupScheduler:
         self._paused_by: set[str] = set()  # who holds admission (pause/resume), e.g. a running evaluation
         self._admitted: dict[str, tuple[int, float]] = {}  # running group -> (version, start time)
         self._durations: deque[float] = deque(maxlen=64)  # of the last groups run, for the patience
+        if not 0 <= cut_late_groups <= 1:
+            raise ValueError(f"cut_late_groups must be a share in [0, 1], got {cut_late_groups}")
+        self.cut_late_groups = cut_late_groups
+        self._cuts: dict[str, GroupCut] = {}  # running group -> its cut (late_cut)
+        # The learner as its last step event left it: (version, spool depth then, self.written then).
+        self._learner: tuple[int, int, int] | None = None
         # Observability (plain attributes, read by the supervisor and the bench).
         self.started = 0
         self.written = 0
@@ -204,6 +220,7 @@ class GroupScheduler:
         self.episodes_finished = 0  # episodes of every group the runner finished (the status line's count)
         self.episodes_succeeded = 0
         self.actor_idle_s = 0.0
+        self.groups_cut = 0
 
     # ------------------------------------------------------------------ counters
     @property
@@ -282,6 +299,42 @@ class GroupScheduler:
         """An engine stopped answering or answers again: admission looks at the fleet again."""
         self._wake.set()
 
+    def on_learner_step(self, version: int, spool_depth_groups: int) -> None:
+        """The learner finished a step: it is at `version`, with `spool_depth_groups` written groups left
+        to train (its step event). Cuts the groups this leaves at their last chance (module docstring)."""
+        self._learner = (version, spool_depth_groups, self.written)
+        self._cut_late()
+
+    def _cut_late(self) -> None:
+        if not self.cut_late_groups or self._learner is None:
+            return
+        learner_version, depth_then, written_then = self._learner
+        waiting = depth_then + self.written - written_then
+        for group_id, (admitted, _) in self._admitted.items():
+            cut = self._cuts[group_id]
+            if cut.fired:
+                continue
+            due = cut_due(
+                admitted_version=admitted,
+                learner_version=learner_version,
+                waiting_groups=waiting,
+                others_running=len(self._admitted) - 1 + len(self._writes),
+                batch_groups=self.admission.batch_groups,
+                max_staleness=self.admission.max_staleness,
+                unfinished=cut.unfinished,
+                group_size=self.group_size,
+                max_share=self.cut_late_groups,
+            )
+            if due:
+                cut.fire(
+                    f"cut: the learner reached version {learner_version}, the last at which group {group_id} "
+                    f"(admitted at {admitted}, max_staleness {self.admission.max_staleness}) can be trained, "
+                    f"with {waiting} of its batch's {self.admission.batch_groups} groups written; "
+                    f"{cut.unfinished} of its {self.group_size} episodes cut"
+                )
+                self.groups_cut += 1
+                metrics.GROUPS_CUT.inc()
+
     def on_dropped(self, n: int = 1) -> None:
         """The learner will never train `n` written groups (stale, too few members, quarantined...)."""
         self._accepted -= n
@@ -301,6 +354,7 @@ class GroupScheduler:
                     for _ in range(self.capacity()):
                         if not self._start_group():
                             break
+                self._cut_late()  # a group started may be the one that can take a late group's place
                 self._publish_queued()
                 if self._exhausted and self._running == 0:
                     return
@@ -348,6 +402,7 @@ class GroupScheduler:
         self._running += 1
         self.started += 1
         self._admitted[group_id] = (self.version, time.monotonic())
+        self._cuts[group_id] = GroupCut()
         metrics.GROUPS_ADMITTED.inc()
         runner = asyncio.create_task(self._run_group(task, group_id), name=f"group {group_id}")
         self._group_tasks.add(runner)
@@ -394,9 +449,11 @@ class GroupScheduler:
                 env_name=self.env_name,
                 env_options=self.env_options,
                 agent_runner=self.agent_endpoint,
+                cut=self._cuts[group_id],
             )
         finally:
             _, started = self._admitted.pop(group_id)
+            self._cuts.pop(group_id)
         self._durations.append(time.monotonic() - started)
         return outcome
 
@@ -466,6 +523,7 @@ class GroupScheduler:
             return
         self._accepted += 1
         self.written += 1
+        self._cut_late()  # a batch one group closer to full may leave a late group at its last chance
 
     # ------------------------------------------------------------------ shutdown
     async def drain(self, grace_s: float) -> tuple[int, int]:

@@ -254,6 +254,12 @@ JUDGE_FAILURES = Counter(
 GROUPS_ADMITTED = Counter(
     "rollwise_groups_admitted", "Groups admitted by staleness control.", registry=REGISTRY
 )
+GROUPS_CUT = Counter(
+    "rollwise_groups_cut",
+    "Groups cut at their last chance of being trained (async.cut_late_groups), so that their finished "
+    'episodes are; rollwise_episodes_total{reason="cut"} counts the episodes the cuts stopped.',
+    registry=REGISTRY,
+)
 GROUPS_WRITTEN = Counter("rollwise_groups_written", "Groups fsync'd to the spool.", registry=REGISTRY)
 GROUPS_ACCEPTED = Counter("rollwise_groups_accepted", "Groups the learner trained on.", registry=REGISTRY)
 GROUPS_DROPPED = Counter(
@@ -644,7 +650,7 @@ EVAL_DURATION = Histogram(
 
 # Known label values, initialised to zero at start-up so every dashboard query has a series before the
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
-FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout")
+FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout", "cut")
 ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
 ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "refused", "judge")
 DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update", "routing_mismatch")

@@ -18,7 +18,8 @@ What is real and what is modelled:
 Both runs use the same seeds and parameters; only η differs. Reported per η: learner steps/hour,
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
 idle fraction (admission held work back because of staleness), mean token staleness of trained
-groups, and dropped groups.
+groups, dropped groups, and groups cut at their last chance (async.cut_late_groups; after each modelled
+step the scheduler hears the version and the spool's depth, as from the learner's step event).
 
 Where the speed-up ends: with η > 0 the learner is never idle once generation keeps up, so steps/hour
 cannot exceed 3600 / step_s, and the speed-up cannot exceed (the η = 0 step time) / step_s: the time
@@ -125,6 +126,7 @@ class BenchParams:
     median_tokens: float = 40.0  # response lengths ~ lognormal(median, sigma), capped by max_new_tokens
     sigma: float = 1.0
     straggler_patience: float = 0.0  # async.straggler_patience (0 = no straggler protection)
+    cut_late_groups: float = 0.25  # async.cut_late_groups (0 = never cut)
 
 
 @dataclass
@@ -140,6 +142,7 @@ class ModeResult:
     max_staleness: int
     trained_groups: int
     dropped_stale: int
+    groups_cut: int
     sync_s_mean: float
 
 
@@ -179,6 +182,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         spool=SpoolWriter(spool_dir),
         tasks=env.tasks(params.seed),
         straggler_patience=params.straggler_patience,
+        cut_late_groups=params.cut_late_groups,
     )
     reader = SpoolReader(spool_dir, after_seq=0)
     stop = asyncio.Event()
@@ -244,6 +248,8 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             staleness.extend(batch_versions)
             (workdir / f"weights-eta{eta}" / f"v{version}").mkdir(parents=True)  # the export
             published.set()
+            # The step event: groups read and not taken, plus those not read yet (the learner's depth).
+            scheduler.on_learner_step(version, len(waiting) + reader.depth()[0])
     finally:
         wall = time.monotonic() - started
         engine_busy_s = engine.busy_seconds()
@@ -266,6 +272,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         max_staleness=max(staleness) if staleness else 0,
         trained_groups=trained,
         dropped_stale=dropped,
+        groups_cut=scheduler.groups_cut,
         sync_s_mean=sum(sync_times) / len(sync_times) if sync_times else 0.0,
     )
 
@@ -298,6 +305,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=d.straggler_patience,
         help="async.straggler_patience: median group durations a straggler is protected (0 = off)",
     )
+    p.add_argument(
+        "--cut-late-groups",
+        type=float,
+        default=d.cut_late_groups,
+        help="async.cut_late_groups: largest share of a group's episodes a cut may stop (0 = never cut)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p.parse_args(list(argv))
 
@@ -317,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         median_tokens=args.median_tokens,
         sigma=args.sigma,
         straggler_patience=args.straggler_patience,
+        cut_late_groups=args.cut_late_groups,
     )
     model = LatencyModel(
         per_token_s=args.per_token_ms / 1e3, prefill_s=args.prefill_ms / 1e3, load_s=args.load_ms / 1e3
@@ -345,12 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{model.per_token_s * 1e3:g} ms/token + {model.prefill_s * 1e3:g} ms prefill"
         )
         header = f"{'eta':>4} {'steps':>6} {'steps/h':>9} {'learner idle':>13} {'engine idle':>12} "
-        print(header + f"{'actor idle':>11} {'staleness':>10} {'max':>4} {'dropped':>8} {'sync s':>7}")
+        header += f"{'actor idle':>11} {'staleness':>10} {'max':>4} {'dropped':>8} {'cut':>4} {'sync s':>7}"
+        print(header)
         for r in results:
             print(
                 f"{r.eta:>4} {r.steps:>6} {r.steps_per_hour:>9.0f} {r.learner_idle_fraction:>13.1%} "
                 f"{r.engine_idle_fraction:>12.1%} {r.actor_idle_fraction:>11.1%} {r.mean_staleness:>10.2f} "
-                f"{r.max_staleness:>4} {r.dropped_stale:>8} {r.sync_s_mean:>7.3f}"
+                f"{r.max_staleness:>4} {r.dropped_stale:>8} {r.groups_cut:>4} {r.sync_s_mean:>7.3f}"
             )
         ceiling = 3600.0 / params.step_s / sync.steps_per_hour if sync.steps_per_hour else math.inf
         print(

@@ -7,59 +7,52 @@ import asyncio
 
 import pytest
 
-from pipeline.supervisor.actors.late_cut import GroupCut, cut_due
+from pipeline.supervisor.actors.late_cut import GroupCut, RunningGroup, groups_to_cut
 
 
-def _due(
-    admitted: int,
+def _cut(
+    running: list[tuple[int, int]],
+    *,
     learner: int,
     waiting: int,
-    others: int,
-    *,
+    writing: int = 0,
     batch: int = 4,
     eta: int = 1,
-    unfinished: int = 1,
     group_size: int = 16,
     share: float = 0.25,
-) -> bool:
-    return cut_due(
-        admitted_version=admitted,
+) -> list[str]:
+    """groups_to_cut over running groups given as (admitted version, unfinished episodes), named g0, g1..."""
+    return groups_to_cut(
+        [RunningGroup(f"g{i}", admitted, unfinished) for i, (admitted, unfinished) in enumerate(running)],
         learner_version=learner,
         waiting_groups=waiting,
-        others_running=others,
+        writing_groups=writing,
         batch_groups=batch,
         max_staleness=eta,
-        unfinished=unfinished,
         group_size=group_size,
         max_share=share,
     )
 
 
-@pytest.mark.parametrize(
-    ("admitted", "learner", "waiting", "others", "expected"),
-    [
-        (0, 0, 10, 10, False),  # the learner below a + η: a later batch can still take it
-        (3, 3, 4, 5, False),
-        (0, 1, 3, 1, True),  # at a + η, one group short, another running could complete the batch
-        (0, 1, 3, 0, False),  # ... but nobody else can: the learner waits for this group
-        (0, 1, 2, 5, False),  # two short: the batch cannot start without this group
-        (0, 1, 4, 0, True),  # the batch is full without it
-        (0, 5, 9, 0, True),  # long past: cut so that the slot comes back (it is dropped stale)
-        (2, 3, 3, 2, True),
-    ],
-)
-def test_a_group_is_cut_at_its_last_batch_when_another_group_could_take_its_place(
-    admitted: int, learner: int, waiting: int, others: int, expected: bool
-) -> None:
-    assert _due(admitted, learner, waiting, others) is expected
+def test_a_group_at_its_last_batch_is_cut_when_another_group_could_take_its_place() -> None:
+    # g0 admitted at 0 is at its last chance at learner version 1 (η = 1); g1 from version 1 is not.
+    assert _cut([(0, 1), (1, 9)], learner=1, waiting=3) == ["g0"]
+    assert _cut([(0, 1)], learner=1, waiting=3) == []  # nobody else runs: the learner waits for it
+    assert _cut([(0, 1), (1, 9)], learner=0, waiting=3) == []  # a later batch can still take it
+    assert _cut([(0, 1), (1, 9)], learner=1, waiting=2) == []  # the batch needs more than it
+    assert _cut([(0, 1), (1, 9)], learner=1, waiting=2, writing=1) == ["g0"]  # one lands any moment
+    assert _cut([(0, 1)], learner=1, waiting=4) == ["g0"]  # complete without it: only a cut can catch it
+    assert _cut([(0, 1)], learner=5, waiting=9) == ["g0"]  # long past: the slot comes back sooner
 
 
-def test_with_eta_zero_admission_never_leaves_a_group_to_cut() -> None:
-    """η = 0 admits B groups per version: while one runs, at most B - 1 are written and the others that
-    run are of its own batch, counted in `waiting` once written. The rule must not cut the last one."""
-    assert not _due(3, 3, 3, 0, batch=4, eta=0)
-    assert not _due(3, 3, 2, 1, batch=4, eta=0)
-    assert _due(3, 3, 3, 1, batch=4, eta=0)  # unreachable under admission, stated for the rule's sake
+def test_groups_at_their_last_chance_are_cut_together_once_they_would_complete_the_batch() -> None:
+    """Cut one by one at the last free place, each would find it just taken by the first of them."""
+    late = [(0, 1), (0, 2), (0, 3)]
+    assert _cut([*late, (1, 9)], learner=1, waiting=1, batch=4) == ["g0", "g1", "g2"]
+    assert _cut([*late, (1, 9)], learner=1, waiting=0, batch=4) == []
+    # A late group with too many episodes left is not cut, and does not count towards the batch.
+    assert _cut([(0, 1), (0, 5), (1, 9)], learner=1, waiting=2, batch=4) == []
+    assert _cut([(0, 1), (0, 5), (1, 9)], learner=1, waiting=3, batch=4) == ["g0"]
 
 
 @pytest.mark.parametrize(
@@ -78,12 +71,22 @@ def test_with_eta_zero_admission_never_leaves_a_group_to_cut() -> None:
 def test_a_cut_stops_at_most_its_share_of_the_group_and_leaves_two_finished(
     unfinished: int, group_size: int, share: float, expected: bool
 ) -> None:
-    assert _due(0, 1, 3, 1, unfinished=unfinished, group_size=group_size, share=share) is expected
+    chosen = _cut([(0, unfinished), (1, 1)], learner=1, waiting=3, group_size=group_size, share=share)
+    assert chosen == (["g0"] if expected else [])
+
+
+def test_with_eta_zero_admission_never_leaves_a_group_to_cut() -> None:
+    """η = 0 admits B groups per version: the running ones and those written are the learner's batch,
+    so no group outside it could take a place, and a batch they complete is the one the learner waits
+    for."""
+    assert _cut([(3, 1)], learner=3, waiting=3, eta=0) == []
+    assert _cut([(3, 1), (3, 2)], learner=3, waiting=2, eta=0) == []
+    assert _cut([(3, 1), (3, 2)], learner=3, waiting=1, writing=1, eta=0) == []
 
 
 def test_a_larger_staleness_bound_moves_the_last_chance_later() -> None:
-    assert not _due(0, 2, 7, 3, batch=8, eta=3)
-    assert _due(0, 3, 7, 3, batch=8, eta=3)
+    assert _cut([(0, 1), (3, 9)], learner=2, waiting=7, batch=8, eta=3) == []
+    assert _cut([(0, 1), (3, 9)], learner=3, waiting=7, batch=8, eta=3) == ["g0"]
 
 
 async def test_a_cut_expires_every_watched_scope_and_one_entered_after_it() -> None:

@@ -6,11 +6,13 @@ timeout, a very long generation) keeps the whole group running while the learner
 finally written the learner has passed a + η and drops all of it, the finished episodes with the slow
 one. Admission cannot prevent it without stalling the learner (`async.straggler_patience`).
 
-So the scheduler cuts such a group at its last chance: once the learner has reached version a + η (the
-batch it collects now is the last one the group can join) and that batch lacks at most one group, which
-another running group could supply, provided only a few of its episodes are still running. Those end
-with finish reason `cut` (their rows are written for accounting, never trained, like a `timeout`), and
-the group is written at once with the episodes that finished, to take the last place in that batch.
+So the scheduler cuts such groups at their last chance: once the learner has reached version a + η (the
+batch it collects now is the last one they can join) and they would complete that batch with the groups
+already written, while another group could complete it in their place, provided only a few of their
+episodes are still running. Those end with finish reason `cut` (their rows are written for accounting,
+never trained, like a `timeout`), and each group is written at once with the episodes that finished, to
+take its place in that batch (the learner takes the earliest deadlines first: a group admitted later
+that was written before them waits for the next batch).
 
 What this costs, and why the cap: a cut stops sampled work too, and the episodes it stops are the
 group's slowest, so a group trained after a cut leaves its longest episodes out of its advantage
@@ -21,47 +23,65 @@ largest share of a group's episodes one cut may stop (0.25 by default: one hung 
 half of every group in the long tail of generation lengths; 0 = never cut), and a group left with fewer
 than two finished episodes (too few for a leave-one-out baseline) is not cut at all.
 
-`cut_due` is the rule, pure; `GroupCut` is the handle a group's episodes share: each episode registers its
-episode-timeout scope with it (pipeline.supervisor.actors.rollout.run_episode), and `fire` moves every
-registered scope's deadline to now, so the cut goes through the path an episode timeout takes.
+`groups_to_cut` is the rule, pure; `GroupCut` is the handle a group's episodes share: each episode
+registers its episode-timeout scope with it (pipeline.supervisor.actors.rollout.run_episode), and `fire`
+moves every registered scope's deadline to now, so the cut goes through the path an episode timeout takes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 
-def cut_due(
+@dataclass(frozen=True)
+class RunningGroup:
+    """A group still playing: its id, the version it was admitted at, its episodes not yet finished."""
+
+    group_id: str
+    admitted_version: int
+    unfinished: int
+
+
+def groups_to_cut(
+    running: Sequence[RunningGroup],
     *,
-    admitted_version: int,
     learner_version: int,
     waiting_groups: int,
-    others_running: int,
+    writing_groups: int,
     batch_groups: int,
     max_staleness: int,
-    unfinished: int,
     group_size: int,
     max_share: float,
-) -> bool:
-    """Whether a group still running should be cut now (module docstring).
+) -> list[str]:
+    """The running groups to cut now (module docstring), in the order given.
 
-    `waiting_groups` = groups written and not yet consumed by the learner (those of the batch it collects
-    now); `others_running` = the other groups running or being written, any of which could complete that
-    batch in this group's place. The group is not yet at its last chance while the learner is below
-    a + η; at it, a batch still short of two or more groups cannot go without it, and one short of exactly
-    one waits for it unless another group can complete it. With η = 0 admission never lets that happen
-    (the learner waits for the B groups of its version), so no group is ever cut there. `unfinished` of
-    the group's `group_size` episodes still run: a cut stops them, so they must be at least one and at
-    most `max_share` of the group, and leave two finished."""
-    if not 0 < unfinished <= max_share * group_size or group_size - unfinished < 2:
-        return False
-    if learner_version < admitted_version + max_staleness:
-        return False
-    if waiting_groups >= batch_groups:
-        return True  # the learner has a full batch without this group: only a cut can still catch it
-    return waiting_groups == batch_groups - 1 and others_running > 0
+    A group can be cut when the learner has reached its last chance (version >= admitted + η) and a cut
+    would stop at least one and at most `max_share` of its episodes, leaving two finished. Those groups
+    are cut together once they would complete the batch the learner collects, with the groups written
+    and not yet consumed (`waiting_groups`) and those about to be (`writing_groups`: being written, or
+    cut and closing their episodes), and a group that is not to be cut still runs, which could take
+    their places; or once that batch is complete without them. Together and not at the last free place,
+    because the learner forms its batch the moment it holds B groups (the earliest deadlines first among
+    those): groups cut one by one at the last place would each find it just taken by the first of them.
+    Not sooner, because a cut is only worth its episodes where the group would otherwise go stale. With
+    η = 0 admission never lets that happen (no group outside the learner's B groups of its version
+    runs), so nothing is cut there."""
+    cuttable = [
+        group.group_id
+        for group in running
+        if learner_version >= group.admitted_version + max_staleness
+        and 0 < group.unfinished <= max_share * group_size
+        and group_size - group.unfinished >= 2
+    ]
+    landing = waiting_groups + writing_groups
+    if not cuttable or landing + len(cuttable) < batch_groups:
+        return []
+    if landing >= batch_groups or len(running) > len(cuttable):
+        return cuttable
+    return []
 
 
 class GroupCut:

@@ -40,14 +40,15 @@ Decisions:
   duration of the last groups; admission then budgets from its version, so later groups cannot push it
   past its staleness bound. Past that patience it is on its own (it may arrive stale and be dropped):
   one stuck episode must not stop admission for its whole timeout. 0 turns protection off.
-- Late groups (pipeline.supervisor.actors.late_cut): a running group at its last chance of being trained
-  (the learner at its admission version + η, and the batch the learner collects one group short) with at
-  most `cut_late_groups` of its episodes unfinished is cut: those end `cut` and the group is written with
-  the finished ones. The scheduler knows the learner's version and the spool's depth from the learner's
-  step events (`on_learner_step`); groups written since the last one are added to that depth, so the
-  estimate errs towards a full batch (a group written just before the learner measured its depth counts
-  twice) and cutting a little early, never late. Checked at each step event, each group written and each
-  admission round.
+- Late groups (pipeline.supervisor.actors.late_cut): running groups at their last chance of being trained
+  (the learner at their admission version + η) with at most `cut_late_groups` of their episodes unfinished
+  are cut together once they would complete the batch the learner collects and another group could
+  complete it in their place: their unfinished episodes end `cut` and each is written with its finished
+  ones. A group already cut and still closing its episodes counts as being written. The scheduler knows
+  the learner's version and the spool's depth from the learner's step events (`on_learner_step`);
+  groups written since the last one are added to that depth, so the estimate errs towards a full batch
+  (a group written just before the learner measured its depth counts twice) and cutting a little early,
+  never late. Checked at each step event, each group written and each admission round.
 - `pause(by)` / `resume(by)` hold admission for a caller (an evaluation with `eval.pause_training`):
   nothing new starts while any holder remains, running groups go on, and the counters are untouched,
   so staleness admission continues exactly where it stood.
@@ -82,7 +83,7 @@ from envs.api import EnvFactory, Task
 from pipeline.contracts.durable import RefusedWrites, retry_delays
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
-from pipeline.supervisor.actors.late_cut import GroupCut, cut_due
+from pipeline.supervisor.actors.late_cut import GroupCut, RunningGroup, groups_to_cut
 from pipeline.supervisor.actors.rollout import (
     AgentRunner,
     EpisodeOutcome,
@@ -310,30 +311,33 @@ class GroupScheduler:
             return
         learner_version, depth_then, written_then = self._learner
         waiting = depth_then + self.written - written_then
-        for group_id, (admitted, _) in self._admitted.items():
+        running = [
+            RunningGroup(group_id, admitted, self._cuts[group_id].unfinished)
+            for group_id, (admitted, _) in self._admitted.items()
+            if not self._cuts[group_id].fired
+        ]
+        cut_ids = groups_to_cut(
+            running,
+            learner_version=learner_version,
+            waiting_groups=waiting,
+            writing_groups=len(self._writes) + len(self._admitted) - len(running),  # cut ones close
+            batch_groups=self.admission.batch_groups,
+            max_staleness=self.admission.max_staleness,
+            group_size=self.group_size,
+            max_share=self.cut_late_groups,
+        )
+        for group_id in cut_ids:
             cut = self._cuts[group_id]
-            if cut.fired:
-                continue
-            due = cut_due(
-                admitted_version=admitted,
-                learner_version=learner_version,
-                waiting_groups=waiting,
-                others_running=len(self._admitted) - 1 + len(self._writes),
-                batch_groups=self.admission.batch_groups,
-                max_staleness=self.admission.max_staleness,
-                unfinished=cut.unfinished,
-                group_size=self.group_size,
-                max_share=self.cut_late_groups,
+            admitted, _ = self._admitted[group_id]
+            cut.fire(
+                f"cut: the learner reached version {learner_version}, the last at which group {group_id} "
+                f"(admitted at {admitted}, max_staleness {self.admission.max_staleness}) can be trained; "
+                f"{waiting} groups written and {len(cut_ids)} cut at once for its batch of "
+                f"{self.admission.batch_groups}; {cut.unfinished} of its {self.group_size} episodes stopped"
             )
-            if due:
-                cut.fire(
-                    f"cut: the learner reached version {learner_version}, the last at which group {group_id} "
-                    f"(admitted at {admitted}, max_staleness {self.admission.max_staleness}) can be trained, "
-                    f"with {waiting} of its batch's {self.admission.batch_groups} groups written; "
-                    f"{cut.unfinished} of its {self.group_size} episodes cut"
-                )
-                self.groups_cut += 1
-                metrics.GROUPS_CUT.inc()
+            log.info("%s", cut.reason)
+            self.groups_cut += 1
+            metrics.GROUPS_CUT.inc()
 
     def on_dropped(self, n: int = 1) -> None:
         """The learner will never train `n` written groups (stale, too few members, quarantined...)."""

@@ -39,6 +39,7 @@ def test_overrides_parse_literals_and_nested_keys() -> None:
     [
         ("learner.lrr=1", "learner.lrr: Extra inputs are not permitted"),
         ("async.max_staleness=-1", "async.max_staleness: Input should be greater than or equal to 0"),
+        ("async.cut_late_groups=1.5", "async.cut_late_groups: Input should be less than or equal to 1"),
         ("sampling.top_p=0", "sampling.top_p: Input should be greater than 0"),
         ("engine.kind=external", "engine.urls must list at least one server"),
         ("learner.loss.kind=ppo", "learner.loss.kind: Input should be"),

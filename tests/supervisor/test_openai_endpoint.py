@@ -15,6 +15,7 @@ import pytest
 from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult
 from envs.api import Task
 from pipeline.contracts.schema import validate_segment
+from pipeline.supervisor.actors.late_cut import GroupCut
 from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings, run_group
 from pipeline.supervisor.engines.client import EngineClient
@@ -470,6 +471,8 @@ async def test_concurrent_episodes_of_a_group_never_mix(
         return float(len(set(said)) == 1)  # 1.0 when every reply came from this episode's own stream
 
     env = AgentEnvironment(agent, one_task)
+    cut = GroupCut(6)
+    cut.fire("a cut that cannot stop an agent function's episode")
     group = await run_group(
         endpoint.engine,
         endpoint.tokenizer,
@@ -480,9 +483,11 @@ async def test_concurrent_episodes_of_a_group_never_mix(
         group_id="g",
         env_name="agent-group",
         agent_runner=endpoint,
+        cut=cut,
     )
     assert len(keys) == 6
-    assert [ep.finish_reason for ep in group.episodes] == ["stop"] * 6
+    assert [ep.finish_reason for ep in group.episodes] == ["stop"] * 6  # the cut left them alone
+    assert (cut.finished, cut.uncuttable, cut.unfinished) == (6, True, 0)  # so the scheduler never cuts it
     assert [ep.outcome for ep in group.episodes] == [1.0] * 6
     for index, episode in enumerate(group.episodes):
         [row] = episode.rows

@@ -660,6 +660,24 @@ async def test_a_group_at_its_last_chance_is_cut_and_written_with_its_finished_e
     assert metrics.REGISTRY.get_sample_value("rollwise_groups_cut_total") == groups_cut_before + 1
 
 
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_a_cut_share_outside_zero_to_one_is_refused(pool: EnginePool, tmp_path: Path, share: float) -> None:
+    with pytest.raises(ValueError, match=r"cut_late_groups must be a share in \[0, 1\], got"):
+        GroupScheduler(
+            engine=pool,
+            tokenizer=CharTokenizer(),
+            factory=CoinEnv,
+            env_name="x",
+            env_options=None,
+            settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
+            group_size=G,
+            admission=AdmissionController(batch_groups=1, max_staleness=1, max_concurrent=4),
+            spool=SpoolWriter(tmp_path),
+            tasks=_tasks(),
+            cut_late_groups=share,
+        )
+
+
 @pytest.mark.parametrize("share", [0.0, 0.2])
 async def test_no_group_is_cut_with_cutting_off_or_a_share_below_one_episode(
     pool: EnginePool, tmp_path: Path, share: float

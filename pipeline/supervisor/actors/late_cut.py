@@ -85,9 +85,16 @@ def groups_to_cut(
 
 
 class GroupCut:
-    """What a group's episodes share so that a cut stops every one of them where it stands."""
+    """What a group's episodes share so that a cut stops every one of them where it stands.
 
-    def __init__(self) -> None:
+    The group runner counts each episode that finishes (`finished`), and marks the group `uncuttable`
+    when one of its episodes is an agent function's (which a cut cannot stop: its agent holds the
+    conversation). `unfinished` is then what a cut would stop: 0 for such a group."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.finished = 0
+        self.uncuttable = False
         self.reason: str | None = None
         self._scopes: set[asyncio.Timeout] = set()
 
@@ -97,8 +104,8 @@ class GroupCut:
 
     @property
     def unfinished(self) -> int:
-        """Episodes still running under this cut's watch (an agent function's episode is never watched)."""
-        return len(self._scopes)
+        """Episodes a cut would stop now (class docstring)."""
+        return 0 if self.uncuttable else self.group_size - self.finished
 
     def fire(self, reason: str) -> None:
         """Cut the group: every episode still running times out now; `reason` becomes each one's error."""

@@ -874,6 +874,13 @@ async def run_group(
     options = dict(env_options or {})
 
     async def one(index: int) -> EpisodeOutcome:
+        try:
+            return await play(index)
+        finally:
+            if cut is not None:
+                cut.finished += 1
+
+    async def play(index: int) -> EpisodeOutcome:
         episode_id = f"{group_id}-{index}"
         try:
             env = factory(**options)
@@ -884,6 +891,8 @@ async def run_group(
                 await _close_env(env, env_name)
                 message = "an agent environment needs an OpenAI endpoint (agent_runner), and none was given"
                 return _failed_to_start(episode_id, group_id, task, env_name, message)
+            if cut is not None:
+                cut.uncuttable = True
             return await agent_runner.run_agent_episode(
                 env, task, episode_id=episode_id, group_id=group_id, env_name=env_name
             )

@@ -406,7 +406,7 @@ class GroupScheduler:
         self._running += 1
         self.started += 1
         self._admitted[group_id] = (self.version, time.monotonic())
-        self._cuts[group_id] = GroupCut()
+        self._cuts[group_id] = GroupCut(self.group_size)
         metrics.GROUPS_ADMITTED.inc()
         runner = asyncio.create_task(self._run_group(task, group_id), name=f"group {group_id}")
         self._group_tasks.add(runner)

@@ -14,6 +14,7 @@ import pytest
 
 from envs.api import Action, Environment, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments
+from pipeline.supervisor.actors import scheduler as scheduler_module
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.actors.scheduler import FailureStreak, GroupScheduler
@@ -586,6 +587,7 @@ class _SecondEpisodeHangs(CoinEnv):
 
     made = 0
     release: asyncio.Event
+    closing: asyncio.Event | None = None  # when set up, the hung episode's close waits for it
 
     def __init__(self, turns: int = 2) -> None:
         super().__init__(turns)
@@ -602,6 +604,10 @@ class _SecondEpisodeHangs(CoinEnv):
             await asyncio.Event().wait()
         return await super().step(action)
 
+    async def close(self) -> None:
+        if self.number == 2 and type(self).closing is not None:
+            await type(self).closing.wait()
+
 
 def _episodes_cut() -> float:
     value = metrics.REGISTRY.get_sample_value(
@@ -610,12 +616,16 @@ def _episodes_cut() -> float:
     return value or 0.0
 
 
-def _a_group_left_behind(tmp_path: Path, pool: EnginePool, *, cut: float) -> GroupScheduler:
+def _a_group_left_behind(
+    tmp_path: Path, pool: EnginePool, *, cut: float, closing: asyncio.Event | None = None
+) -> GroupScheduler:
     """Version 0, B = 2, η = 1, G = 4: four groups admitted, the first held by its hung episode."""
 
     class Hangs(_SecondEpisodeHangs):
         made = 0
         release = asyncio.Event()
+
+    Hangs.closing = closing
 
     sched = make_scheduler(pool, tmp_path, batch=2, eta=1, max_concurrent=4, factory=Hangs, group_size=4)
     sched.cut_late_groups = cut
@@ -658,6 +668,51 @@ async def test_a_group_at_its_last_chance_is_cut_and_written_with_its_finished_e
     assert set(reasons.values()) <= {"stop", "length"}
     assert _episodes_cut() == episodes_cut_before + 1
     assert metrics.REGISTRY.get_sample_value("rollwise_groups_cut_total") == groups_cut_before + 1
+
+
+async def test_a_cut_group_is_written_before_groups_that_finish_while_it_closes(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """The learner completes its batch with whatever lands first: a group admitted after the cut one and
+    finished while the cut one closed its episodes would take its place, so its write waits."""
+    closing = asyncio.Event()
+    sched = _a_group_left_behind(tmp_path, pool, cut=0.25, closing=closing)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 3 and sched.running == 1)
+    sched.on_learner_step(1, 1)
+    sched.on_version(1)  # two groups start: the hung one is cut, and its hung episode's close hangs
+    await until(lambda: sched.groups_cut == 1)
+    sched.release.set()  # type: ignore[attr-defined]
+    await until(lambda: sched.episodes_finished == 3 * 4 + 2 * 4)  # the two new groups are done playing
+    await _settle()
+    assert sched.written == 3  # ... and wait to be written
+    closing.set()
+    await until(lambda: sched.written == 6)
+    stop.set()
+    await runner
+    order = [item.group_id for item in SpoolReader(tmp_path, after_seq=0).poll()]
+    assert order[3] == "test-g000001" and sorted(order[4:]) == ["test-g000005", "test-g000006"]
+
+
+async def test_writes_wait_for_a_cut_group_only_so_long(
+    pool: EnginePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scheduler_module, "CUT_WRITES_FIRST_S", 0.3)
+    sched = _a_group_left_behind(tmp_path, pool, cut=0.25, closing=asyncio.Event())  # never closes
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 3 and sched.running == 1)
+    sched.on_learner_step(1, 1)
+    sched.on_version(1)
+    await until(lambda: sched.groups_cut == 1)
+    sched.release.set()  # type: ignore[attr-defined]
+    await until(
+        lambda: sched.written == 5, timeout_s=3.0
+    )  # written after the wait, the cut one still closing
+    stop.set()
+    await runner
+    assert await sched.drain(0.0) == (0, 1)
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.5])

@@ -32,11 +32,11 @@ class StepTracker(Protocol):
 
 class SchedulerSide(Protocol):
     """What the scheduler hears of the learner: a dropped group gives its admission slot back, and each
-    step's version and spool depth say which running groups are at their last chance (late_cut)."""
+    step's version and spool position say which running groups are at their last chance (late_cut)."""
 
     def on_dropped(self, count: int) -> None: ...
 
-    def on_learner_step(self, version: int, spool_depth_groups: int) -> None: ...
+    def on_learner_step(self, version: int, consumed_groups: int) -> None: ...
 
 
 @dataclass
@@ -177,7 +177,7 @@ class LearnerEvents:
         if self.trackers is not None:
             self.trackers.log_step(event)
         if self.scheduler is not None:
-            self.scheduler.on_learner_step(event.version, event.spool_depth_groups)
+            self.scheduler.on_learner_step(event.version, event.consumed_seq + len(event.consumed_after))
 
     def on_dropped(self, seq: int, reason: str) -> None:
         """A written group the learner will never train: admission gets its slot back. Deduplicated by

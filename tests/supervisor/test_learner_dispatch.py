@@ -28,8 +28,8 @@ class _Admission:
     def on_dropped(self, count: int) -> None:
         self.returned += count
 
-    def on_learner_step(self, version: int, spool_depth_groups: int) -> None:
-        self.steps.append((version, spool_depth_groups))
+    def on_learner_step(self, version: int, consumed_groups: int) -> None:
+        self.steps.append((version, consumed_groups))
 
 
 @dataclass
@@ -79,13 +79,16 @@ async def test_a_step_reaches_the_book_the_step_log_and_the_progress_stream(disp
     assert json.loads(out.getvalue().splitlines()[-1])["step"] == 7
 
 
-async def test_each_step_tells_the_scheduler_the_learners_version_and_spool_depth(dispatch: Dispatch) -> None:
+async def test_each_step_tells_the_scheduler_its_version_and_groups_consumed(
+    dispatch: Dispatch,
+) -> None:
     handler = dispatch.handler
     await handler.handle(_step(6))  # before the scheduler exists: nothing to tell
     admission = _Admission()
     handler.attach(admission)
-    await handler.handle(_step(7))
-    assert admission.steps == [(7, 3)]
+    await handler.handle(_step(7))  # watermark 28
+    await handler.handle(_step(8, consumed_after=[34, 36]))  # watermark 32, two seqs beyond it
+    assert admission.steps == [(7, 28), (8, 34)]
 
 
 async def test_finished_stops_the_daemon_with_the_learners_reason(dispatch: Dispatch) -> None:

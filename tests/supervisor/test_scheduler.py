@@ -646,7 +646,7 @@ async def test_a_group_at_its_last_chance_is_cut_and_written_with_its_finished_e
     await until(lambda: sched.written == 3 and sched.running == 1)
     # The learner trained one batch (version 1 = 0 + η: the hung group's last) and one written group
     # waits. The batch is one group short, and no other group runs: the learner would wait for this one.
-    sched.on_learner_step(1, 1)
+    sched.on_learner_step(1, 2)
     await _settle()
     assert (sched.groups_cut, sched.running, sched.written) == (0, 1, 3)
     # The engines serve version 1: admission starts two groups (held in their reset), either of which
@@ -680,7 +680,7 @@ async def test_a_cut_group_is_written_before_groups_that_finish_while_it_closes(
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
     await until(lambda: sched.written == 3 and sched.running == 1)
-    sched.on_learner_step(1, 1)
+    sched.on_learner_step(1, 2)
     sched.on_version(1)  # two groups start: the hung one is cut, and its hung episode's close hangs
     await until(lambda: sched.groups_cut == 1)
     sched.release.set()  # type: ignore[attr-defined]
@@ -703,7 +703,7 @@ async def test_writes_wait_for_a_cut_group_only_so_long(
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
     await until(lambda: sched.written == 3 and sched.running == 1)
-    sched.on_learner_step(1, 1)
+    sched.on_learner_step(1, 2)
     sched.on_version(1)
     await until(lambda: sched.groups_cut == 1)
     sched.release.set()  # type: ignore[attr-defined]
@@ -741,11 +741,11 @@ async def test_no_group_is_cut_with_cutting_off_or_a_share_below_one_episode(
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
     await until(lambda: sched.written == 3 and sched.running == 1)
-    sched.on_learner_step(1, 1)
+    sched.on_learner_step(1, 2)
     sched.on_version(1)
     sched.release.set()  # type: ignore[attr-defined]
     await until(lambda: sched.written == 5)
-    sched.on_learner_step(2, 3)
+    sched.on_learner_step(2, 2)
     await _settle()
     assert (sched.groups_cut, sched.running) == (0, 1)  # the hung group runs on, stale by now
     stop.set()

@@ -248,8 +248,9 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             staleness.extend(batch_versions)
             (workdir / f"weights-eta{eta}" / f"v{version}").mkdir(parents=True)  # the export
             published.set()
-            # The step event: groups read and not taken, plus those not read yet (the learner's depth).
-            scheduler.on_learner_step(version, len(waiting) + reader.depth()[0])
+            # The step event: the spool groups consumed so far (trained or dropped), as the learner's
+            # watermark plus the seqs it consumed beyond it say.
+            scheduler.on_learner_step(version, trained + dropped)
     finally:
         wall = time.monotonic() - started
         engine_busy_s = engine.busy_seconds()

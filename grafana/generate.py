@@ -606,14 +606,17 @@ def reliability() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
-                    "Groups dropped by reason",
-                    "increase(rollwise_groups_dropped_total) by reason.",
+                    "Groups dropped by reason, and cut",
+                    "increase(rollwise_groups_dropped_total) by reason; increase(rollwise_groups_cut_total): "
+                    "groups written without their slowest episodes so that they were not dropped stale "
+                    "(async.cut_late_groups).",
                     "short",
                     (
                         q(
                             f"sum by (reason) (increase(rollwise_groups_dropped_total{{{SEL}}}[{RI}]))",
                             "{{reason}}",
                         ),
+                        q(f"sum(increase(rollwise_groups_cut_total{{{SEL}}}[{RI}]))", "cut"),
                     ),
                 ),
                 PanelSpec(

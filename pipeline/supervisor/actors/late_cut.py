@@ -11,8 +11,8 @@ batch it collects now is the last one they can join) and they would complete tha
 already written, while another group could complete it in their place, provided only a few of their
 episodes are still running. Those end with finish reason `cut` (their rows are written for accounting,
 never trained, like a `timeout`), and each group is written at once with the episodes that finished, to
-take its place in that batch (the learner takes the earliest deadlines first: a group admitted later
-that was written before them waits for the next batch).
+take its place in that batch: the learner takes the groups it holds earliest deadline first, and the
+scheduler holds other groups' writes until the cut ones are written (GroupScheduler).
 
 What this costs, and why the cap: a cut stops sampled work too, and the episodes it stops are the
 group's slowest, so a group trained after a cut leaves its longest episodes out of its advantage

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from envs.api import Action, Environment, StepResult, Task
-from pipeline.contracts.schema import batch_to_segments
+from pipeline.contracts.schema import batch_to_segments, segments_to_batch
 from pipeline.supervisor.actors import scheduler as scheduler_module
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
@@ -25,6 +25,7 @@ from pipeline.supervisor.observability import metrics
 from pipeline.tools.bench.async_speedup import CharTokenizer, CoinEnv
 from pipeline.tools.fake_sglang import FakeSGLang
 from pipeline.transport.spool import SpoolEntry, SpoolReader, SpoolWriter
+from tests.helpers.train_groups import one_turn_row
 
 G = 2
 
@@ -633,11 +634,20 @@ def _a_group_left_behind(
     return sched
 
 
+@pytest.mark.parametrize("earlier", [0, 3])
 async def test_a_group_at_its_last_chance_is_cut_and_written_with_its_finished_episodes(
-    pool: EnginePool, tmp_path: Path
+    pool: EnginePool, tmp_path: Path, earlier: int
 ) -> None:
     """Issue 34: a group whose episode hangs is cut once the learner is at the group's last version and a
-    group started later could complete the batch in its place; the episode that finished is written."""
+    group started later could complete the batch in its place; the episode that finished is written.
+    `earlier` groups were written by a previous supervisor (and consumed): the groups waiting are counted
+    from the spool's sequence numbers, not from what this scheduler wrote."""
+    writer = SpoolWriter(tmp_path)
+    for k in range(earlier):
+        group_id = f"before-{k}"
+        writer.write_group(
+            segments_to_batch([one_turn_row(group_id, i, 0) for i in range(2)]), group_id=group_id
+        )
     sched = _a_group_left_behind(tmp_path, pool, cut=0.25)
     episodes_cut_before = _episodes_cut()
     groups_cut_before = metrics.REGISTRY.get_sample_value("rollwise_groups_cut_total") or 0.0
@@ -646,7 +656,7 @@ async def test_a_group_at_its_last_chance_is_cut_and_written_with_its_finished_e
     await until(lambda: sched.written == 3 and sched.running == 1)
     # The learner trained one batch (version 1 = 0 + η: the hung group's last) and one written group
     # waits. The batch is one group short, and no other group runs: the learner would wait for this one.
-    sched.on_learner_step(1, 2)
+    sched.on_learner_step(1, earlier + 2)
     await _settle()
     assert (sched.groups_cut, sched.running, sched.written) == (0, 1, 3)
     # The engines serve version 1: admission starts two groups (held in their reset), either of which

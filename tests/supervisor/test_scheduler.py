@@ -60,6 +60,7 @@ def make_scheduler(
     factory: Callable[..., Environment] = CoinEnv,
     failure_backoff_s: tuple[float, float] = (0.05, 2.0),
     group_size: int = G,
+    cut_late_groups: float = 0.25,
 ) -> GroupScheduler:
     return GroupScheduler(
         engine=pool,
@@ -74,6 +75,7 @@ def make_scheduler(
         tasks=tasks if tasks is not None else _tasks(),
         run_prefix="test",
         failure_backoff_s=failure_backoff_s,
+        cut_late_groups=cut_late_groups,
     )
 
 
@@ -628,8 +630,9 @@ def _a_group_left_behind(
 
     Hangs.closing = closing
 
-    sched = make_scheduler(pool, tmp_path, batch=2, eta=1, max_concurrent=4, factory=Hangs, group_size=4)
-    sched.cut_late_groups = cut
+    sched = make_scheduler(
+        pool, tmp_path, batch=2, eta=1, max_concurrent=4, factory=Hangs, group_size=4, cut_late_groups=cut
+    )
     sched.release = Hangs.release  # type: ignore[attr-defined]
     return sched
 
@@ -728,19 +731,7 @@ async def test_writes_wait_for_a_cut_group_only_so_long(
 @pytest.mark.parametrize("share", [-0.1, 1.5])
 def test_a_cut_share_outside_zero_to_one_is_refused(pool: EnginePool, tmp_path: Path, share: float) -> None:
     with pytest.raises(ValueError, match=r"cut_late_groups must be a share in \[0, 1\], got"):
-        GroupScheduler(
-            engine=pool,
-            tokenizer=CharTokenizer(),
-            factory=CoinEnv,
-            env_name="x",
-            env_options=None,
-            settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
-            group_size=G,
-            admission=AdmissionController(batch_groups=1, max_staleness=1, max_concurrent=4),
-            spool=SpoolWriter(tmp_path),
-            tasks=_tasks(),
-            cut_late_groups=share,
-        )
+        make_scheduler(pool, tmp_path, batch=1, eta=1, cut_late_groups=share)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.2])

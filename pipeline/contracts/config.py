@@ -267,11 +267,12 @@ class AsyncConfig(Section):
         ge=0,
         le=1,
         description=(
-            "Cut a running group at its last chance of being trained (the learner at its admission version "
-            "+ max_staleness, its batch one group short) when at most this share of its episodes is still "
-            "running: those end with finish reason 'cut' and the finished ones are written in time instead "
-            "of all being dropped as stale. The cut episodes are the group's slowest, a bias towards short "
-            "episodes (docs/operations.md, 'Stale groups'); 0 = never cut."
+            "Cut running groups at their last chance of being trained (the learner at their admission "
+            "version + max_staleness, and they would complete its batch while another group could take "
+            "their places) when at most this share of a group's episodes is still running: those end with "
+            "finish reason 'cut' and the finished ones are written in time instead of all being dropped as "
+            "stale. The cut episodes are the group's slowest, a bias towards short episodes "
+            "(docs/operations.md, 'Stale groups'); 0 = never cut."
         ),
     )
     sync_every_steps: int = Field(1, ge=1, description="Export and load weights every k learner steps.")

@@ -19,7 +19,7 @@ Both runs use the same seeds and parameters; only η differs. Reported per η: l
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
 idle fraction (admission held work back because of staleness), mean token staleness of trained
 groups, dropped groups, and groups cut at their last chance (async.cut_late_groups; after each modelled
-step the scheduler hears the version and the spool's depth, as from the learner's step event).
+step the scheduler hears the version and the groups consumed, as from the learner's step event).
 
 Where the speed-up ends: with η > 0 the learner is never idle once generation keeps up, so steps/hour
 cannot exceed 3600 / step_s, and the speed-up cannot exceed (the η = 0 step time) / step_s: the time

@@ -16,6 +16,7 @@ from envs.api import Action, Environment, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments, segments_to_batch
 from pipeline.supervisor.actors import scheduler as scheduler_module
 from pipeline.supervisor.actors.admission import AdmissionController
+from pipeline.supervisor.actors.late_cut import GroupCut
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.actors.scheduler import FailureStreak, GroupScheduler
 from pipeline.supervisor.engines.client import EngineClient
@@ -564,7 +565,7 @@ async def test_a_straggler_from_an_older_version_holds_admission_for_its_patienc
 async def test_no_straggler_protection_with_patience_zero(pool: EnginePool, tmp_path: Path) -> None:
     sched = make_scheduler(pool, tmp_path, batch=1, eta=1)
     sched.straggler_patience = 0.0
-    sched._admitted["g"] = (0, 0.0)
+    sched._admitted["g"] = scheduler_module._Admitted(0, 0.0, GroupCut(G))
     sched._durations.append(1.0)
     sched.on_version(1)
     assert sched.floor() == (None, None)

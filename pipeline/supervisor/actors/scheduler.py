@@ -83,7 +83,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import pyarrow as pa
 
@@ -143,6 +143,14 @@ class FailureStreak:
             )
             text += f"; most frequent errors: {top}"
         return text
+
+
+class _Admitted(NamedTuple):
+    """A running group's admission: the version served then, when it started, and its cut (late_cut)."""
+
+    version: int
+    started: float
+    cut: GroupCut
 
 
 class AgentEndpoint(AgentRunner, Protocol):
@@ -214,12 +222,11 @@ class GroupScheduler:
             raise ValueError(f"straggler_patience must be >= 0, got {straggler_patience}")
         self.straggler_patience = straggler_patience
         self._paused_by: set[str] = set()  # who holds admission (pause/resume), e.g. a running evaluation
-        self._admitted: dict[str, tuple[int, float]] = {}  # running group -> (version, start time)
+        self._admitted: dict[str, _Admitted] = {}  # running group -> its admission
         self._durations: deque[float] = deque(maxlen=64)  # of the last groups run, for the patience
         if not 0 <= cut_late_groups <= 1:
             raise ValueError(f"cut_late_groups must be a share in [0, 1], got {cut_late_groups}")
         self.cut_late_groups = cut_late_groups
-        self._cuts: dict[str, GroupCut] = {}  # running group -> its cut (late_cut)
         self._cut_unwritten: set[str] = set()  # cut groups not yet written (or lost)
         self._cuts_written = asyncio.Event()  # set while _cut_unwritten is empty
         self._cuts_written.set()
@@ -268,7 +275,7 @@ class GroupScheduler:
         patience_s = self.straggler_patience * statistics.median(self._durations)
         floor: int | None = None
         expires: float | None = None
-        for version, started in self._admitted.values():
+        for version, started, _ in self._admitted.values():
             if version < self.version and now - started < patience_s:
                 floor = version if floor is None else min(floor, version)
                 until = started + patience_s
@@ -326,9 +333,9 @@ class GroupScheduler:
         learner_version, consumed = self._learner
         waiting = max(0, self.spool.next_seq - 1 - consumed)  # spool seqs are 1, 2, ... without gaps
         running = [
-            RunningGroup(group_id, admitted, self._cuts[group_id].unfinished)
-            for group_id, (admitted, _) in self._admitted.items()
-            if not self._cuts[group_id].fired
+            RunningGroup(group_id, admitted.version, admitted.cut.unfinished)
+            for group_id, admitted in self._admitted.items()
+            if not admitted.cut.fired
         ]
         cut_ids = groups_to_cut(
             running,
@@ -341,8 +348,7 @@ class GroupScheduler:
             max_share=self.cut_late_groups,
         )
         for group_id in cut_ids:
-            cut = self._cuts[group_id]
-            admitted, _ = self._admitted[group_id]
+            admitted, _, cut = self._admitted[group_id]
             cut.fire(
                 f"cut: the learner reached version {learner_version}, the last at which group {group_id} "
                 f"(admitted at {admitted}, max_staleness {self.admission.max_staleness}) can be trained; "
@@ -435,8 +441,7 @@ class GroupScheduler:
         group_id = f"{self.run_prefix}-g{self._counter:06d}"
         self._running += 1
         self.started += 1
-        self._admitted[group_id] = (self.version, time.monotonic())
-        self._cuts[group_id] = GroupCut(self.group_size)
+        self._admitted[group_id] = _Admitted(self.version, time.monotonic(), GroupCut(self.group_size))
         metrics.GROUPS_ADMITTED.inc()
         runner = asyncio.create_task(self._run_group(task, group_id), name=f"group {group_id}")
         self._group_tasks.add(runner)
@@ -484,11 +489,10 @@ class GroupScheduler:
                 env_name=self.env_name,
                 env_options=self.env_options,
                 agent_runner=self.agent_endpoint,
-                cut=self._cuts[group_id],
+                cut=self._admitted[group_id].cut,
             )
         finally:
-            _, started = self._admitted.pop(group_id)
-            self._cuts.pop(group_id)
+            _, started, _ = self._admitted.pop(group_id)
         self._durations.append(time.monotonic() - started)
         return outcome
 

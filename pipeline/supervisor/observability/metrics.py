@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from envs.sandbox import (
     runner as sandbox,  # import-light (standard library only): its observer hook feeds the metrics below
 )
+from pipeline.contracts.schema import FINISH_REASONS
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -650,7 +651,7 @@ EVAL_DURATION = Histogram(
 
 # Known label values, initialised to zero at start-up so every dashboard query has a series before the
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
-FINISH_REASONS = ("stop", "length", "truncated", "env_error", "engine_error", "timeout", "cut")
+# Finish reasons are the trajectory contract's (FINISH_REASONS, imported above).
 ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
 ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "refused", "judge")
 DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update", "routing_mismatch")

@@ -198,10 +198,13 @@ def export_weights(
     tokenizer: PreTrainedTokenizerBase | None,
     out_dir: str | Path,
     version: int,
+    *,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Publish policy `version` as an HF directory an engine can load (update_weights_from_disk).
 
-    `model_or_trainer` is a PreTrainedModel or an object whose `.model` is one (the Trainer).
+    `model_or_trainer` is a PreTrainedModel or an object whose `.model` is one (the Trainer). `state_dict`
+    replaces the model's own tensors (a snapshot taken earlier: learner.background_export).
     """
     model = model_or_trainer if hasattr(model_or_trainer, "save_pretrained") else None
     if model is None:
@@ -212,4 +215,4 @@ def export_weights(
         )
     if version < 0:
         raise ValueError(f"policy version must be >= 0, got {version}")
-    return save_hf(cast("PreTrainedModel", model), tokenizer, out_dir, version=version)
+    return save_hf(cast("PreTrainedModel", model), tokenizer, out_dir, version=version, state_dict=state_dict)

@@ -7,7 +7,8 @@ Loop: tail the spool after the checkpoint's position (learner.spool_cursor), rea
 ahead and decoding each once -> take them earliest staleness deadline first
 (pipeline.contracts.staleness.deadline_key) and triage each (train, or drop and say why: learner.groups)
 -> B trainable groups -> Trainer.step -> publish weights every
-`sync_every_steps` versions -> checkpoint every `checkpoint_every` steps. It tells the supervisor what
+`sync_every_steps` versions (full weights written on a thread while the next step trains:
+learner.background_export) -> checkpoint every `checkpoint_every` steps. It tells the supervisor what
 happened as typed events (pipeline.contracts.events), one JSON line each on stdout; logs go to stderr.
 
 Control (stdin): `{"cmd": "stop"}`, SIGTERM or SIGINT -> finish the current step, checkpoint, exit 0;
@@ -59,6 +60,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
+from learner.background_export import BackgroundExport, WeightSnapshot
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
 from learner.groups import TrainGroup, token_staleness, triage_group
 from learner.spool_cursor import SpoolCursor
@@ -220,6 +222,17 @@ class _Pending:
 
 
 @dataclass(frozen=True)
+class _Announcement:
+    """What a `published` event says beside the path, taken when the version's weights were."""
+
+    version: int
+    probe: list[int]
+    logprobs: list[float]
+    logprobs_prev: list[float]
+    traceparent: str | None
+
+
+@dataclass(frozen=True)
 class _Read:
     """A spool group read ahead and decoded once, waiting to be taken."""
 
@@ -279,6 +292,12 @@ class LearnerWorker:
         self.dropped_since_checkpoint: dict[str, str] = {}
         self.probe: list[int] = []  # the served-policy check's probe (learner.served_probe)
         self.probe_prev: list[float] = []  # its log-probs under the last published version
+        # Full weights in one process are written on a thread while the next step trains
+        # (learner.background_export); LoRA adapters are small, and several ranks gather collectively.
+        self.background: BackgroundExport | None = None
+        self.snapshot = WeightSnapshot()
+        if cfg.learner.export_in_background and ranks is None and self.lora is None:
+            self.background = BackgroundExport()
 
     # ------------------------------------------------------------------ start-up
     def _setup_model(self) -> None:
@@ -341,7 +360,7 @@ class LearnerWorker:
                 )
         self.cursor = SpoolCursor()  # where the spool is consumed up to (learner.spool_cursor)
         self.checkpoint_seqs: collections.deque[int] = collections.deque(maxlen=cfg.learner.keep_checkpoints)
-        self.last_published = 0
+        self.last_published = 0  # written and announced (the checkpoint's record)
         if self.leader:
             append_consumed(self.run_dir.consumed_log, {"restored": ckpt.step if ckpt is not None else 0})
         if ckpt is not None:
@@ -361,6 +380,7 @@ class LearnerWorker:
             log.info(
                 "no checkpoint in %s: starting from %s", self.run_dir.checkpoints, self.run_dir.initial_model
             )
+        self.last_exported = self.last_published  # written, or being written in the background
 
     @property
     def version(self) -> int:
@@ -393,6 +413,8 @@ class LearnerWorker:
         self.announce_ready()
         max_steps = self.cfg.run.max_steps
         while not self.stop.is_set():
+            if self.background is not None:
+                self.background.check()
             if max_steps is not None and self.trainer.steps >= max_steps:
                 # The one place run.max_steps is checked: exact here, and the daemon stops on this event.
                 self.out.emit(events.Finished(step=self.trainer.steps, reason=f"run.max_steps = {max_steps}"))
@@ -411,6 +433,8 @@ class LearnerWorker:
                     self.tell(Command("wait"))
                 continue
             self.take(item)
+        if self.background is not None:
+            self.background.wait()
         self.checkpoint_if_needed()
         self.tell(Command("stop"))
         log.info(
@@ -557,7 +581,7 @@ class LearnerWorker:
         self.refresh = True
         self.consumed_since_checkpoint.extend(pending.consumed_ids)
         self.dropped_since_checkpoint.update(pending.dropped)
-        if updated and self.version - self.last_published >= self.cfg.async_.sync_every_steps:
+        if updated and self.version - self.last_exported >= self.cfg.async_.sync_every_steps:
             with tracing.span("learner.publish", {"rollwise.policy_version": self.version}):
                 self.publish()
         if self.trainer.steps % self.cfg.learner.checkpoint_every == 0:
@@ -635,7 +659,7 @@ class LearnerWorker:
         start of its longest sequence) and scores it with the weights the engines serve now, before the
         update: the previous version the check compares each engine against. Every rank runs it (under
         FSDP the forward is a collective), on the same groups."""
-        if not self.cfg.async_.served_check.enabled or self.version != self.last_published or not groups:
+        if not self.cfg.async_.served_check.enabled or self.version != self.last_exported or not groups:
             return
         from learner.served_probe import probe_ids, probe_logprobs
 
@@ -644,14 +668,30 @@ class LearnerWorker:
 
     def publish(self, *, announce: bool = True) -> None:
         """Write `weights/v<version>`: HF weights, or with LoRA the PEFT adapter (serving "adapter") or
-        the merged weights (serving "merged"); then announce it with the served-policy probe."""
-        from learner.lora import directory_bytes
+        the merged weights (serving "merged"); then announce it with the served-policy probe. With
+        `self.background` the write and the announcement happen on its thread (`export_in_background`)."""
         from learner.model import export_weights
         from learner.served_probe import probe_logprobs
 
         version = self.version
         target = self.run_dir.weights_of(version)
         probe = list(self.probe) if announce else []
+        if self.background is not None and announce:
+            self.background.wait()  # the previous version first: in order, none skipped
+            state = self.snapshot.take(self.trainer.model.state_dict())
+            self.last_exported = version
+            # Everything taken from the live model is taken now: the next step changes it.
+            logprobs = probe_logprobs(self.trainer.model, probe) if probe else []
+            prev = list(self.probe_prev)
+            announcement = _Announcement(version, probe, logprobs, prev, tracing.traceparent())
+
+            def write() -> Path:
+                return export_weights(self.trainer, self.tokenizer, target, version, state_dict=state)
+
+            self.background.start(
+                functools.partial(self._export_and_announce, write, announcement), name=f"export-v{version}"
+            )
+            return
         if self.ranks is None:
 
             def export() -> Path:
@@ -673,25 +713,42 @@ class LearnerWorker:
 
             self.tell(Command("publish", probe=tuple(probe)))
             path = export_gathered(self.trainer, self.tokenizer, target, version, self.ranks)
-        self.last_published = version
+        self.last_published = self.last_exported = version
         # Under FSDP the probe's forward is a collective: every rank runs it with rank 0's ids.
         logprobs = probe_logprobs(self.trainer.model, probe) if probe else []
         if not self.leader:
             return
         if announce:
-            self.out.emit(
-                events.Published(
-                    version=version,
-                    path=str(path),
-                    bytes=directory_bytes(path),
-                    probe_ids=probe if logprobs else [],
-                    probe_logprobs=logprobs,
-                    probe_logprobs_prev=self.probe_prev if len(self.probe_prev) == len(logprobs) else [],
-                    weights_url=self.weights_url,
-                    traceparent=tracing.traceparent(),
-                )
-            )
+            prev = self.probe_prev
+            self.announce(path, _Announcement(version, probe, logprobs, prev, tracing.traceparent()))
         prune_weights(self.run_dir.weights, version)
+
+    def _export_and_announce(self, write: Callable[[], Path], announcement: _Announcement) -> None:
+        """The background thread's job: write the snapshot (retried like any export), then announce it."""
+        try:
+            path = self.durably("weights", self.run_dir.weights, write)
+        except StorageGaveUp as exc:
+            log.error("version %d not published: %s", announcement.version, exc)
+            return
+        self.last_published = announcement.version
+        self.announce(path, announcement)
+        prune_weights(self.run_dir.weights, announcement.version)
+
+    def announce(self, path: Path, a: _Announcement) -> None:
+        from learner.lora import directory_bytes
+
+        self.out.emit(
+            events.Published(
+                version=a.version,
+                path=str(path),
+                bytes=directory_bytes(path),
+                probe_ids=a.probe if a.logprobs else [],
+                probe_logprobs=a.logprobs,
+                probe_logprobs_prev=a.logprobs_prev if len(a.logprobs_prev) == len(a.logprobs) else [],
+                weights_url=self.weights_url,
+                traceparent=a.traceparent,
+            )
+        )
 
     def checkpoint(self) -> None:
         from learner.checkpoint import save_checkpoint
@@ -704,6 +761,7 @@ class LearnerWorker:
             after=list(self.cursor.committed.after),
         )
         extra = {
+            # With an export in flight, the version before it: the newest one certainly on disk.
             PUBLISHED_VERSION_KEY: self.last_published,
             DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
         }

@@ -56,6 +56,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "learner step memory and time per precision",
     ),
+    ("bench", "publish"): (
+        "pipeline.tools.bench.publish_overlap",
+        "main",
+        "learner steps/hour, weight writes inline vs in the background",
+    ),
     ("bench", "mismatch"): (
         "pipeline.tools.bench.mismatch_clip",
         "main",

@@ -488,6 +488,15 @@ class LearnerConfig(Section):
         False,
         description="Recompute each decoder layer's activations in backward (less memory, more compute).",
     )
+    export_in_background: bool = Field(
+        True,
+        description=(
+            "Write each published version on a thread while the next step trains, from a CPU copy of the "
+            "weights taken at the step's end (one more copy of the weights in host memory). Versions are "
+            "still published in order, none skipped: a publish waits for the previous one. Full weights in "
+            "one learner process; LoRA adapters and several ranks publish inline."
+        ),
+    )
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint every n steps (and on shutdown).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     threads: int = Field(1, ge=1, description="torch intra-op threads of the learner process.")

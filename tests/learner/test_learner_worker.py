@@ -126,16 +126,34 @@ def make_run_dir(root: Path, model: Path, eta: int = 0) -> Path:
     return run_dir
 
 
+# The learner with every weight write taking `delay` seconds longer (a slow disk or a large model): the
+# module function export_weights calls is replaced before the worker imports it.
+SLOW_EXPORT = """
+import sys, time
+import learner.model
+
+write = learner.model.save_hf
+def slow(*args, **kwargs):
+    time.sleep({delay})
+    return write(*args, **kwargs)
+learner.model.save_hf = slow
+from learner.worker import main
+sys.exit(main())
+"""
+
+
 class Worker:
     """A learner subprocess with its events collected by a reader thread."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, export_delay_s: float = 0.0) -> None:
         self.stderr = open(run_dir / f"learner-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        launch = (
+            ["-c", SLOW_EXPORT.format(delay=export_delay_s)] if export_delay_s else ["-m", "learner.worker"]
+        )
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "learner.worker",
+                *launch,
                 "--config",
                 str(run_dir / "config.toml"),
                 "--run-dir",
@@ -298,6 +316,55 @@ def test_worker_trains_publishes_checkpoints_and_drops(
     assert sorted(p.name for p in (run_dir / "spool").glob("*.arrow")) == [
         spool_name(s) for s in (5, 6, 8, 9)
     ]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("background", [True, False])
+def test_a_slow_weight_write_overlaps_the_next_step_and_every_version_is_published_in_order(
+    tmp_path: Path, tiny_model: Path, workers: list[Worker], background: bool
+) -> None:
+    """Each weight write takes 1.5 s more. In the background the step that publishes version 1 ends without
+    waiting for the write (its busy time stays far below 1.5 s); the next publish waits for it, so versions
+    1, 2, 3 are published in that order, none skipped, and a stop finishes the write in flight: the last
+    checkpoint records version 3. Inline (export_in_background = false) the step holds the write."""
+    from learner.model import VERSION_FILE
+
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=0)
+    config = run_dir / "config.toml"
+    config.write_text(
+        config.read_text().replace(
+            "checkpoint_every = 2",
+            f"checkpoint_every = 10\nexport_in_background = {str(background).lower()}",
+        )
+    )
+    spool = SpoolWriter(run_dir / "spool")
+    for k in range(3 * B):
+        write_group(spool, f"g{k}", version=k // B)
+    w = Worker(run_dir, export_delay_s=1.5)
+    workers.append(w)
+    w.wait_for(event_is("step", step=3))
+    assert w.proc.stdin is not None
+    w.proc.stdin.close()  # stop: the version in flight is written and announced first
+    assert w.finish() == 0
+    published = [e["version"] for e in w.of("published")]
+    assert published == [1, 2, 3]
+    step1 = w.of("step")[0]
+    if background:
+        assert step1["busy_s"] < 1.0
+    else:
+        assert step1["busy_s"] >= 1.5
+    for version in published:
+        assert json.loads((run_dir / "weights" / f"v{version}" / VERSION_FILE).read_text()) == {
+            "policy_version": version
+        }
+    [ckpt] = w.of("checkpoint")
+    assert ckpt["step"] == 3
+    assert (
+        json.loads((run_dir / "checkpoints" / "step3" / "state.json").read_text())["extra"][
+            "published_version"
+        ]
+        == 3
+    )
 
 
 @pytest.mark.integration

@@ -636,3 +636,45 @@ def test_embedding_weight_decay_shrinks_only_the_embeddings(policy: tuple[Any, A
             torch.testing.assert_close(p.detach(), before[name] * (1 - 0.1 * 0.5))
         else:
             assert torch.equal(p.detach(), before[name]), name
+
+
+def test_one_process_updates_with_the_fused_adamw_kernel_and_it_is_adamw(policy: tuple[Any, Any]) -> None:
+    """Fused in one process (learner.trainer: 7x faster on a CPU thread), and the same three updates as
+    torch's reference AdamW on the trainer's parameter groups (the embeddings' decay apart), to rounding."""
+    import copy
+
+    model, _ = policy
+    trainer = Trainer(model, _cfg(weight_decay=0.1, embedding_weight_decay=0.0), temperature=1.0)
+    assert trainer.optimizer.defaults["fused"] is True
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.0, 0.1]
+    initial, twin = copy.deepcopy(model), copy.deepcopy(model)
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    defaults = trainer.optimizer.defaults
+    reference = torch.optim.AdamW(
+        [
+            {
+                "params": [twin.get_parameter(name_of[id(p)]) for p in g["params"]],
+                "weight_decay": g["weight_decay"],
+            }
+            for g in trainer.optimizer.param_groups
+        ],
+        lr=defaults["lr"],
+        betas=defaults["betas"],
+        eps=defaults["eps"],
+        foreach=False,
+    )
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for name, p in model.named_parameters():
+            grad = torch.randn(p.shape, generator=generator)
+            p.grad, twin.get_parameter(name).grad = grad.clone(), grad.clone()
+        trainer.optimizer.step()
+        reference.step()
+
+    def max_diff(a: Any, b: Any) -> float:
+        return max(
+            float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True)
+        )
+
+    assert max_diff(model, initial) > 1e-2  # three updates of lr 1e-2 moved the weights
+    assert max_diff(model, twin) < 1e-6

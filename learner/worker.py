@@ -416,7 +416,10 @@ class LearnerWorker:
             if self.background is not None:
                 self.background.check()
             if max_steps is not None and self.trainer.steps >= max_steps:
-                # The one place run.max_steps is checked: exact here, and the daemon stops on this event.
+                # The one place run.max_steps is checked: exact here, and the daemon stops on this event,
+                # so the last version is announced before it.
+                if self.background is not None:
+                    self.background.wait()
                 self.out.emit(events.Finished(step=self.trainer.steps, reason=f"run.max_steps = {max_steps}"))
                 self.stop.set("run.max_steps")
                 break

@@ -368,6 +368,26 @@ def test_a_slow_weight_write_overlaps_the_next_step_and_every_version_is_publish
 
 
 @pytest.mark.integration
+def test_the_last_version_is_announced_before_the_learner_says_it_finished(
+    tmp_path: Path, tiny_model: Path, workers: list[Worker]
+) -> None:
+    """The daemon stops on `finished` (run.max_steps): a version still being written in the background is
+    announced first, or the engines would never load it."""
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=0)
+    config = run_dir / "config.toml"
+    config.write_text("[run]\nmax_steps = 2\n" + config.read_text())
+    spool = SpoolWriter(run_dir / "spool")
+    for k in range(2 * B):
+        write_group(spool, f"g{k}", version=k // B)
+    w = Worker(run_dir, export_delay_s=1.5)
+    workers.append(w)
+    w.wait_for(event_is("finished"))
+    kinds = [(e["event"], e.get("version")) for e in w.events]
+    assert kinds.index(("published", 2)) < kinds.index(("finished", None))
+    assert w.finish() == 0
+
+
+@pytest.mark.integration
 @pytest.mark.slow
 def test_kill_minus_nine_resumes_from_the_last_checkpoint(
     tmp_path: Path, tiny_model: Path, workers: list[Worker]

@@ -324,9 +324,10 @@ def test_a_slow_weight_write_overlaps_the_next_step_and_every_version_is_publish
     tmp_path: Path, tiny_model: Path, workers: list[Worker], background: bool
 ) -> None:
     """Each weight write takes 3 s more. In the background the step that publishes version 1 ends without
-    waiting for the write (its busy time stays far below 3 s, with room for a loaded machine); the next publish waits for it, so versions
-    1, 2, 3 are published in that order, none skipped, and a stop finishes the write in flight: the last
-    checkpoint records version 3. Inline (export_in_background = false) the step holds the write."""
+    waiting for the write (its busy time stays far below 3 s, with room for a loaded machine); the next
+    publish waits for it, so versions 1, 2, 3 are published in that order, none skipped, and a stop
+    finishes the write in flight: the last checkpoint records version 3. Inline (export_in_background =
+    false) the step holds the write."""
     from learner.model import VERSION_FILE
 
     run_dir = make_run_dir(tmp_path, tiny_model, eta=0)

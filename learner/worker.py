@@ -758,13 +758,18 @@ class LearnerWorker:
         from learner.checkpoint_state import ConsumedState
 
         started = time.monotonic()
+        if self.background is not None:
+            # The checkpoint records the published version: waiting for the write in flight makes that
+            # record exact, so a resumed run's engines start on the version the learner resumes from.
+            # It costs one step in checkpoint_every its overlap, beside a checkpoint's larger write.
+            self.background.wait()
         consumed = ConsumedState(
             last_seq=self.consumed_seq,
             group_ids=list(self.consumed_since_checkpoint),
             after=list(self.cursor.committed.after),
         )
         extra = {
-            # With an export in flight, the version before it: the newest one certainly on disk.
+            # Below the policy version when this one was not due (sync_every_steps) or its write failed.
             PUBLISHED_VERSION_KEY: self.last_published,
             DROPPED_GROUPS_KEY: dict(self.dropped_since_checkpoint),
         }

@@ -373,7 +373,9 @@ def test_the_last_version_is_announced_before_the_learner_says_it_finished(
     tmp_path: Path, tiny_model: Path, workers: list[Worker]
 ) -> None:
     """The daemon stops on `finished` (run.max_steps): a version still being written in the background is
-    announced first, or the engines would never load it."""
+    announced first, or the engines would never load it. The step's checkpoint (checkpoint_every = 2) waits
+    for that write too, so it records version 2 as published: a resumed run's engines start on the version
+    the learner resumes from instead of syncing it again."""
     run_dir = make_run_dir(tmp_path, tiny_model, eta=0)
     config = run_dir / "config.toml"
     config.write_text("[run]\nmax_steps = 2\n" + config.read_text())
@@ -386,6 +388,10 @@ def test_the_last_version_is_announced_before_the_learner_says_it_finished(
     kinds = [(e["event"], e.get("version")) for e in w.events]
     assert kinds.index(("published", 2)) < kinds.index(("finished", None))
     assert w.finish() == 0
+    [ckpt] = w.of("checkpoint")
+    assert ckpt["step"] == 2
+    state = json.loads((run_dir / "checkpoints" / "step2" / "state.json").read_text())
+    assert state["extra"]["published_version"] == 2
 
 
 @pytest.mark.integration

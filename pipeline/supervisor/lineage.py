@@ -39,7 +39,7 @@ from pipeline.supervisor.engines.adapters import adapter_name
 from pipeline.supervisor.engines.served_check import Probe, ServedPolicyCheck, Verdict
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.progress import Progress
-from pipeline.transport.weights_http import FetchError, fetch_version
+from pipeline.transport.weights_http import FetchError, fetch_version, staged_bytes
 
 log = logging.getLogger("rollwise.supervisor")
 
@@ -275,9 +275,13 @@ class Lineage:
         """Copy `version` from the learner's weight server into this run directory's weights/v<n>
         (pipeline.transport.weights_http.fetch_version: every file checked against the manifest's size
         and sha256, staged, renamed; the 3 most recently installed kept). Version 0 is the initial
-        model, which is here already (its digest was compared). A failed fetch is retried with a
-        doubling delay until it succeeds, or the learner announces a newer version or restarts (that
-        version is then never needed), or the daemon stops: None."""
+        model, which is here already (its digest was compared). A failed fetch is retried, resuming what
+        it staged, until it succeeds, or the learner announces a newer version or restarts (that
+        version is then never needed), or the daemon stops: None. The delay doubles while attempts
+        deliver nothing (a learner that is down) and starts over after one that staged bytes (a link
+        that resets connections): under bench hosts' `drops` the doubling alone had reached 10 s
+        between attempts that each made progress, and the engines' version, and so the training
+        (max_staleness), waited on it."""
         if version == 0:
             return self.run_dir.initial_model
         token = reveal(self.cfg.learner.remote.weights_token)
@@ -285,6 +289,7 @@ class Lineage:
         delays = retry_delays(*self.mirror_retry_s)
         while True:
             started = time.monotonic()
+            staged_before = await asyncio.to_thread(staged_bytes, self.run_dir.weights, version)
             try:
                 path = await fetch_version(
                     source, version, self.run_dir.weights, token=token, ssl_context=self.engines.client_tls
@@ -305,6 +310,8 @@ class Lineage:
                 if superseded or self.stopping.is_set():
                     self.progress.message(f"version {version} not copied from the learner ({why}); skipped")
                     return None
+                if await asyncio.to_thread(staged_bytes, self.run_dir.weights, version) > staged_before:
+                    delays = retry_delays(*self.mirror_retry_s)
                 delay = next(delays)
                 self.progress.message(
                     f"copying version {version} from the learner failed ({why}); retrying in {delay:.1f} s"

@@ -373,6 +373,18 @@ def _stage_for(staged: Path, manifest: dict[str, Any]) -> None:
     mark.write_text(json.dumps(manifest), encoding="utf-8")
 
 
+def staged_bytes(dest_root: Path, version: int) -> int:
+    """Bytes a broken fetch of `version` into `dest_root` left staged for the next attempt to resume
+    (0: none). A caller that retries compares it across an attempt to tell a link that breaks but
+    delivers from one that delivers nothing."""
+    staged = dest_root / f"v{version}.tmp"
+    try:
+        files = [p for p in staged.rglob("*") if p.name != _STAGED_MANIFEST]
+        return sum(p.stat().st_size for p in files if p.is_file())
+    except OSError:  # removed or replaced by the attempt that finished it
+        return 0
+
+
 def _partial(target: Path) -> tuple[int, Any]:
     """Bytes already staged at `target` and their running sha256 (0 and a fresh one when none)."""
     digest = hashlib.sha256()

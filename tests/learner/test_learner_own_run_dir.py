@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -284,6 +285,68 @@ async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_s
     text = under.progress.getvalue()
     assert "copying version 1 from the learner failed" in text and "sha256" in text
     assert "version 1 not copied from the learner" in text
+
+
+async def test_a_copy_the_link_keeps_breaking_retries_at_once_while_it_progresses_and_backs_off_when_not(
+    tmp_path: Path,
+) -> None:
+    """Version 1's file is cut 4,000 bytes after where each of its first three answers starts: every
+    attempt staged bytes, so each retry waits the first delay. Version 2's manifest is refused three
+    times (503, nothing staged): the delay doubles, 0.1 -> 0.2 -> 0.4 s. Both arrive whole."""
+    from tests.helpers.lineage import lineage_for
+
+    learner = RunDir.at(tmp_path / "learner")
+    weights = bytes(range(256)) * 64  # 16,384 bytes
+    seen: list[str] = []
+
+    @web.middleware
+    async def hostile(request: web.Request, handler: Any) -> web.StreamResponse:
+        version, name = request.path.split("/")[2], request.path.rsplit("/", 1)[-1]
+        seen.append(f"{version} {name} {request.headers.get('Range')}")
+        if version == "v2" and name == "manifest" and seen.count("v2 manifest None") <= 3:
+            return web.Response(status=503, text="overloaded")
+        cuts = sum(1 for line in seen if line.startswith("v1 model.safetensors"))
+        if version != "v1" or name != "model.safetensors" or cuts > 3:
+            return await handler(request)
+        asked = request.headers.get("Range")
+        start = int(asked[6:-1]) if asked else 0
+        cut = web.StreamResponse(status=206 if asked else 200, headers={"Content-Length": str(16384 - start)})
+        await cut.prepare(request)
+        await cut.write(weights[start : start + 4000])
+        assert request.transport is not None
+        request.transport.close()
+        return cut
+
+    app = web.Application(middlewares=[hostile])
+    WeightServer(learner.weights_of).add_routes(app)
+    runner, source = await _serve(app)
+    fake = FakeSGLang()
+    await fake.start()
+    overrides = [f'learner.remote.run_dir="{learner.root}"', 'learner.remote.spool_url="grpc://127.0.0.1:1"']
+    under = lineage_for([fake.base_url], tmp_path / "run", overrides)
+    under.lineage.mirror_retry_s = (0.1, 0.4)
+    try:
+        for version in (1, 2):
+            published = fake_model(learner.weights_of(version), weights)
+            await under.lineage.on_published(events.Published(version, str(published), weights_url=source))
+            await asyncio.wait_for(asyncio.gather(*under.lineage.background), 30)
+    finally:
+        await under.close()
+        await fake.stop()
+        await runner.cleanup()
+    assert [c["weight_version"] for c in fake.update_calls] == ["1", "2"]
+    for version in (1, 2):
+        assert (under.run_dir.weights_of(version) / "model.safetensors").read_bytes() == weights
+    assert [line for line in seen if "safetensors" in line and line.startswith("v1")] == [
+        "v1 model.safetensors None",
+        "v1 model.safetensors bytes=4000-",
+        "v1 model.safetensors bytes=8000-",
+        "v1 model.safetensors bytes=12000-",
+    ]
+    retries = re.findall(
+        r"copying version (\d) from the learner failed .*?; retrying in ([\d.]+) s", under.progress.getvalue()
+    )
+    assert retries == [("1", "0.1")] * 3 + [("2", "0.1"), ("2", "0.2"), ("2", "0.4")]
 
 
 # --- the daemon, end to end -----------------------------------------------------------------------------

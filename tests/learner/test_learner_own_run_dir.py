@@ -10,6 +10,7 @@ learner's (it reads them over Arrow Flight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import itertools
@@ -20,7 +21,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from pipeline.transport.spool import read_group_file
 from pipeline.transport.weights_http import WeightServer, WeightServerThread, fetch_version
 from tests.e2e.test_faults import _child_pids, _cmdline, _lineage_group_ids, _spool_files
 from tests.e2e.test_run_e2e import TINY, DaemonRun, checkpoint_state, daemons  # noqa: F401 - fixture
+from tests.helpers.lineage import LineageUnderTest, lineage_for
 
 TOKEN = "learner-weights-token-0123456789"
 
@@ -201,6 +203,28 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
+@contextlib.asynccontextmanager
+async def _mirroring(
+    tmp_path: Path, middlewares: Sequence[Any] = ()
+) -> AsyncIterator[tuple[RunDir, str, FakeSGLang, LineageUnderTest]]:
+    """A learner's run directory and its weight server (behind `middlewares`), and a supervisor's
+    lineage that mirrors from it into tmp_path/run and syncs a fake engine."""
+    learner = RunDir.at(tmp_path / "learner")
+    app = web.Application(middlewares=list(middlewares))
+    WeightServer(learner.weights_of).add_routes(app)
+    runner, source = await _serve(app)
+    fake = FakeSGLang()
+    await fake.start()
+    overrides = [f'learner.remote.run_dir="{learner.root}"', 'learner.remote.spool_url="grpc://127.0.0.1:1"']
+    under = lineage_for([fake.base_url], tmp_path / "run", overrides)
+    try:
+        yield learner, source, fake, under
+    finally:
+        await under.close()
+        await fake.stop()
+        await runner.cleanup()
+
+
 async def test_a_version_published_again_with_other_weights_replaces_the_fetched_copy(tmp_path: Path) -> None:
     learner = RunDir.at(tmp_path / "learner")
     app = web.Application()
@@ -247,19 +271,9 @@ async def test_copies_are_kept_by_install_order_so_a_rolled_back_version_survive
 async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_supersedes_it(
     tmp_path: Path,
 ) -> None:
-    from tests.helpers.lineage import lineage_for
-
-    learner = RunDir.at(tmp_path / "learner")
-    app = web.Application()
-    WeightServer(learner.weights_of).add_routes(app)
-    runner, source = await _serve(app)
-    fake = FakeSGLang()
-    await fake.start()
-    overrides = [f'learner.remote.run_dir="{learner.root}"', 'learner.remote.spool_url="grpc://127.0.0.1:1"']
-    under = lineage_for([fake.base_url], tmp_path / "run", overrides)
-    lineage = under.lineage
     failures_before = mirror_failures()
-    try:
+    async with _mirroring(tmp_path) as (learner, source, fake, under):
+        lineage = under.lineage
         fake_model(learner.weights_of(1), b"\x11" * 4096)
         async with aiohttp.ClientSession() as http, http.get(f"{source}/weights/v1/manifest") as resp:
             assert resp.status == 200  # the server has made (and cached) v1's manifest
@@ -272,10 +286,6 @@ async def test_a_corrupted_version_is_never_mirrored_or_loaded_and_a_newer_one_s
         good = fake_model(learner.weights_of(2), b"\x22" * 4096)
         await lineage.on_published(events.Published(2, str(good), weights_url=source))
         await asyncio.wait_for(asyncio.gather(*lineage.background), 10)
-    finally:
-        await under.close()
-        await fake.stop()
-        await runner.cleanup()
     assert [c["weight_version"] for c in fake.update_calls] == ["2"]  # version 1 never reached an engine
     mirrored = under.run_dir.weights_of(2)
     assert fake.update_calls[0]["model_path"] == str(mirrored)
@@ -293,9 +303,6 @@ async def test_a_copy_the_link_keeps_breaking_retries_at_once_while_it_progresse
     """Version 1's file is cut 4,000 bytes after where each of its first three answers starts: every
     attempt staged bytes, so each retry waits the first delay. Version 2's manifest is refused three
     times (503, nothing staged): the delay doubles, 0.1 -> 0.2 -> 0.4 s. Both arrive whole."""
-    from tests.helpers.lineage import lineage_for
-
-    learner = RunDir.at(tmp_path / "learner")
     weights = bytes(range(256)) * 64  # 16,384 bytes
     seen: list[str] = []
 
@@ -317,23 +324,12 @@ async def test_a_copy_the_link_keeps_breaking_retries_at_once_while_it_progresse
         request.transport.close()
         return cut
 
-    app = web.Application(middlewares=[hostile])
-    WeightServer(learner.weights_of).add_routes(app)
-    runner, source = await _serve(app)
-    fake = FakeSGLang()
-    await fake.start()
-    overrides = [f'learner.remote.run_dir="{learner.root}"', 'learner.remote.spool_url="grpc://127.0.0.1:1"']
-    under = lineage_for([fake.base_url], tmp_path / "run", overrides)
-    under.lineage.mirror_retry_s = (0.1, 0.4)
-    try:
+    async with _mirroring(tmp_path, [hostile]) as (learner, source, fake, under):
+        under.lineage.mirror_retry_s = (0.1, 0.4)
         for version in (1, 2):
             published = fake_model(learner.weights_of(version), weights)
             await under.lineage.on_published(events.Published(version, str(published), weights_url=source))
             await asyncio.wait_for(asyncio.gather(*under.lineage.background), 30)
-    finally:
-        await under.close()
-        await fake.stop()
-        await runner.cleanup()
     assert [c["weight_version"] for c in fake.update_calls] == ["1", "2"]
     for version in (1, 2):
         assert (under.run_dir.weights_of(version) / "model.safetensors").read_bytes() == weights

@@ -220,6 +220,7 @@ class FlightSpoolReader:
         self.quarantined: list[QuarantinedFile] = []
         self.read_seconds = 0.0
         self.reconnects = 0
+        self._lost_in_a_row = 0  # failed polls since the last one that answered: the retry's backoff
         self.unreachable_since: float | None = None  # monotonic time of the first failed poll in a row
         self._reachability: list[tuple[bool, str]] = []  # (blocked, message), for drain_reachability
         self._clock = clock
@@ -265,18 +266,20 @@ class FlightSpoolReader:
             flight.FlightCancelledError,
         ) as exc:
             self.reconnects += 1
+            self._lost_in_a_row += 1
             log.warning(
                 "spool service %s unreachable (%s); resuming after seq %d", self.url, exc, self.after_seq
             )
             self._lost(exc)
             self.close()
-            time.sleep(min(1.0, 0.1 * self.reconnects))
+            time.sleep(min(1.0, 0.1 * self._lost_in_a_row))
         except (flight.FlightInternalError, OSError) as exc:
             self.reconnects += 1
             log.warning("spool service %s: %s; resuming after seq %d", self.url, exc, self.after_seq)
             self._lost(exc)
             self.close()
         else:
+            self._lost_in_a_row = 0
             if self.unreachable_since is not None:
                 lasted = time.monotonic() - self.unreachable_since
                 self.unreachable_since = None

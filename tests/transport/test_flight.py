@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,32 @@ def test_a_broken_connection_resumes_where_it_stopped_with_nothing_lost_or_read_
     finally:
         svc.stop()
     assert got == ["g1", "g2", "g3", "g4"]
+
+
+def test_the_wait_before_a_retry_grows_with_failures_in_a_row_and_starts_over_after_an_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two polls fail, one is answered, three fail: the waits are 0.1, 0.2, then 0.1, 0.2, 0.3 s. (They
+    grew with every failure of the reader's life before: a long run that had lost the service ten times
+    waited the full second after each blip.)"""
+    reader = FlightSpoolReader("grpc://127.0.0.1:1", after_seq=0, wait_s=0.0)
+    script = iter([True, True, False, True, True, True])  # True: the service is unreachable
+
+    def scripted_poll(limit: int | None, items: list[object], wait_s: float) -> None:
+        if next(script):
+            raise flight.FlightUnavailableError("connection refused")
+
+    slept: list[float] = []
+    monkeypatch.setattr(reader, "_poll", scripted_poll)
+    monkeypatch.setattr(
+        "pipeline.transport.flight.time",
+        types.SimpleNamespace(sleep=slept.append, monotonic=time.monotonic, perf_counter=time.perf_counter),
+    )
+    for _ in range(6):
+        assert reader.poll() == []
+    assert slept == pytest.approx([0.1, 0.2, 0.1, 0.2, 0.3])
+    assert reader.reconnects == 5
+    assert [blocked for blocked, _ in reader.drain_reachability()] == [True, False, True]
 
 
 def test_an_unusable_file_is_quarantined_by_the_service_and_reported_after_the_groups_before_it(

@@ -43,7 +43,11 @@ from pipeline.transport.weights_http import FetchError, fetch_version, staged_by
 
 log = logging.getLogger("rollwise.supervisor")
 
-MIRROR_RETRY_S = (0.5, 10.0)  # copying a version from a learner with its own run directory: retry delays
+# Copying a version from a learner with its own run directory: retry delays, doubling while attempts
+# deliver nothing. Capped at 2 s: an attempt costs the learner one small request, and under bench hosts'
+# `drops` (30 % of connections closed at once) chains of empty attempts are common, each second of a
+# longer cap was a second the engines stayed a version behind, and so the training (max_staleness).
+MIRROR_RETRY_S = (0.5, 2.0)
 
 
 class Lineage:
@@ -280,8 +284,8 @@ class Lineage:
         version is then never needed), or the daemon stops: None. The delay doubles while attempts
         deliver nothing (a learner that is down) and starts over after one that staged bytes (a link
         that resets connections): under bench hosts' `drops` the doubling alone had reached 10 s
-        between attempts that each made progress, and the engines' version, and so the training
-        (max_staleness), waited on it."""
+        (then its cap) between attempts that each made progress, and the engines' version, and so the
+        training (max_staleness), waited on it."""
         if version == 0:
             return self.run_dir.initial_model
         token = reveal(self.cfg.learner.remote.weights_token)

@@ -44,9 +44,9 @@ from pipeline.transport.weights_http import FetchError, fetch_version, staged_by
 log = logging.getLogger("rollwise.supervisor")
 
 # Copying a version from a learner with its own run directory: retry delays, doubling while attempts
-# deliver nothing. Capped at 2 s: an attempt costs the learner one small request, and under bench hosts'
-# `drops` (30 % of connections closed at once) chains of empty attempts are common, each second of a
-# longer cap was a second the engines stayed a version behind, and so the training (max_staleness).
+# deliver nothing. Capped at 2 s: an attempt costs the learner one small request, while under bench
+# hosts' `drops` (30 % of connections closed at once) chains of empty attempts are common and every
+# second waited keeps the engines, and so the training (max_staleness), a version behind.
 MIRROR_RETRY_S = (0.5, 2.0)
 
 
@@ -291,9 +291,9 @@ class Lineage:
         token = reveal(self.cfg.learner.remote.weights_token)
         starts = self.learner_starts
         delays = retry_delays(*self.mirror_retry_s)
+        staged = await asyncio.to_thread(staged_bytes, self.run_dir.weights, version)
         while True:
             started = time.monotonic()
-            staged_before = await asyncio.to_thread(staged_bytes, self.run_dir.weights, version)
             try:
                 path = await fetch_version(
                     source, version, self.run_dir.weights, token=token, ssl_context=self.engines.client_tls
@@ -314,7 +314,8 @@ class Lineage:
                 if superseded or self.stopping.is_set():
                     self.progress.message(f"version {version} not copied from the learner ({why}); skipped")
                     return None
-                if await asyncio.to_thread(staged_bytes, self.run_dir.weights, version) > staged_before:
+                staged, before = await asyncio.to_thread(staged_bytes, self.run_dir.weights, version), staged
+                if staged > before:
                     delays = retry_delays(*self.mirror_retry_s)
                 delay = next(delays)
                 self.progress.message(

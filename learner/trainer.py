@@ -27,6 +27,7 @@ from learner.action_prior import action_prior_loss_of_rows, turn_start_mask
 from learner.advantages import Estimator, Norm, history_anchors, token_advantages, turn_advantages
 from learner.batching import PackedBatch, TrainSequence, idle_batch, pack_sequences
 from learner.distributed import Ranks, share
+from learner.frozen_casts import cache_frozen_casts
 from learner.groups import TrainGroup
 from learner.gspo import MAX_LOG_RATIO, gspo_token_loss
 from learner.lora import AdapterOff
@@ -473,6 +474,8 @@ class Trainer:
             models = [model, *([reference] if isinstance(reference, torch.nn.Module) else [])]
             shard_policies(models, self.ranks, self.precision)
         self.model.train()
+        if self.precision.autocast_dtype is not None:
+            cache_frozen_casts(model, self.precision.autocast_dtype)  # the same numbers, cast once
         # MoE routing (learner.moe_routing): hooks on the policy's routers, for the routing metrics and
         # replay. A dense policy has none, and refuses the options that need routers.
         self.moe = moe_shape(getattr(model, "config", None))
@@ -484,6 +487,13 @@ class Trainer:
             require_moe(model, "learner.moe.load_balance_coef")
         self.router_hooks = RouterHooks(model) if self.moe is not None else None
         self._captured: torch.Tensor | None = None  # routers' own top-k of the last training forward
+        # The step's first update runs at the weights its proximal policy is defined by, so its training
+        # forward gives the proximal log-probs too and the no-grad pass over its window is skipped. Not
+        # with rejection (the window's token counts must be known before its first loss) nor with MoE
+        # routers (the proximal pass also measures the routing mismatch).
+        self.proximal_from_first_forward = (
+            cfg.mismatch.proximal == "learner" and cfg.mismatch.reject == "none" and self.router_hooks is None
+        )
         pad = pad_token_id if pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self.optimizer = torch.optim.AdamW(
@@ -612,13 +622,15 @@ class Trainer:
                 else pack
                 for pack, chunk in zip(packs, chunks, strict=True)
             ]
+        accum = self.cfg.optim.grad_accum
         if self.cfg.mismatch.proximal == "learner":
-            # Every mini-batch's proximal log-probs are the weights' before the step's first update.
-            packs = [self._with_proximal(pack, stats) for pack in packs]
+            # Every mini-batch's proximal log-probs are the weights' before the step's first update; the
+            # first window's come from its own training forward (`proximal_from_first_forward`).
+            first = accum if self.proximal_from_first_forward else 0
+            packs = packs[:first] + [self._with_proximal(pack, stats) for pack in packs[first:]]
         elif self.cfg.moe.records_routing:
             for pack in packs:
                 self._router_mismatch(pack.to(self.device), stats)
-        accum = self.cfg.optim.grad_accum
         for start in range(0, len(packs), accum):
             self._optimizer_update(packs[start : start + accum], stats, live[start : start + accum])
 
@@ -632,6 +644,10 @@ class Trainer:
             proximal = measured[1] if self.cfg.moe.routing_replay else measured[0]
         else:
             proximal = self._forward(self.model, batch).logprobs.float()
+        return self._corrected(batch, proximal, stats)
+
+    def _corrected(self, batch: PackedBatch, proximal: torch.Tensor, stats: _UpdateStats) -> PackedBatch:
+        """`batch` with `proximal` as its proximal log-probs and the mismatch correction they imply."""
         m = self.cfg.mismatch
         c = correct(
             proximal,
@@ -836,7 +852,10 @@ class Trainer:
             if hooks is not None:
                 hooks.keep_logits = False
         logprobs = out.logprobs
-        if batch.proximal_logprobs is None:
+        if batch.proximal_logprobs is None and self.cfg.mismatch.proximal == "learner":
+            # The first window of a step (`proximal_from_first_forward`): these weights are the proximal's.
+            batch = self._corrected(batch, logprobs.detach().float(), stats)
+        elif batch.proximal_logprobs is None:
             # The engine's log-probs are the old policy: measure the gap on every mini-batch as it is
             # trained. Once this step has updated the weights, they are a newer policy than any token's
             # (lag >= 1), so lag 0 stays the engine's numerics alone.

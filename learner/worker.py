@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 from learner.background_export import BackgroundExport, WeightSnapshot
 from learner.distributed import Command, Ranks, follow_launcher, join, leave, quiet_stdout, rank_environment
@@ -95,7 +95,6 @@ from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from learner.lora import LoraPolicy
     from pipeline.transport.weights_http import WeightServerThread
 
 log = logging.getLogger("rollwise.learner")
@@ -187,25 +186,6 @@ def watch_stdin(stream: TextIO, stop: StopFlag, out: EventStream) -> None:
         else:
             out.emit(events.Error(f"unknown command {cmd!r} on stdin"))
     stop.set("stdin closed (parent exited)")
-
-
-def env_action_token_ids(cfg: Config, tokenizer: Any) -> list[int]:
-    """The env's answer tokens for the action prior (learner.action_prior); [] when the prior is off.
-
-    `rollwise run` already refused a prior for an env without action_hints; an env that lost them since
-    (a changed plugin on resume) raises ValueError naming the key rather than training without the prior.
-    """
-    if cfg.learner.regularizers.action_prior_coef <= 0.0:
-        return []
-    from envs.discovery import resolve_env
-    from learner.action_prior import action_token_ids
-
-    hints = resolve_env(cfg.env.name)(**cfg.env.options).spec.action_hints
-    if not hints:
-        raise ValueError(
-            f"learner.regularizers.action_prior_coef > 0 but env {cfg.env.name!r} declares no action_hints"
-        )
-    return action_token_ids(tokenizer, hints)
 
 
 class StorageGaveUp(Exception):
@@ -305,47 +285,12 @@ class LearnerWorker:
 
         from learner.checkpoint import restore
         from learner.checkpoint_state import load_latest_checkpoint
-        from learner.model import load_policy, resolve_device
-        from learner.precision import resolve_precision
-        from learner.trace import StepTracer
-        from learner.trainer import Trainer
+        from learner.policy_setup import build_policy
 
         cfg = self.cfg
-        torch.set_num_threads(cfg.learner.threads)
-        device = self.ranks.device if self.ranks is not None else resolve_device(cfg.learner.device)
-        precision = resolve_precision(cfg.learner.precision, device)
-        if self.ranks is None:
-            load = functools.partial(load_policy, device=device)
-        else:  # only rank 0 reads the weights; the model reaches the devices as shards (learner.sharding)
-            from learner.sharding import load_policy_for_ranks
-
-            load = functools.partial(load_policy_for_ranks, ranks=self.ranks)
-        model, self.tokenizer = load(self.run_dir.initial_model, dtype=precision.param_dtype_name)
-        self.lora: LoraPolicy | None = None
-        if cfg.learner.lora.enabled:
-            from learner.lora import apply_lora
-
-            # The base stays the initial model; only the adapter trains, is checkpointed and published.
-            self.lora = apply_lora(model, cfg.learner.lora, seed=cfg.run.seed)
-            model = self.lora.model
-        reference: Any = None
-        if cfg.learner.regularizers.kl_coef > 0.0 and self.lora is not None:
-            reference = self.lora.adapter_off()  # the initial policy is the base: no second copy
-        elif cfg.learner.regularizers.kl_coef > 0.0:
-            # The initial weights, frozen; in bf16 when the compute is (it runs under the same autocast).
-            dtype = "bfloat16" if precision.autocast_dtype is not None else precision.param_dtype_name
-            reference, _ = load(self.run_dir.initial_model, dtype=dtype)
-        self.trainer = Trainer(
-            model,
-            cfg.learner,
-            temperature=cfg.sampling.temperature,
-            seed=cfg.run.seed,
-            device=device,
-            action_token_ids=env_action_token_ids(cfg, self.tokenizer),
-            reference=reference,
-            ranks=self.ranks,
-            tracer=StepTracer(cfg.trace.groups_per_step, cfg.trace.every_steps),
-        )
+        policy = build_policy(cfg, self.run_dir.initial_model, self.ranks)
+        self.trainer, self.tokenizer, self.lora = policy.trainer, policy.tokenizer, policy.lora
+        model = self.trainer.model
         embeddings = model.get_input_embeddings()
         self.vocab_size = embeddings.num_embeddings if isinstance(embeddings, torch.nn.Embedding) else None
         moe = self.trainer.moe

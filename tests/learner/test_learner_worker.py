@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from learner.worker import env_action_token_ids
+from learner.policy_setup import env_action_token_ids
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir, acquire_learner_lock
 from pipeline.contracts.schema import segments_to_batch

@@ -335,6 +335,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
+    if any(arg == "--replay" or arg.startswith("--replay=") for arg in argv):
+        from pipeline.tools.bench.learner_replay import main as replay_main
+
+        return replay_main(argv)  # a run's own steps, not a synthetic batch (its module docstring)
     args = _parser().parse_args(argv)
     if args.variant is not None:
         torch.set_num_threads(args.threads)

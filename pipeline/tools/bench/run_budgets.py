@@ -1,0 +1,121 @@
+"""The three budgets of a training run that a learning bench prints beside its curve (../DESIGN.md, "Speed
+is the product"): how busy the learner was, how busy the engines were, and the learner's tokens/s.
+
+- Learner: from `logs/steps.jsonl`, each step's `busy_s` (from taking its first group to its step event)
+  and `idle_s` (waiting for groups before it). Idle is the share of waiting in their sum.
+- Engines: the CPU seconds of each embedded engine process (utime + stime from /proc/<pid>/stat, its
+  threads included) over the run's wall time and its torch threads: the share of its cores it computed
+  on. On a GPU engine this says nothing (the work is the GPU's); it is meant for the embedded engine.
+- Tokens/s: the learner's own figure (`tokens_per_s` of its steps), over every step but the first.
+
+`ChildCpu` samples the daemon's children by PID while the run goes on (a child that restarts is a new
+PID; its seconds are added), so the engines' figure covers the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class LearnerBudget:
+    steps: int
+    busy_s: float
+    idle_s: float
+    tokens_per_s: float | None
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+def learner_budget(step_log: Path) -> LearnerBudget:
+    """The learner's busy and idle seconds and tokens/s from a run's step log (no steps: all zero)."""
+    steps: dict[int, dict[str, float]] = {}
+    if step_log.is_file():
+        for line in step_log.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") != "step" or "busy_s" not in record:
+                continue
+            metrics = record.get("metrics") or {}
+            steps[int(record["step"])] = {
+                "busy": float(record.get("busy_s") or 0.0),
+                "idle": float(record.get("idle_s") or 0.0),
+                "tokens": float(metrics.get("tokens") or 0.0),
+                "seconds": float(metrics.get("step_time_s") or 0.0),
+            }
+    ordered = [steps[s] for s in sorted(steps)]
+    timed = ordered[1:]
+    seconds = sum(s["seconds"] for s in timed)
+    return LearnerBudget(
+        steps=len(ordered),
+        busy_s=sum(s["busy"] for s in ordered),
+        idle_s=sum(s["idle"] for s in ordered),
+        tokens_per_s=sum(s["tokens"] for s in timed) / seconds if seconds > 0 else None,
+    )
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent PID, CPU seconds) of a live process; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+@dataclass
+class ChildCpu:
+    """CPU seconds of a daemon's child processes whose command line holds `marker` (e.g. the embedded
+    engine's `pipeline.engine`), summed over every PID seen."""
+
+    parent: int
+    marker: str
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def sample(self) -> None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            stat = _stat(pid)
+            if stat is None or stat[0] != self.parent or self.marker not in _cmdline(pid):
+                continue
+            self.seconds[pid] = stat[1]
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.seconds.values())
+
+
+def engine_busy_fraction(cpu_s: float, wall_s: float, threads: int, engines: int = 1) -> float:
+    """Share of the engines' cores they computed on: CPU seconds over wall seconds x threads x engines."""
+    capacity = wall_s * max(threads, 1) * max(engines, 1)
+    return min(1.0, cpu_s / capacity) if capacity > 0 else 0.0
+
+
+def render_budgets(learner: LearnerBudget, engine_busy: float | None) -> str:
+    tokens = f"{learner.tokens_per_s:.1f}" if learner.tokens_per_s is not None else "n/a"
+    line = (
+        f"learner: {learner.steps} steps, idle {100 * learner.idle_fraction:.1f}% of its time "
+        f"(busy {learner.busy_s:.0f} s, waiting {learner.idle_s:.0f} s), {tokens} tokens/s"
+    )
+    if engine_busy is not None:
+        line += f"; engines: idle {100 * (1 - engine_busy):.1f}% of their cores (CPU time)"
+    return line

@@ -1,0 +1,74 @@
+"""The learner's and the engines' budgets a learning bench prints (pipeline.tools.bench.run_budgets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.tools.bench.run_budgets import (
+    ChildCpu,
+    LearnerBudget,
+    engine_busy_fraction,
+    learner_budget,
+    render_budgets,
+)
+
+
+def _step(n: int, busy: float, idle: float, tokens: float, seconds: float) -> str:
+    metrics = {"tokens": tokens, "step_time_s": seconds}
+    return json.dumps({"event": "step", "step": n, "busy_s": busy, "idle_s": idle, "metrics": metrics})
+
+
+def test_the_learner_budget_sums_busy_and_idle_and_leaves_the_first_step_out_of_tokens_per_s(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "steps.jsonl"
+    lines = [_step(1, 10.0, 30.0, 1000, 9.0), '{"event": "sync"}', _step(2, 8.0, 1.0, 800, 8.0)]
+    lines += [_step(3, 6.0, 1.0, 900, 6.0), "{cut"]
+    log.write_text("\n".join(lines))
+    budget = learner_budget(log)
+    assert budget == LearnerBudget(steps=3, busy_s=24.0, idle_s=32.0, tokens_per_s=1700 / 14.0)
+    assert budget.idle_fraction == pytest.approx(32 / 56)
+    assert learner_budget(tmp_path / "none.jsonl") == LearnerBudget(0, 0.0, 0.0, None)
+    assert LearnerBudget(0, 0.0, 0.0, None).idle_fraction == 0.0
+
+
+def test_engine_busy_is_cpu_time_over_its_cores() -> None:
+    assert engine_busy_fraction(90.0, 100.0, threads=1) == pytest.approx(0.9)
+    assert engine_busy_fraction(90.0, 100.0, threads=2) == pytest.approx(0.45)
+    assert engine_busy_fraction(90.0, 50.0, threads=1, engines=2) == pytest.approx(0.9)
+    assert engine_busy_fraction(300.0, 100.0, threads=1) == 1.0
+    assert engine_busy_fraction(1.0, 0.0, threads=1) == 0.0
+
+
+def test_child_cpu_counts_only_the_marked_children_of_the_parent() -> None:
+    burn = "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass\n"
+    busy = subprocess.Popen([sys.executable, "-c", burn, "pipeline.engine"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.6)"])
+    try:
+        engine = ChildCpu(parent=os.getpid(), marker="pipeline.engine")
+        time.sleep(0.4)
+        engine.sample()
+        assert list(engine.seconds) == [busy.pid]
+        assert engine.total_s > 0.1
+        other = ChildCpu(parent=os.getpid() + 10**6, marker="pipeline.engine")
+        other.sample()
+        assert other.total_s == 0.0
+    finally:
+        for p in (busy, idle):
+            p.wait(timeout=10)
+
+
+def test_the_budget_line_names_both_idle_shares() -> None:
+    line = render_budgets(LearnerBudget(3, 90.0, 10.0, 150.0), engine_busy=0.94)
+    assert line == (
+        "learner: 3 steps, idle 10.0% of its time (busy 90 s, waiting 10 s), 150.0 tokens/s; "
+        "engines: idle 6.0% of their cores (CPU time)"
+    )
+    assert "engines" not in render_budgets(LearnerBudget(0, 0.0, 0.0, None), engine_busy=None)

@@ -168,6 +168,8 @@ class Supervisor:
             self.learner_events.step_log.open()
             self.progress.start()
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
+            if self.setup.cores is not None:
+                self.progress.message(self.setup.cores.describe())
             logs = cfg.logs
             background: list[asyncio.Task[None]] = [
                 asyncio.create_task(

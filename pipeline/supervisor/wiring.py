@@ -27,6 +27,7 @@ from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.core_split import CoreSplit, apply_split
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.eval_schedule import (
     AdmissionHold,
@@ -55,6 +56,7 @@ class RunSetup:
     env_factory: EnvFactory
     env: Environment
     evaluation: EvalSetup | None = None  # the checked [eval] section when eval.every_versions > 0
+    cores: CoreSplit | None = None  # the engines' and the learner's threads, printed at start
 
 
 # `rollwise run` with neither --config nor --set. The built-in defaults are a pretrained model's on a GPU
@@ -94,7 +96,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         overrides.append(f"run.max_steps={ns.max_steps}")
     if ns.log_format is not None:
         overrides.append(f"run.log_format={json.dumps(ns.log_format)}")
-    cfg = load_config(ns.config, overrides)
+    cfg, cores = apply_split(load_config(ns.config, overrides))
     check_exposed_ports(cfg)
     check_tls_files(cfg)
     check_observer_libraries(cfg)
@@ -137,7 +139,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
     check_moe(cfg, run.initial_model)
     check_context_fits(cfg, run)
     evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
-    return RunSetup(cfg, run, factory, env, evaluation)
+    return RunSetup(cfg, run, factory, env, evaluation, cores)
 
 
 # The experts of an MoE model are no linear modules LoRA could adapt (learner.lora.apply_lora refuses them).

@@ -851,7 +851,8 @@ def test_engine_flags_default_to_auto_dtype_all_cores_and_a_prefix_cache(tmp_pat
     assert (config.dtype, config.threads, config.prefix_cache_mb) == ("auto", None, 1024.0)
     assert parse_args(["--model", "m", "--disable-radix-cache"]).prefix_cache_mb == 0.0
     assert parse_args(["--model", "m", "--prefix-cache-mb", "64", "--threads", "3"]).prefix_cache_mb == 64.0
-    # The daemon passes neither: the engine picks (an explicit engine.threads still reaches it).
+    # A config without engine.threads or engine.dtype passes neither and the engine picks (`rollwise run`
+    # chooses the threads first: pipeline.supervisor.core_split).
     cfg = load_config(None, ["engine.port=0"])
     slot = plan_engines(cfg)[0]
     argv = engine_argv(cfg, slot, model_dir=tmp_path, version=0)

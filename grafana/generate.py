@@ -273,6 +273,48 @@ def overview() -> DashboardSpec:
                         ),
                     ),
                 ),
+                PanelSpec(
+                    "Eval's share of engine time",
+                    "rollwise_eval_engine_seconds_total: wall seconds evaluations ran, per second: on the "
+                    "training engines (kind=training, since the supervisor started and over the rate "
+                    "interval, where each evaluation shows as a burst) against the budget "
+                    "rollwise_eval_engine_share_budget_ratio (eval.max_engine_share); on a dedicated "
+                    "evaluation engine (kind=dedicated) it is that engine's busy share, which costs "
+                    "training nothing.",
+                    "percentunit",
+                    (
+                        q(
+                            "sum by (instance, env) "
+                            f'(rollwise_eval_engine_seconds_total{{{SEL}, kind="training"}})'
+                            " / on (instance) group_left () max by (instance) "
+                            f"(time() - rollwise_supervisor_start_time_seconds{{{SEL}}})",
+                            "{{env}} training engines, since start",
+                        ),
+                        q(
+                            f"sum by (env, kind) (rate(rollwise_eval_engine_seconds_total{{{SEL}}}[{RI}]))",
+                            "{{env}} {{kind}}",
+                        ),
+                        q(
+                            f"max by (env) (rollwise_eval_engine_share_budget_ratio{{{SEL}}})",
+                            "{{env}} budget",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Eval versions behind",
+                    "rollwise_eval_lag_versions: versions the learner had published past the evaluated one "
+                    "when the last evaluation finished (its row's versions_behind in logs/eval.jsonl), and "
+                    "rollwise_eval_deferred_total: served versions a trigger made due that waited for a "
+                    "running evaluation or for the budget.",
+                    "short",
+                    (
+                        q(f"max by (env) (rollwise_eval_lag_versions{{{SEL}}})", "{{env}} versions behind"),
+                        q(
+                            f"sum by (env, reason) (increase(rollwise_eval_deferred_total{{{SEL}}}[{RI}]))",
+                            "{{env}} deferred ({{reason}})",
+                        ),
+                    ),
+                ),
             ],
         )
     )

@@ -267,8 +267,9 @@ class Supervisor:
         return self.scheduler
 
     def start_evaluator(self) -> None:
-        """Held-out evaluation on the training engines (pipeline.supervisor.eval_schedule); the version the
-        run starts from is the first one evaluated unless `eval.at_start` is off."""
+        """Held-out evaluation on the training engines or a dedicated one (pipeline.supervisor.eval_schedule,
+        which also stops that one); the version the run starts from is evaluated first unless
+        `eval.at_start` is off."""
         assert self.scheduler is not None
         self.evaluator = build_evaluator(
             self.setup,
@@ -278,6 +279,7 @@ class Supervisor:
             started_at=self.started_at,
             on_result=self.trackers.log_eval if self.trackers is not None else None,
             training=self.scheduler,
+            newest_published=lambda: max(self.lineage.announced, self.lineage.version),
         )
         if self.evaluator is None:
             return

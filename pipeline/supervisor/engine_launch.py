@@ -134,12 +134,20 @@ def tls_flags(cfg: Config, slot: EngineSlot) -> list[str]:
 def priority_scheduling_args(cfg: Config) -> list[str]:
     """SGLang flags that make `eval.priority` count: priority scheduling on, and requests without a
     priority (every training request) at 0 instead of SGLang's default, the lowest priority of all.
-    None when eval sends no priority or the user's extra_args already configure it."""
-    if cfg.eval.every_versions == 0 or cfg.eval.priority == "off":
+    None when eval sends no priority, runs on a dedicated engine (training's engines never see it, and
+    that one serves nothing else), or the user's extra_args already configure it."""
+    if not cfg.eval.enabled or cfg.eval.priority == "off" or cfg.eval.engine == "dedicated":
         return []
     if "--enable-priority-scheduling" in cfg.engine.extra_args:
         return []
     return ["--enable-priority-scheduling", "--default-priority-value", "0"]
+
+
+def engine_seed(cfg: Config, slot: EngineSlot) -> int:
+    """run.seed + the engine's index (engine0, engine1, ...); an engine named otherwise (the evaluation
+    engine, pipeline.supervisor.eval_engine) takes the index after the planned ones."""
+    index = slot.name.removeprefix("engine")
+    return cfg.run.seed + (int(index) if index.isdigit() else cfg.engine.num_engines)
 
 
 def engine_argv(
@@ -182,7 +190,7 @@ def engine_argv(
             str(e.batch_wait_ms),
             *(["--threads", str(e.threads)] if e.threads is not None else []),
             "--seed",
-            str(cfg.run.seed + int(slot.name.removeprefix("engine"))),
+            str(engine_seed(cfg, slot)),
             *(["--dtype", e.dtype] if e.dtype is not None else []),
             # /update_weights_from_disk loads published versions and the initial model, nothing else.
             "--allowed-weights-dir",

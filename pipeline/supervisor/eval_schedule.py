@@ -1,42 +1,70 @@
 """Evaluation during training: the `[eval]` section -> a fixed held-out task set scored as versions go by.
 
-`resolve_eval` checks the section before anything starts (env, options, a usable held-out split) and
-fixes the task list once, so every evaluation of a run, and every run of a config with the same
-`eval.seed`, scores the same tasks. `Evaluator.on_version(v)` is called by the supervisor after each
-weight sync: an evaluation starts when v is `every_versions` past the last evaluated one (and once at
-start when `at_start`) and none is running, so evaluations never pile up; a version published while
-one runs is simply not evaluated. Each finished evaluation becomes
+`resolve_eval` checks the section before anything starts (env, options, a usable held-out split, the
+evaluation engine) and fixes the task list once, so every evaluation of a run, and every run of a config
+with the same `eval.seed`, scores the same tasks.
 
+When. `Evaluator.on_version(v)` is called by the supervisor after each weight sync; `decide` (pure) says
+whether an evaluation of v starts now:
+- a trigger: v is `every_versions` past the last version evaluated, or (`every_minutes`) v is a new
+  version and that many minutes passed since the last evaluation started; the first one runs on the
+  version the run starts from (`at_start`; otherwise the triggers count from it);
+- none is running: evaluations never pile up, and a version served while one runs is not evaluated;
+- the budget (`max_engine_share`, on the training engines only): after an evaluation that ran D seconds
+  (ok or failed), the next starts no sooner than D / max_engine_share seconds after it started. Each
+  evaluation's cycle (its start to the next start) is then at most that share evaluating, so the share
+  of wall time spent evaluating since the first evaluation stays within the budget, give or take the
+  one running. Wall time is the honest proxy of engine time here: eval requests share the training
+  engines (at a lower priority), so the engines serve them for as long as they run, alongside training.
+  With 1.0 there is no budget (back to back at most: the rule before the budget existed).
+A version a trigger made due but that did not start counts in `rollwise_eval_deferred_total{reason}`;
+once the cost is measured, the effective interval is printed ("evaluation every ~N versions / ~M min
+at X s per evaluation").
+
+Where. On the training engines (`eval.engine = "training"`, `run_evaluation` at `eval.priority`), or on a
+dedicated engine (`"dedicated"`, pipeline.supervisor.eval_engine) that loads the version before each
+evaluation and serves nothing else: no budget applies (it takes nothing from the training engines), one
+at a time still.
+
+Each finished evaluation becomes
 - one JSON line in `logs/eval.jsonl` (`eval_row`: version, learner step, elapsed seconds, a block per
-  mode with success, pass@k, reward, turns, finish reasons and the token versions seen),
-- the `rollwise_eval_*` metrics, labelled by eval env and mode; when eval plays the training env with its
-  options (`training_env`), also the gap between the training episodes' success since the previous
-  evaluation and this evaluation's (`rollwise_eval_success_gap_ratio`): training reward that stops carrying
-  to held-out tasks shows there first,
+  mode with success, pass@k, reward, turns, finish reasons and the token versions seen; `engine`,
+  `versions_behind`: how many versions the learner had published past the evaluated one when it
+  finished, `eval_share`: the wall time spent evaluating so far over the time since the first one
+  started, and `load_s` on a dedicated engine),
+- the `rollwise_eval_*` metrics, labelled by eval env and mode (`rollwise_eval_engine_seconds_total`
+  counts while an evaluation runs, so its rate is eval's share of wall time); when eval plays the
+  training env with its options (`training_env`), also the gap between the training episodes' success
+  since the previous evaluation and this evaluation's (`rollwise_eval_success_gap_ratio`): training
+  reward that stops carrying to held-out tasks shows there first,
 - an `eval` line in the progress view.
 
-With `eval.pause_training` the evaluator holds training admission while it runs (`AdmissionHold`, the
-group scheduler): running groups finish and no new one starts, so the evaluation is not starved by
-training on an engine training keeps full. The seconds held are `rollwise_eval_training_paused_seconds`.
+With `eval.pause_training` (off by default; never with a dedicated engine) the evaluator holds training
+admission while it runs (`AdmissionHold`, the group scheduler): running groups finish and no new one
+starts, so the evaluation is not starved by training on an engine training keeps full. It costs training
+the whole evaluation; the seconds held are `rollwise_eval_training_paused_seconds`.
 
 A failed evaluation is logged and counted (`rollwise_eval_runs_total{status="failed"}`), writes no row
-and never stops the daemon; the next version served is evaluated instead. It fails on a bug, and when
-any of its episodes ended `engine_error`: an engine that died or stopped answering (a restart, a
-machine out of memory) is no verdict on the policy, and 64 such episodes in a row scored 0.0 where
-the evaluations around it scored 0.56-0.67. Env failures (`env_error`, `timeout`) are the policy's
-episodes like any other and count.
+and never stops the daemon; the next version served is evaluated instead (its seconds still count in the
+budget). It fails on a bug, when the dedicated engine is down or cannot load the version, and when any of
+its episodes ended `engine_error`: an engine that died or stopped answering (a restart, a machine out of
+memory) is no verdict on the policy, and 64 such episodes in a row scored 0.0 where the evaluations
+around it scored 0.56-0.67. Env failures (`env_error`, `timeout`) are the policy's episodes like any
+other and count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from envs.api import EnvFactory, Environment
 from envs.task_split import TaskSplitError, eval_tasks
@@ -50,6 +78,9 @@ from pipeline.supervisor.progress import Progress
 
 log = logging.getLogger("rollwise.evaluation")
 
+COUNT_EVERY_S = 2.0  # rollwise_eval_engine_seconds_total grows this often while an evaluation runs
+PACE_VERSIONS = 5  # the versions' pace in the interval line: over the latest this many
+
 
 class AdmissionHold(Protocol):
     """What `eval.pause_training` needs from the training side (the group scheduler)."""
@@ -57,6 +88,107 @@ class AdmissionHold(Protocol):
     def pause(self, by: str) -> None: ...
 
     def resume(self, by: str) -> None: ...
+
+
+class OwnEngine(PriorityEngine, Protocol):
+    """A dedicated evaluation engine (pipeline.supervisor.eval_engine.DedicatedEvalEngine)."""
+
+    def launch(self, version: int) -> None: ...
+
+    async def load(self, version: int) -> float: ...
+
+    async def stop(self) -> None: ...
+
+
+# --- when an evaluation starts (pure) -------------------------------------------------------------------
+Decision = Literal["start", "wait", "running", "budget"]
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """The `[eval]` triggers and budget (0 = that trigger off; max_engine_share 1.0 = no budget)."""
+
+    every_versions: int = 0
+    every_minutes: float = 0.0
+    max_engine_share: float = 1.0
+
+
+@dataclass(frozen=True)
+class EvalClock:
+    """What the rule remembers. `version`/`since`: the version the triggers count from and when its
+    evaluation started (None: nothing evaluated yet; a failed evaluation hands them back to the one
+    before). `ran_at`/`ran_s`: start and wall seconds of the latest evaluation, ok or failed (`ran_s` None
+    while it runs), for the budget."""
+
+    version: int | None = None
+    since: float | None = None
+    ran_at: float | None = None
+    ran_s: float | None = None
+
+
+def decide(cadence: Cadence, clock: EvalClock, version: int, now: float) -> Decision:
+    """Whether an evaluation of the served `version` starts at `now` (seconds, monotonic): "start";
+    "wait" (no trigger is due); "running" (one runs: never two); "budget" (due, but the last evaluation's
+    D seconds make the next wait until D / max_engine_share seconds after its start). Module docstring."""
+    if clock.version is None:
+        triggered = True
+    else:
+        by_versions = cadence.every_versions > 0 and version - clock.version >= cadence.every_versions
+        by_minutes = (
+            cadence.every_minutes > 0
+            and version != clock.version
+            and clock.since is not None
+            and now - clock.since >= cadence.every_minutes * 60.0
+        )
+        triggered = by_versions or by_minutes
+    if not triggered:
+        return "wait"
+    if clock.ran_at is not None and clock.ran_s is None:
+        return "running"
+    if now < budget_opens_at(cadence, clock):
+        return "budget"
+    return "start"
+
+
+def budget_opens_at(cadence: Cadence, clock: EvalClock) -> float:
+    """When the budget lets the next evaluation start: D / max_engine_share seconds after the start of
+    the latest one, which ran D seconds (-inf: no budget, or none has finished)."""
+    if cadence.max_engine_share >= 1.0 or clock.ran_at is None or clock.ran_s is None:
+        return -math.inf
+    return clock.ran_at + clock.ran_s / cadence.max_engine_share
+
+
+def effective_interval(cadence: Cadence, eval_s: float, version_s: float) -> tuple[int, float]:
+    """(versions, seconds) between evaluation starts that `decide` gives when an evaluation takes `eval_s`
+    seconds and a version is served every `version_s` seconds: the first trigger due, no sooner than the
+    budget (or the evaluation itself) allows, rounded up to a whole version (starts land on versions)."""
+    triggers = []
+    if cadence.every_versions > 0:
+        triggers.append(cadence.every_versions * version_s)
+    if cadence.every_minutes > 0:
+        triggers.append(cadence.every_minutes * 60.0)
+    trigger_s = min(triggers) if triggers else version_s
+    cycle_s = max(trigger_s, eval_s / cadence.max_engine_share, version_s)
+    versions = max(1, math.ceil(cycle_s / version_s - 1e-9))
+    return versions, versions * version_s
+
+
+def describe_cadence(cadence: Cadence, *, dedicated: bool) -> str:
+    """The start line: triggers, and the budget or the dedicated engine."""
+    triggers = []
+    if cadence.every_versions > 0:
+        triggers.append(f"{cadence.every_versions} version{'s' if cadence.every_versions > 1 else ''}")
+    if cadence.every_minutes > 0:
+        triggers.append(f"{cadence.every_minutes:g} min")
+    when = " or ".join(triggers) or "never"
+    if dedicated:
+        return f"evaluation every {when} on a dedicated engine (one at a time; no budget)"
+    if cadence.max_engine_share >= 1.0:
+        return f"evaluation every {when} on the training engines, no budget (eval.max_engine_share = 1)"
+    return (
+        f"evaluation every {when} on the training engines, within {cadence.max_engine_share:.0%} of their "
+        "time (eval.max_engine_share): the interval follows from the first evaluation's measured cost"
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +230,12 @@ def resolve_eval(
     the key: an unknown env, options it rejects, a holdout that leaves too few tasks."""
     from envs.discovery import EnvDiscoveryError, resolve_env
 
+    if cfg.eval.engine == "dedicated" and cfg.engine.kind == "external":
+        raise ConfigError(
+            'eval.engine: "dedicated" starts one more engine process of engine.kind, and engine.kind = '
+            '"external" starts none: use eval.engine = "training" (eval requests at eval.priority on the '
+            'external servers), or engine.kind = "embedded" or "sglang"'
+        )
     name = env_name or cfg.eval.env or cfg.env.name
     training = name == cfg.env.name
     options = cfg.eval.options if cfg.eval.options is not None else (cfg.env.options if training else {})
@@ -144,8 +282,10 @@ def eval_row(
     step: int | None,
     elapsed_s: float | None,
     duration_s: float,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `logs/eval.jsonl` line of one evaluation (also `rollwise eval --json`'s object)."""
+    """The `logs/eval.jsonl` line of one evaluation (also `rollwise eval --json`'s object); `extra`: the
+    daemon's fields (engine, versions_behind, eval_share, load_s)."""
     row: dict[str, Any] = {
         "event": "eval",
         "time": round(time.time(), 3),
@@ -157,6 +297,7 @@ def eval_row(
         "seed": setup.seed,
         "holdout_fraction": setup.holdout_fraction,
         "duration_s": round(duration_s, 3),
+        **(extra or {}),
     }
     for mode, result in results.items():
         row[mode] = result.to_json()
@@ -168,6 +309,8 @@ def record_metrics(row: dict[str, Any], results: dict[Mode, ModeResult]) -> None
     metrics.EVAL_VERSION.labels(env=env).set(int(row["version"]))
     metrics.EVAL_DURATION.labels(env=env).observe(float(row["duration_s"]))
     metrics.EVAL_RUNS.labels(env=env, status="ok").inc()
+    if row.get("versions_behind") is not None:
+        metrics.EVAL_LAG.labels(env=env).set(int(row["versions_behind"]))
     for mode, result in results.items():
         metrics.EVAL_SUCCESS.labels(env=env, mode=mode).set(result.success)
         metrics.EVAL_PASS_AT_K.labels(env=env, mode=mode).set(result.pass_at_k)
@@ -179,13 +322,18 @@ def record_metrics(row: dict[str, Any], results: dict[Mode, ModeResult]) -> None
 
 
 class Evaluator:
-    """Starts evaluations as versions are served (module docstring); one at a time, in the background."""
+    """Starts evaluations as versions are served (module docstring); one at a time, in the background.
+
+    `every_versions`, `every_minutes`, `max_engine_share`: the Cadence (the defaults: no minute trigger,
+    no budget). `dedicated`: the evaluation engine (then `engine` is ignored and no budget applies).
+    `newest_published()`: the learner's newest published version (for versions_behind; default the
+    newest version served). `clock`: monotonic seconds."""
 
     def __init__(
         self,
         setup: EvalSetup,
         *,
-        engine: PriorityEngine,
+        engine: PriorityEngine | None,
         tokenizer: ChatTokenizer,
         settings: RolloutSettings,
         every_versions: int,
@@ -195,54 +343,138 @@ class Evaluator:
         training_env: str | None = None,
         on_result: Callable[[dict[str, Any]], None] | None = None,
         training: AdmissionHold | None = None,
+        every_minutes: float = 0.0,
+        max_engine_share: float = 1.0,
+        dedicated: OwnEngine | None = None,
+        newest_published: Callable[[], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.setup = setup
-        self.engine = engine
+        self.dedicated = dedicated
+        self.engine: PriorityEngine | None = dedicated if dedicated is not None else engine
         self.tokenizer = tokenizer
         self.settings = settings
-        self.every_versions = every_versions
+        self.kind = "dedicated" if dedicated is not None else "training"
+        share = 1.0 if dedicated is not None else max_engine_share
+        self.cadence = Cadence(every_versions, every_minutes, share)
         self.log_path = log_path
         self.progress = progress
         self.started_at = started_at
-        self.last_version: int | None = None  # the version the latest evaluation started on
+        self.clock_now = clock
+        self.clock = EvalClock()
         self.running: asyncio.Task[None] | None = None
         self.completed = 0
         self.training_env = training_env  # the gap is computed only when eval plays the training env
         self.on_result = on_result  # each eval row, after the metrics (the experiment trackers)
         self.training = training  # held while an evaluation runs (eval.pause_training); None = never
+        self.newest_published = newest_published
+        # (version, when) of the latest served versions: their pace, and the newest one.
+        self.served: collections.deque[tuple[int, float]] = collections.deque(maxlen=PACE_VERSIONS + 1)
+        self.last_eval_s: float | None = None  # the latest successful evaluation's wall seconds
+        self.eval_seconds = 0.0  # wall seconds evaluations ran (ok and failed)
+        self.first_started: float | None = None
+        self._counted = 0.0  # up to when the running evaluation's seconds are counted
+        self.interval_told = False
+        env = setup.env_name
         metrics.init_eval_label_values(
-            setup.env_name, setup.plan.modes, every_versions=every_versions, gap=training_env is not None
+            env,
+            setup.plan.modes,
+            every_versions=every_versions,
+            gap=training_env is not None,
+            kind=self.kind,
+            budget=share if dedicated is None else None,
         )
+        self.seconds_counter = metrics.EVAL_ENGINE_SECONDS.labels(env=env, kind=self.kind)
         self.training_seen = training_counts(training_env) if training_env is not None else (0.0, 0.0)
 
+    @property
+    def last_version(self) -> int | None:
+        """The version the triggers count from (the latest evaluation started and not failed)."""
+        return self.clock.version
+
     def skip_start(self, version: int) -> None:
-        """No evaluation at start (`at_start = false`): the first one comes every_versions later."""
-        self.last_version = version
+        """No evaluation at start (`at_start = false`): the triggers count from the version served now."""
+        self._note_served(version)
+        self.clock = replace(self.clock, version=version, since=self.clock_now())
+        if self.dedicated is not None:
+            self.dedicated.launch(version)  # up by the time the first evaluation is due
 
     def due(self, version: int) -> bool:
-        if self.running is not None and not self.running.done():
-            return False
-        return self.last_version is None or version - self.last_version >= self.every_versions
+        return decide(self.cadence, self.clock, version, self.clock_now()) == "start"
 
     def on_version(self, version: int, step: int) -> None:
         """The engines now serve `version` (at start: the version they start on)."""
-        if not self.due(version):
+        now = self.clock_now()
+        self._note_served(version, now)
+        if not self.interval_told and self.last_eval_s is not None and len(self.served) > PACE_VERSIONS:
+            self.tell_interval(self.last_eval_s)
+        decision = decide(self.cadence, self.clock, version, now)
+        if decision in ("running", "budget"):
+            metrics.EVAL_DEFERRED.labels(env=self.setup.env_name, reason=decision).inc()
+        if decision != "start":
             return
-        previous, self.last_version = self.last_version, version
-        self.running = asyncio.create_task(self._evaluate(version, step, previous), name=f"eval v{version}")
+        previous = (self.clock.version, self.clock.since)
+        self.clock = EvalClock(version=version, since=now, ran_at=now, ran_s=None)
+        self.first_started = now if self.first_started is None else self.first_started
+        self.running = asyncio.create_task(
+            self._evaluate(version, step, previous, started=now), name=f"eval v{version}"
+        )
 
-    def _failed(self, version: int, previous: int | None, why: str) -> None:
+    def _note_served(self, version: int, now: float | None = None) -> None:
+        self.served.append((version, self.clock_now() if now is None else now))
+
+    def version_seconds(self) -> float | None:
+        """Mean seconds between the latest PACE_VERSIONS + 1 served versions (None before two distinct
+        versions)."""
+        if len(self.served) < 2 or self.served[-1][0] <= self.served[0][0]:
+            return None
+        (v0, t0), (v1, t1) = self.served[0], self.served[-1]
+        return (t1 - t0) / (v1 - v0)
+
+    def newest(self) -> int:
+        served = max(v for v, _ in self.served) if self.served else 0
+        return max(served, self.newest_published()) if self.newest_published is not None else served
+
+    def _failed(self, version: int, previous: tuple[int | None, float | None], why: str) -> None:
         """Count and report a failed evaluation; the next version served is due again."""
-        self.last_version = previous
+        self.clock = replace(self.clock, version=previous[0], since=previous[1])
         metrics.EVAL_RUNS.labels(env=self.setup.env_name, status="failed").inc()
         self.progress.message(f"evaluation of version {version} failed: {why}")
 
-    async def _evaluate(self, version: int, step: int, previous: int | None = None) -> None:
-        started = time.monotonic()
+    async def _count_seconds(self) -> None:
+        """Add the running evaluation's seconds to the counter as they pass (its rate is then live)."""
+        while True:
+            await asyncio.sleep(COUNT_EVERY_S)
+            now = self.clock_now()
+            self.seconds_counter.inc(max(0.0, now - self._counted))
+            self._counted = now
+
+    async def _evaluate(
+        self, version: int, step: int, previous: tuple[int | None, float | None], *, started: float
+    ) -> None:
+        self._counted = started
+        counting = asyncio.create_task(self._count_seconds(), name=f"eval v{version} seconds")
+        try:
+            await self._run(version, step, previous, started)
+        finally:
+            counting.cancel()
+            await asyncio.gather(counting, return_exceptions=True)
+            now = self.clock_now()
+            self.seconds_counter.inc(max(0.0, now - self._counted))
+            self.eval_seconds += now - started
+            self.clock = replace(self.clock, ran_s=now - started)
+
+    async def _run(
+        self, version: int, step: int, previous: tuple[int | None, float | None], started: float
+    ) -> None:
         holder = f"eval v{version}"
+        extra: dict[str, Any] = {"engine": self.kind}
         if self.training is not None:
             self.training.pause(holder)
         try:
+            if self.dedicated is not None:
+                extra["load_s"] = round(await self.dedicated.load(version), 3)
+            assert self.engine is not None, "an Evaluator needs an engine or a dedicated one"
             results = await run_evaluation(
                 self.engine,
                 self.tokenizer,
@@ -252,7 +484,7 @@ class Evaluator:
                 env_name=self.setup.env_name,
                 env_options=self.setup.options,
                 max_concurrent=self.setup.max_concurrent,
-                priority=self.setup.priority,
+                priority=self.setup.priority if self.dedicated is None else None,
                 rid_prefix=f"eval-v{version}",
             )
         except asyncio.CancelledError:
@@ -264,7 +496,8 @@ class Evaluator:
         finally:
             if self.training is not None:
                 self.training.resume(holder)
-                metrics.EVAL_TRAINING_PAUSED.labels(env=self.setup.env_name).inc(time.monotonic() - started)
+                paused = self.clock_now() - started
+                metrics.EVAL_TRAINING_PAUSED.labels(env=self.setup.env_name).inc(paused)
         engine_errors = sum(result.finish_reasons.get("engine_error", 0) for result in results.values())
         if engine_errors:
             episodes = sum(result.episodes for result in results.values())
@@ -275,21 +508,49 @@ class Evaluator:
             log.warning("evaluation of version %d failed: %s", version, why)
             self._failed(version, previous, why)
             return
+        now = self.clock_now()
+        first = self.first_started if self.first_started is not None else started
+        extra["versions_behind"] = max(0, self.newest() - version)
+        extra["eval_share"] = round((self.eval_seconds + now - started) / max(now - first, 1e-9), 4)
         row = eval_row(
             self.setup,
             results,
             version=version,
             step=step,
             elapsed_s=started - self.started_at,
-            duration_s=time.monotonic() - started,
+            duration_s=now - started,
+            extra=extra,
         )
         await asyncio.to_thread(append_line, self.log_path, row)
         record_metrics(row, results)
         self.record_gap(results)
         self.completed += 1
         self.progress.on_eval(row)
+        self.last_eval_s = now - started
+        self.tell_interval(self.last_eval_s)
         if self.on_result is not None:
             self.on_result(row)
+
+    def tell_interval(self, eval_s: float) -> None:
+        """The effective interval from an evaluation's cost and the versions' pace: logged after every
+        evaluation, printed once, when the pace is measured over PACE_VERSIONS versions."""
+        version_s = self.version_seconds()
+        if version_s is None or version_s <= 0:
+            return
+        versions, seconds = effective_interval(self.cadence, eval_s, version_s)
+        where = (
+            "a dedicated engine"
+            if self.dedicated is not None
+            else (f"the training engines, budget {self.cadence.max_engine_share:.0%}")
+        )
+        line = (
+            f"evaluation every ~{versions} version{'s' if versions > 1 else ''} / ~{seconds / 60:.1f} min at "
+            f"{eval_s:.0f} s per evaluation (on {where}; a version every {version_s:.0f} s)"
+        )
+        log.info("%s", line)
+        if not self.interval_told and len(self.served) > PACE_VERSIONS:
+            self.interval_told = True
+            self.progress.message(line)
 
     def record_gap(self, results: dict[Mode, ModeResult]) -> None:
         """Training success of the episodes finished since the previous evaluation, minus this one's."""
@@ -313,10 +574,13 @@ class Evaluator:
         await self.stop()
 
     async def stop(self) -> None:
-        """Cancel a running evaluation (its episodes are never trained on, so nothing is lost)."""
+        """Cancel a running evaluation (its episodes are never trained on, so nothing is lost) and stop
+        the dedicated engine. Idempotent."""
         if self.running is not None and not self.running.done():
             self.running.cancel()
             await asyncio.gather(self.running, return_exceptions=True)
+        if self.dedicated is not None:
+            await self.dedicated.stop()
 
 
 def training_counts(env: str) -> tuple[float, float]:

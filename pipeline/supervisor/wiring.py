@@ -33,6 +33,7 @@ from pipeline.supervisor.eval_schedule import (
     AdmissionHold,
     EvalSetup,
     Evaluator,
+    describe_cadence,
     evaluates_training_env,
     resolve_eval,
     training_holdout,
@@ -55,7 +56,7 @@ class RunSetup:
     run: RunDir
     env_factory: EnvFactory
     env: Environment
-    evaluation: EvalSetup | None = None  # the checked [eval] section when eval.every_versions > 0
+    evaluation: EvalSetup | None = None  # the checked [eval] section when evaluation is on
     cores: CoreSplit | None = None  # the engines' and the learner's threads, printed at start
 
 
@@ -138,7 +139,7 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         raise ConfigError(f"model.path: {cfg.model.path} is not an HF model directory (no config.json)")
     check_moe(cfg, run.initial_model)
     check_context_fits(cfg, run)
-    evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.every_versions > 0 else None
+    evaluation = resolve_eval(cfg, training_factory=factory) if cfg.eval.enabled else None
     return RunSetup(cfg, run, factory, env, evaluation, cores)
 
 
@@ -404,25 +405,42 @@ def build_evaluator(
     started_at: float,
     on_result: Callable[[dict[str, Any]], None] | None = None,
     training: AdmissionHold | None = None,
+    newest_published: Callable[[], int] | None = None,
 ) -> Evaluator | None:
-    """The evaluation side (pipeline.supervisor.eval_schedule) on the training engines; None when eval is
-    off. `on_result` receives each evaluation's row (the experiment trackers); `training` is held while
-    an evaluation runs when `eval.pause_training` is set."""
+    """The evaluation side (pipeline.supervisor.eval_schedule): on the training engines (`engine`) within
+    eval.max_engine_share, or on a dedicated engine process it creates (pipeline.supervisor.eval_engine;
+    the Evaluator launches and stops it); None when eval is off. `on_result` receives each evaluation's
+    row (the experiment trackers); `training` is held while an evaluation runs when `eval.pause_training`
+    is set; `newest_published()` is the learner's newest published version (versions_behind)."""
     if setup.evaluation is None:
         return None
-    return Evaluator(
+    cfg = setup.cfg
+    dedicated = None
+    if cfg.eval.engine == "dedicated":
+        from pipeline.supervisor.eval_engine import DedicatedEvalEngine
+
+        dedicated = DedicatedEvalEngine(cfg, setup.run, grace_s=cfg.run.shutdown_grace_s)
+    evaluator = Evaluator(
         setup.evaluation,
         engine=engine,
         tokenizer=tokenizer,
-        settings=rollout_settings(setup.cfg),
-        every_versions=setup.cfg.eval.every_versions,
+        settings=rollout_settings(cfg),
+        every_versions=cfg.eval.every_versions,
+        every_minutes=cfg.eval.every_minutes,
+        max_engine_share=cfg.eval.max_engine_share,
+        dedicated=dedicated,
+        newest_published=newest_published,
         log_path=setup.run.eval_log,
         progress=progress,
         started_at=started_at,
-        training_env=setup.cfg.env.name if evaluates_training_env(setup.cfg) else None,
+        training_env=cfg.env.name if evaluates_training_env(cfg) else None,
         on_result=on_result,
-        training=training if setup.cfg.eval.pause_training else None,
+        training=training if cfg.eval.pause_training else None,
     )
+    start = describe_cadence(evaluator.cadence, dedicated=dedicated is not None)
+    where = f" ({dedicated.slot.url}, logs/{dedicated.log_path.name})" if dedicated is not None else ""
+    progress.message(f"{start}{where}; {len(setup.evaluation.plan.tasks)} held-out tasks")
+    return evaluator
 
 
 async def close_env(env: Environment) -> None:

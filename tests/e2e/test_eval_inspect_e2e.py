@@ -28,6 +28,7 @@ def test_daemon_evaluates_traces_and_leaves_a_run_the_inspector_and_eval_read(
         f"model.path={json.dumps(str(tiny_model_dir))}",
         "learner.checkpoint_every=100",  # keep every spool file for the checks below
         "eval.every_versions=2",
+        "eval.max_engine_share=1.0",  # every 2 versions, whatever it costs: no budget spacing them out
         "eval.tasks=4",
         "eval.samples=2",
         "trace.groups_per_step=1",

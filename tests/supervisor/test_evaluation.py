@@ -196,7 +196,15 @@ async def test_evaluator_runs_on_schedule_and_logs_a_row_metrics_and_a_status_li
     assert REGISTRY.get_sample_value("rollwise_eval_success_ratio", {"env": "coin", "mode": "greedy"}) == 0.5
     assert REGISTRY.get_sample_value("rollwise_eval_policy_version", {"env": "coin"}) == 3
     status = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert [s["event"] for s in status] == ["eval", "eval"] and status[1]["version"] == 3
+    evals = [s for s in status if s["event"] == "eval"]
+    assert [s["version"] for s in evals] == [0, 3] and evals[1]["engine"] == "training"
+    # Once an evaluation's cost and the versions' pace (over 5 versions) are known, the effective interval
+    # is printed, once.
+    assert not [s for s in status if s["event"] == "message"]
+    for version in (4, 5):
+        evaluator.on_version(version, step=version)
+    told = [json.loads(line)["text"] for line in out.getvalue().splitlines() if '"message"' in line]
+    assert len(told) == 1 and told[0].startswith("evaluation every ~")
 
 
 async def test_a_failing_evaluation_is_counted_and_reported_not_raised(

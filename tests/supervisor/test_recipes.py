@@ -110,11 +110,11 @@ def test_the_bare_run_command_without_the_recipe_on_disk_names_what_to_pass(tmp_
 
 
 @pytest.mark.parametrize(
-    ("name", "attempts", "digits", "every"),
-    [("smollm2_arithmetic.toml", 1, 1, 2), ("smollm2_arithmetic_retry.toml", 3, 2, 4)],
+    ("name", "attempts", "digits", "every", "tasks"),
+    [("smollm2_arithmetic.toml", 1, 1, 1, 32), ("smollm2_arithmetic_retry.toml", 3, 2, 4, 64)],
 )
 def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
-    name: str, attempts: int, digits: int, every: int
+    name: str, attempts: int, digits: int, every: int, tasks: int
 ) -> None:
     pytest.importorskip(
         "reasoning_gym", reason="reasoning-gym is not installed (pip install 'rollwise[reasoning-gym]')"
@@ -125,7 +125,8 @@ def test_the_smollm2_recipes_resolve_to_the_pretrained_preset_on_reasoning_gym(
     assert setup.env.spec.max_turns == attempts
     assert cfg.env.options["answer_format"] == "number"
     assert cfg.env.options["config"]["max_digits"] == digits
-    assert cfg.learner.lora.enabled and cfg.eval.every_versions == every and cfg.eval.tasks == 64
+    assert cfg.learner.lora.enabled and cfg.eval.every_versions == every and cfg.eval.tasks == tasks
+    assert cfg.eval.max_engine_share == 0.10 and cfg.engine.threads == cfg.learner.threads == 1
     text = (ROOT / "examples" / name).read_text()
     for key in ('preset = "smollm2-135m-instruct"', "lr = 1e-4", "tolerance = 0.15", "threads = 1"):
         # every value that differs from a default carries its reason on the comment line above it

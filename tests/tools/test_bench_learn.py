@@ -117,6 +117,7 @@ def test_smoke_two_seeds_of_a_tiny_daemon(tmp_path: Path, capsys: pytest.Capture
         "--config", str(Path(__file__).resolve().parents[2] / "examples" / "guess_number.toml"),
         "--seeds", "2", "--max-steps", "2", "--bucket-versions", "1", "--out", str(tmp_path), "--json",
         *sets, "--set", "eval.every_versions=1", "--set", "eval.tasks=2",
+        "--set", "eval.max_engine_share=1",  # an evaluation every version: no budget spacing them out
     ]  # fmt: skip
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)

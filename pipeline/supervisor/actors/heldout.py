@@ -3,10 +3,11 @@
 `run_evaluation` plays every task of a fixed list in each mode: `greedy` (one episode at temperature 0)
 and/or `sampled` (k episodes at the training temperature). At most `max_concurrent` episodes are in
 flight, and every request carries `priority` when given (SGLang's `priority` field: the engine serves
-training requests first), so an evaluation takes a bounded share of the engines and training never
-waits for it. The episodes stay out of the training episodes' metrics (`run_episode(record_metrics=
-False)`); `summarise` turns them into the numbers the daemon, `rollwise eval` and `rollwise bench learn`
-report.
+training requests first), so on the training engines an evaluation takes a bounded share of them and
+training never waits for it (how often one runs, its budget, and the dedicated evaluation engine that
+needs no priority: pipeline.supervisor.eval_schedule). The episodes stay out of the training
+episodes' metrics (`run_episode(record_metrics=False)`); `summarise` turns them into the numbers the
+daemon, `rollwise eval` and `rollwise bench learn` report.
 
 Numbers of one mode (pure, from the episodes):
 - success = solved episodes / episodes (solved: outcome >= 1.0, as in training);

@@ -648,6 +648,34 @@ EVAL_DURATION = Histogram(
     buckets=_STEP_BUCKETS,
     registry=REGISTRY,
 )
+EVAL_ENGINE_SECONDS = Counter(
+    "rollwise_eval_engine_seconds",
+    "Wall seconds evaluations ran (ok, failed or cancelled; counted while they run), by kind: training "
+    "(on the training engines, where wall time is the honest proxy of the engine time they took) or "
+    "dedicated (eval.engine). Its rate is eval's share of wall time.",
+    ["env", "kind"],
+    registry=REGISTRY,
+)
+EVAL_SHARE_BUDGET = Gauge(
+    "rollwise_eval_engine_share_budget_ratio",
+    "eval.max_engine_share in force: the most of the training engines' wall time evaluations may take "
+    "(absent with a dedicated evaluation engine, which takes none of it).",
+    ["env"],
+    registry=REGISTRY,
+)
+EVAL_DEFERRED = Counter(
+    "rollwise_eval_deferred",
+    "Served versions a trigger made due but that were not evaluated, by reason: running (one evaluation "
+    "at a time) or budget (eval.max_engine_share).",
+    ["env", "reason"],
+    registry=REGISTRY,
+)
+EVAL_LAG = Gauge(
+    "rollwise_eval_lag_versions",
+    "Versions the learner had published past the evaluated one when the last evaluation finished.",
+    ["env"],
+    registry=REGISTRY,
+)
 
 # Known label values, initialised to zero at start-up so every dashboard query has a series before the
 # first event (a counter that appears only on its first increment also loses that increment in rate()).
@@ -783,10 +811,17 @@ FLEET_HANDED_BACK = Counter(
 
 
 def init_eval_label_values(
-    env: str, modes: tuple[str, ...] | list[str], *, every_versions: int = 0, gap: bool = False
+    env: str,
+    modes: tuple[str, ...] | list[str],
+    *,
+    every_versions: int = 0,
+    gap: bool = False,
+    kind: str = "training",
+    budget: float | None = None,
 ) -> None:
     """The eval series of one eval env at zero, so its panel has data before the first evaluation ends
-    (`gap`: the training/held-out success gap is computed for this env)."""
+    (`gap`: the training/held-out success gap is computed for this env; `kind`: where evaluations run,
+    training or dedicated; `budget`: eval.max_engine_share on the training engines)."""
     EVAL_INTERVAL.labels(env=env).set(every_versions)
     for mode in modes:
         for gauge in (EVAL_SUCCESS, EVAL_PASS_AT_K, EVAL_REWARD, EVAL_TURNS):
@@ -801,6 +836,14 @@ def init_eval_label_values(
     EVAL_TRAINING_PAUSED.labels(env=env)
     for status in ("ok", "failed"):
         EVAL_RUNS.labels(env=env, status=status)
+    EVAL_ENGINE_SECONDS.labels(env=env, kind=kind)
+    EVAL_LAG.labels(env=env)
+    for reason in ("running", "budget"):
+        EVAL_DEFERRED.labels(env=env, reason=reason)
+    if budget is not None:
+        EVAL_SHARE_BUDGET.labels(env=env).set(budget)
+    if kind == "dedicated":
+        PROCESS_RESTARTS.labels(component="eval_engine")
 
 
 # --- a learner with its own run directory (learner.remote.run_dir): versions copied from its weight server

@@ -59,6 +59,9 @@ BENCH_SETTINGS = (
     "env.options={low = 1, high = 8, max_turns = 4}",
     "eval.every_versions=10",
     "eval.tasks=32",
+    # Its curves are by version: every 10th is scored, whatever it costs the engine (the daemon's default
+    # budget, eval.max_engine_share, would space them by time instead).
+    "eval.max_engine_share=1.0",
 )
 VARIANTS: dict[str, tuple[str, ...]] = {
     "grpo": ("learner.loss.kind='grpo'", "learner.loss.clip_low=0.2", "learner.loss.clip_high=0.27"),

@@ -108,6 +108,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "MoE toy: GRPO, GRPO + routing replay, GSPO over seeds (routing change, clipping, success)",
     ),
+    ("bench", "trl"): (
+        "pipeline.tools.bench.trl_compare",
+        "main",
+        "rollwise vs TRL's GRPOTrainer (GSPO): minutes to held-out success, evaluation off the clock",
+    ),
 }
 
 

@@ -6,8 +6,11 @@
 The tasks, env options and modes come from the run's resolved config (`[eval]`, else its training env),
 so the numbers are those the daemon logged in `logs/eval.jsonl`, now for any version still on disk.
 Without `--engine-url` an embedded engine starts in this process on `weights/v<V>` (version 0: the initial
-model); with it, the server there is used as it is and must serve V (its `/model_info` weight_version),
-so a live daemon's engine can be evaluated but never has its weights changed.
+model; a LoRA adapter version is served over the initial model, as the daemon serves it); with it, the
+server there is used as it is and must serve V (its `/model_info` weight_version), so a live daemon's
+engine can be evaluated but never has its weights changed. `evaluate_weights` scores any HF model
+directory (or adapter over one) the same way: `rollwise bench learn --offline-eval` and `rollwise bench
+trl` score their snapshots with it.
 
 Exit codes: 0 evaluated, 1 the evaluation could not run (engine down, version mismatch), 2 bad arguments.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.contracts.config import Config, ConfigError, load_config, reveal
-from pipeline.contracts.run_dir import RunDir, is_model_dir
+from pipeline.contracts.run_dir import RunDir, is_model_dir, is_published_dir
 from pipeline.supervisor.actors.heldout import Mode, ModeResult, run_evaluation
 from pipeline.supervisor.eval_schedule import EvalSetup, eval_row, resolve_eval
 
@@ -41,7 +44,7 @@ def published_versions(run: RunDir) -> list[int]:
     if run.weights.is_dir():
         for child in run.weights.iterdir():
             match = _VERSION_DIR.match(child.name)
-            if match and is_model_dir(child):
+            if match and is_published_dir(child):
                 found.append(int(match.group(1)))
     return sorted(found)
 
@@ -97,36 +100,72 @@ def load_run_config(run_dir: Path, args: argparse.Namespace) -> Config:
     return load_config(config_file, overrides)
 
 
+def served_model(run: RunDir, version: int) -> tuple[Path, Path | None]:
+    """(HF model directory, PEFT adapter directory or None) that serve `version` of `run`: a published
+    HF directory alone, or an adapter over the run's initial model."""
+    weights = run.weights_of(version)
+    return (weights, None) if is_model_dir(weights) else (run.initial_model, weights)
+
+
 async def evaluate_version(
     cfg: Config, run: RunDir, setup: EvalSetup, version: int, engine_url: str | None
 ) -> tuple[dict[Mode, ModeResult], float]:
     """Run the evaluation of `version`; returns its results and wall time in seconds."""
+    model, adapter = served_model(run, version)
+    if adapter is not None and engine_url is not None:
+        raise EvalCommandError(
+            f"version {version} is a LoRA adapter ({adapter}): evaluate it on an embedded engine (no "
+            "--engine-url), which serves it over the initial model"
+        )
+    return await evaluate_weights(cfg, setup, model, adapter=adapter, version=version, engine_url=engine_url)
+
+
+async def evaluate_weights(
+    cfg: Config,
+    setup: EvalSetup,
+    model: Path,
+    *,
+    adapter: Path | None = None,
+    version: int = 0,
+    engine_url: str | None = None,
+    threads: int | None = None,
+) -> tuple[dict[Mode, ModeResult], float]:
+    """Evaluate the HF model directory `model` (with the PEFT `adapter` directory over it, when given) on
+    `setup`'s tasks; returns the results and the evaluation's wall time in seconds (engine start left
+    out). Without `engine_url` an embedded engine starts on it in this process with `[engine]`'s settings
+    (`threads` overrides engine.threads); with it, that server must report `version` as its weight_version.
+    `version` labels the episodes' tokens."""
+    from pipeline.supervisor.engines.adapters import AdapterRegistry, AdapterRouting, adapter_name
     from pipeline.supervisor.engines.client import EngineClient
     from pipeline.supervisor.engines.pool import EnginePool
     from pipeline.supervisor.engines.protocol import EngineError
     from pipeline.supervisor.wiring import load_tokenizer, rollout_settings
 
-    weights = run.weights_of(version)
-    tokenizer = await asyncio.to_thread(
-        load_tokenizer, weights if is_model_dir(weights) else run.initial_model
-    )
+    if adapter is not None and (engine_url is not None or version < 1):
+        raise ValueError("an adapter is served by an embedded engine, under a version >= 1")
+    tokenizer = await asyncio.to_thread(load_tokenizer, model)
+    name = adapter_name(version) if adapter is not None else None
     server = None
     try:
         if engine_url is None:
             from pipeline.engine.serve import start_server
             from pipeline.engine.serve_flags import ServerConfig
 
-            e = cfg.engine
+            e, lora = cfg.engine, cfg.learner.lora
             server = await start_server(
                 ServerConfig(
-                    model=str(weights),
+                    model=str(model),
                     port=0,
-                    weight_version=str(version),
+                    weight_version=str(version) if adapter is None else "0",
                     max_batch=e.max_batch,
                     batch_wait_ms=e.batch_wait_ms,
                     dtype=e.dtype or "auto",
-                    threads=e.threads,
+                    threads=e.threads if threads is None else threads,
                     seed=cfg.run.seed,
+                    enable_lora=adapter is not None,
+                    max_lora_rank=lora.rank if adapter is not None else None,
+                    lora_target_modules=tuple(lora.target_modules) if adapter is not None else None,
+                    lora_paths=((str(name), str(adapter)),) if adapter is not None else (),
                 )
             )
             engine_url = server.url
@@ -134,6 +173,11 @@ async def evaluate_version(
             engine_url, api_key=reveal(cfg.engine.api_key), request_timeout_s=cfg.engine.request_timeout_s
         )
         pool = EnginePool([client])
+
+        async def no_unload(_: str) -> None:  # one adapter, served until the engine stops
+            return None
+
+        engine = AdapterRouting(pool, AdapterRegistry(version, no_unload)) if adapter is not None else pool
         try:
             if server is None:
                 served = str((await client.model_info()).get("weight_version"))
@@ -144,11 +188,11 @@ async def evaluate_version(
                     )
             started = time.monotonic()
             results = await run_evaluation(
-                pool,
+                engine,
                 tokenizer,
                 setup.factory,
                 setup.plan,
-                rollout_settings(cfg, weights if is_model_dir(weights) else run.initial_model),
+                rollout_settings(cfg, model),
                 env_name=setup.env_name,
                 env_options=setup.options,
                 max_concurrent=setup.max_concurrent,

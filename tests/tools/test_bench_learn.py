@@ -134,6 +134,9 @@ def test_smoke_two_seeds_of_a_tiny_daemon(tmp_path: Path, capsys: pytest.Capture
         config = (tmp_path / f"seed{seed}" / "config.toml").read_text()
         assert f"seed = {seed}\n" in config  # run.seed differs per run; eval.seed is the config's
         assert "seed = 1000003" in config
+        # The run's budgets: the learner's two steps, and the engines' CPU share while it ran.
+        budgets = (tmp_path / f"seed{seed}" / "logs" / "budgets.txt").read_text()
+        assert budgets.startswith(f"seed {seed}: learner: 2 steps, idle ") and "engines: idle " in budgets
 
 
 def test_a_seed_that_outlives_the_sigterm_grace_is_killed_and_its_evaluations_kept(
@@ -153,6 +156,7 @@ def test_a_seed_that_outlives_the_sigterm_grace_is_killed_and_its_evaluations_ke
         """A daemon that has written one evaluation and ignores SIGTERM."""
 
         returncode: int | None = None
+        pid = -1  # no process has it: the engines' CPU sampler finds no child
 
         def __init__(self, argv: list[str], **_: Any) -> None:
             logs = Path(argv[argv.index("--run-dir") + 1]) / "logs"

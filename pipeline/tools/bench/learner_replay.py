@@ -33,6 +33,7 @@ from typing import Any
 
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir
+from pipeline.tools.bench.run_budgets import step_records
 
 
 class ReplayError(RuntimeError):
@@ -71,25 +72,22 @@ def daemon_steps(step_log: Path) -> list[DaemonStep]:
     restarted learner trained twice is the one kept)."""
     if not step_log.is_file():
         raise ReplayError(f"{step_log} does not exist: not a run directory, or no learner step yet")
-    steps: dict[int, DaemonStep] = {}
-    for line in step_log.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a kill
-        if record.get("event") != "step" or "group_ids" not in record:
-            continue
+
+    def trained(record: dict[str, Any]) -> bool:
+        # A step that dropped its groups (no update) trained nothing.
         metrics = record.get("metrics") or {}
-        if not record.get("groups") or metrics.get("step_time_s") is None:
-            continue  # a step that dropped its groups (no update): nothing was trained
-        steps[int(record["step"])] = DaemonStep(
+        return "group_ids" in record and bool(record.get("groups")) and metrics.get("step_time_s") is not None
+
+    return [
+        DaemonStep(
             step=int(record["step"]),
             group_ids=tuple(record["group_ids"]),
-            seconds=float(metrics["step_time_s"]),
-            tokens=float(metrics.get("tokens") or 0.0),
-            loss=metrics.get("loss"),
+            seconds=float(record["metrics"]["step_time_s"]),
+            tokens=float(record["metrics"].get("tokens") or 0.0),
+            loss=record["metrics"].get("loss"),
         )
-    return [steps[s] for s in sorted(steps)]
+        for record in step_records(step_log, trained)
+    ]
 
 
 def spool_files(spool: Path) -> dict[str, Path]:

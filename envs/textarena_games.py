@@ -4,35 +4,23 @@
     name = "textarena/GuessTheNumber-v0"
     options = { kwargs = { max_number = 8, max_turns = 4 } }
 
-- The game: `textarena.make(EnvId, **kwargs)` without TextArena's observation wrappers (the runner keeps the
-  chat history itself); `kwargs` override the game's registered arguments. Its registered action wrappers
-  still apply unless `action_formatting = false` (most games register ActionFormattingWrapper, which
-  puts a move written without brackets into them: "5" becomes "[5]"). The `-raw` variant of an id has
-  none; `-train` is the default game with the training observation wrappers, which are dropped anyway.
-- Turns: the first user message is what the game shows the player at the start (its prompt and board);
-  each assistant reply is passed to `game.step` verbatim (the game parses its own action format, e.g.
-  `[5]`), and the game's new messages to the player since its last turn become the next user message
-  (the player's own move is not echoed back; another player's is prefixed `[Player k]`). An invalid move is
-  the game's business: TextArena re-prompts once, then ends the game with its penalty.
-- Rewards: TextArena rewards only at the end; the episode's outcome is the player's reward from
-  `game.close()` (single-player games: a score, 1 = solved; two-player: 1 win, 0 draw, -1 loss); turn
-  rewards are 0. A reward that is not a finite number (a library bug in some games' invalid-move path) is
-  an environment failure. `max_turns` (default: twice the game's own turn limit, else 64) truncates an
-  episode with outcome 0.0.
-- Players: single-player games just run. Two-player games need `opponent`: a built-in fixed opponent
-  ("first-listed" or "random-listed": it plays the first / a seeded random move from the "Available Moves"
-  list a board game shows) or a "module:attr" / "file.py:attr" path to `make_opponent(seed) -> (observation
-  text -> action text)`; the policy plays seat `seat` (0 or 1). Without an opponent they are refused, and
-  games for more players always are.
-- Offline: games whose word lists come from nltk corpora (Wordle, Hangman, ...) call `nltk.download` at run
-  time. They are refused, naming the missing corpora, unless those corpora are already installed (then
-  `nltk.download` is kept from reaching the network). Games that call a hosted model (OpenRouter) are
-  refused. This is decided from the game's source files, without importing it.
-- Determinism: TextArena games draw from the global `random` (and some from numpy's) and seed it in
-  `reset`. Every call into a game runs under one process-wide lock with the episode's own generator state
-  swapped in and the previous global state restored afterwards, so `reset(task)` depends on the task alone
-  and episodes never draw from each other's streams. The games are synchronous: they run in the shared
-  thread pool (envs/sync_adapter.py).
+- The game: `textarena.make(EnvId, **kwargs)` without TextArena's observation wrappers (the runner keeps
+  the chat history); its registered action wrappers apply unless `action_formatting = false` (`-raw`
+  ids have none; `-train` is the default game).
+- Turns: the first user message is what the game shows the player at the start; each assistant reply goes
+  to `game.step` verbatim, and the game's new messages to the player become the next user message
+  (another player's moves prefixed `[Player k]`). Invalid moves are the game's business.
+- Rewards: the outcome is the player's reward from `game.close()` (1 = solved; two-player: 1 win, 0 draw,
+  -1 loss); turn rewards are 0; a non-finite reward is an environment failure. `max_turns` (default: twice
+  the game's own limit, else 64) truncates an episode with outcome 0.0.
+- Players: two-player games need `opponent` ("first-listed", "random-listed", or a "module:attr" /
+  "file.py:attr" path to `make_opponent(seed) -> (observation -> action)`); the policy plays `seat`. Games
+  for more players are refused.
+- Offline: games that need nltk corpora run only when those are installed (`nltk.download` is kept off
+  the network); games that call a hosted model are refused. Decided from the game's source, unimported.
+- Determinism: every call into a game runs under one process-wide lock with the episode's own `random`
+  (and numpy) state swapped in, so `reset(task)` depends on the task alone. The games are synchronous:
+  they run in the shared thread pool (envs/sync_adapter.py).
 """
 
 from __future__ import annotations

@@ -738,7 +738,7 @@ def reliability() -> DashboardSpec:
                     "Served-policy check: engine vs learner",
                     "rollwise_served_check_logprob_diff_nats (mean |engine - learner| log-prob of the "
                     "learner's probe after the last sync; an engine's numerical floor is its level at "
-                    "version 0, docs/operations.md) and rollwise_served_check_consecutive_failures.",
+                    "version 0, docs/scale_out.md) and rollwise_served_check_consecutive_failures.",
                     "none",
                     (
                         q(

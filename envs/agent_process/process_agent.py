@@ -6,34 +6,24 @@ needs a base URL, run in the sandbox against the episode's own endpoint.
     options = { command = ["python3", "agent.py"], files = { "agent.py" = "my_agent/agent.py" },
                 tasks = "my_agent/tasks.py:tasks", episode_timeout_s = 120.0 }
 
-Per episode the command runs in a fresh working directory (``files`` copied in; ``mounts``: host paths
-it may read, at the same paths) under the sandbox's limits (envs/sandbox: wall and CPU time, memory,
-processes, output; ``sandbox`` option, defaults below) with:
+Per episode the command runs in a fresh working directory (``files`` copied in; ``mounts``: host paths it
+may read) under the sandbox's limits (envs/sandbox; the ``sandbox`` option) with:
 
-- the episode's endpoint in the usual variables: ``OPENAI_BASE_URL`` (``.../v1``), ``OPENAI_API_KEY``,
-  ``ANTHROPIC_BASE_URL`` (without ``/v1``), ``ANTHROPIC_API_KEY``, and ``ROLLWISE_BASE_URL``,
-  ``ROLLWISE_API_KEY``, ``ROLLWISE_MODEL`` (the model name to request), ``ROLLWISE_EPISODE_ID``; plus the
-  ``env`` option's own variables;
+- the endpoint in ``OPENAI_BASE_URL`` (``.../v1``), ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL`` (without
+  ``/v1``), ``ANTHROPIC_API_KEY``, ``ROLLWISE_BASE_URL``, ``ROLLWISE_API_KEY``, ``ROLLWISE_MODEL``,
+  ``ROLLWISE_EPISODE_ID``, plus the ``env`` option's variables;
 - the task as JSON (``{"id", "seed", "data"}``) on stdin and in the file ``ROLLWISE_TASK_FILE``;
-- the outcome expected as JSON in the file ``ROLLWISE_OUTCOME_FILE`` if the agent writes it, else on the
-  last non-empty line of its stdout: a number (the outcome) or ``{"outcome": number | null,
-  "turn_rewards": [numbers, one per request it made, optional], "info": {...}}``.
+- the outcome as JSON in the file ``ROLLWISE_OUTCOME_FILE``, else on the last non-empty line of stdout: a
+  number or ``{"outcome": number | null, "turn_rewards": [one per request, optional], "info": {...}}``.
 
-No network but the endpoint. Under bubblewrap the sandbox has its own network namespace, where loopback
-is all there is: the host's 127.0.0.1 (the endpoint's TCP port included) and every other address are
-out of reach. The endpoint also listens on a Unix socket, which is bind-mounted read-only into the
-sandbox, and the episode's first program (agent_relay.py, beside this file) relays the sandbox's own
-127.0.0.1:``RELAY_PORT`` to it: that relay is the base URL the agent gets. A per-episode network
-namespace with a veth pair would need root or CAP_NET_ADMIN; the socket needs neither and carries
-nothing but HTTP to the endpoint, where only a running episode's key is answered. With rlimits only
-(``sandbox.require = "rlimits"``, for machines without user namespaces) there is no namespace: the
-agent gets the endpoint's TCP address, and the network is NOT restricted (envs/sandbox/isolation.py).
+No network but the endpoint: under bubblewrap the sandbox's network namespace has only its own loopback,
+and agent_relay.py relays its 127.0.0.1:``RELAY_PORT`` to the endpoint's Unix socket, bind-mounted
+read-only. With rlimits only (``sandbox.require = "rlimits"``) the agent gets the endpoint's TCP address
+and the network is NOT restricted (envs/sandbox/isolation.py).
 
-Every failure costs its episode, counted, never a silent 0: a non-zero exit or a signal (``exit``,
-``signal``), the wall-time limit (``wall_time``, finish "timeout"), the CPU or output limit
-(``cpu_time``, ``output_limit``: the sandbox's, or the agent's own process killed by SIGXCPU or
-SIGXFSZ), no valid outcome (``bad_output``), a sandbox that could not run it
-(``sandbox``): rollwise_agent_failures_total{reason} and rollwise_env_errors_total.
+Every failure costs its episode, counted, never a silent 0 (rollwise_agent_failures_total{reason}):
+``exit``, ``signal``, ``wall_time`` (finish "timeout"), ``cpu_time``, ``output_limit``, ``bad_output``
+(no valid outcome), ``sandbox`` (it could not run).
 """
 
 from __future__ import annotations

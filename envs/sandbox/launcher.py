@@ -1,34 +1,23 @@
 """The first code that runs inside a sandbox: apply the limits, then run the untrusted ``main.py``.
 
-The sandbox passes this file's source to the interpreter with ``-c`` (under bubblewrap the file
-itself is not visible) and one argument, ``encode_config``'s ``key=value`` words::
+The sandbox passes this file's source to the interpreter with ``-c`` and one argument of ``key=value``
+words (``encode_config``; not JSON, whose import costs more than the rest of the launcher)::
 
     owner=4242 status_fd=3 main=main.py max_processes=32 count_user_tasks=0 supervise=0 drop_to=
     RLIMIT_CPU=10:11 RLIMIT_AS=536870912:536870912 ...
 
-``owner`` (the pid of the rollwise process that started it) is not used here: it is there for ``ps``,
-next to the tag below, to tell whose sandbox a process is.
+``owner`` (the pid of the rollwise process that started it) is unused here: it tells ``ps`` whose sandbox
+a process is. Status lines on ``status_fd``, each one ``write``: ``started <pid>`` once the limits hold;
+``error <text>`` when they could not be applied (the sandbox raises); when supervising also ``child <pid>``
+and ``exit <code>``. The untrusted code never holds ``status_fd``.
 
-(not JSON: importing json costs more than the rest of the launcher; every millisecond here is paid
-by every execution).
+- In place (bubblewrap): limits on this process, then the code runs in it; the PID namespace takes every
+  process the code starts down with it.
+- Supervising (rlimits only): this process stays the parent and a subreaper, runs the code in a child with
+  its own process group, then kills and reaps everything it left behind (also on SIGTERM). With
+  ``drop_to`` the parent stays root and only the child becomes that uid and takes the limits.
 
-Status lines on ``status_fd`` (each one ``write``, so lines of two processes never mix):
-``started <pid>`` from the process that runs the code, once its limits hold; ``error <text>`` when
-they could not be applied (an infrastructure failure: the sandbox raises); when supervising, also
-``child <pid>`` and ``exit <code>`` from the parent. The untrusted code never holds ``status_fd``.
-
-Two ways to run:
-
-- in place (bubblewrap): limits on this process, then the code runs in it (one interpreter start);
-  the PID namespace takes every process the code starts down with it.
-- supervising (rlimits only): this process stays the parent and a subreaper, runs the code in a
-  child with its own process group, waits, then kills and reaps everything the code left behind, so
-  background processes die with the call and no zombie is left to a parent that never reaps (some
-  containers' init). SIGTERM (the sandbox's stop: a limit, a cancelled call) ends the code the same
-  way. With ``drop_to`` (rollwise runs as root) the parent stays root, out of the code's reach, and
-  the child becomes that unprivileged uid; the limits apply to the child only.
-
-Only the standard library, and syntax the sandbox's interpreter (any Python 3.9+) understands.
+Only the standard library, and syntax any Python 3.9+ understands.
 """
 
 from __future__ import annotations

@@ -1,29 +1,22 @@
 """LoRA adapters in the embedded engine, served as SGLang 0.5.x serves them.
 
-Server flags: `--enable-lora`, `--max-lora-rank R`, `--lora-target-modules M ...`, `--lora-paths NAME=PATH
-...` (loaded before the engine reports ready). Endpoints: `/load_lora_adapter {lora_name, lora_path,
-pinned}` and `/unload_lora_adapter {lora_name}` (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput; the
-internal `lora_id` is accepted and ignored), both answering `{success, error_message, loaded_adapters:
-{name: path}}` with 200 or 400. `/generate` names an adapter in `lora_path` (a name, or one per batch item,
-null = the base model); a name that is not loaded is a 400, as in SGLang.
+Flags: `--enable-lora`, `--max-lora-rank R`, `--lora-target-modules M ...`, `--lora-paths NAME=PATH ...`
+(loaded before ready). `/load_lora_adapter {lora_name, lora_path, pinned}` and `/unload_lora_adapter
+{lora_name}` answer `{success, error_message, loaded_adapters: {name: path}}` with 200 or 400 (an internal
+`lora_id` is ignored). `/generate` names an adapter in `lora_path`; a name not loaded is a 400.
 
 Loop side, `EngineAdapters`: the registry (name -> path, requests holding it), SGLang's checks on a new
-adapter (rank <= --max-lora-rank, target modules within --lora-target-modules), and unloading: the name
-stops being accepted at once, the adapter leaves the model once the last request naming it finished
-(SGLang's `wait_for_unload`).
+adapter (rank, target modules), and unloading: the name is refused at once, the adapter leaves the model
+after the last request naming it (SGLang's `wait_for_unload`).
 
-Worker side: the model the batcher runs is peft's PeftModel over the base once an adapter was loaded.
-Adapters live in slots (peft adapters named `slot<i>`): a load fills a free slot of the same shape (rank,
-alpha, targets) by copying the tensors in (`refill_adapter`, milliseconds) and only otherwise injects a
-new one (`attach_adapter`: peft's module surgery, ~0.2 s on the small preset); an unloaded adapter's slot
-is kept free for the next version (at most `MAX_FREE_SLOTS`, the rest are removed), as SGLang keeps a
-memory pool of adapter slots. A batch whose rows all name one adapter runs it as peft's active adapter;
-rows that differ (or name none) run as ONE forward with peft's mixed-adapter batches (`adapter_names`,
-"__base__" for none): the base matmuls are shared and each LoRA layer adds B A x to its adapter's rows.
-`rollwise bench lora` measured the choices (docs/benchmarks.md).
+Worker side: the batcher runs peft's PeftModel over the base once an adapter was loaded. Adapters live
+in slots (`slot<i>`): a load copies the tensors into a free slot of the same shape (`refill_adapter`) and
+injects a new one only otherwise (`attach_adapter`); at most `MAX_FREE_SLOTS` unloaded slots are kept.
+A batch whose rows all name one adapter runs it as the active adapter; mixed rows run as ONE forward with
+peft's `adapter_names` ("__base__" for none).
 
-Fault injection (`--fault-stale-weights`, tests only): loads are acknowledged, the name is registered,
-but its requests run on the base model, like an engine the adapter never reached (verl #7495).
+Fault injection (`--fault-stale-weights`, tests only): loads are acknowledged and named, but their
+requests run on the base model, like an engine the adapter never reached.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Randomness: each request owns a `torch.Generator`; per decode step it draws exac
 and the token is chosen by inverse-CDF over the truncated distribution. Hence the same seed and the
 same prompt give the same tokens whatever other requests share the batch, up to float rounding: other
 batch shapes move the logits by ~1e-6 (fp32) or ~1e-2 (bf16), and where the uniform falls that close to
-a token's CDF boundary another token is chosen (docs/benchmarks.md: on SmolLM2's 49,152-token
+a token's CDF boundary another token is chosen (docs/benchmarks_log.md: on SmolLM2's 49,152-token
 vocabulary at T = 1, 3 of 8 fp32 sequences and 8 of 8 bf16 ones differed within 24 tokens).
 """
 

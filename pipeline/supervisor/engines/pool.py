@@ -1,28 +1,22 @@
 """EnginePool: several SGLang servers behind one `generate`, with session affinity and ejection.
 
-Affinity: every request of one episode (same `affinity_key`) goes to the same member, so the episode's
-growing prompt stays in that server's prefix cache. The member is chosen by rendezvous (highest random
-weight) hashing over the healthy members: ejecting a member moves only the keys it owned, and
-readmitting it moves them back.
+Affinity: every request with the same `affinity_key` (an episode) goes to the same member, chosen by
+rendezvous hashing over the healthy members, so its growing prompt stays in that server's prefix cache;
+ejecting a member moves only the keys it owned.
 
-Health: a member that fails `eject_after_failures` times in a row (EngineUnavailable, or HTTP 5xx:
-requests, or the /health checks of `watch_health` when no request reaches it) is ejected; a background
-task probes its /health every `probe_interval_s`, and once it answers, `on_rejoin` loads the version the
-fleet serves into it (a restarted server comes back with the weights it was launched with) before it is
-readmitted. `serving` counts the members that take work; listeners hear every change of it.
-When a member fails a request that certainly never reached it (connection refused, circuit open), the
-pool sends it to the key's next member instead; a request that may have reached a server is never
-resent (it is not idempotent).
+Health: a member that fails `eject_after_failures` times in a row (EngineUnavailable or HTTP 5xx, on
+requests or on `watch_health`'s /health checks) is ejected and probed every `probe_interval_s`; once it
+answers, `on_rejoin` loads the fleet's served version into it before it is readmitted. `serving` counts
+the members that take work; listeners hear every change. A request that certainly never reached its
+member (connection refused, circuit open) goes to the key's next member; one that may have reached a
+server is never resent.
 
-With a `router` (sglang-router in front of the members), `generate` goes through the router with the
-affinity key as its `X-SMG-Routing-Key` (the router's `manual` policy pins a key to one worker), and
-the members are the workers the control calls fan out to: a router forwards a request to one worker,
-so pauses and weight updates must reach each worker directly.
+With a `router` (sglang-router), `generate` goes through it with the affinity key as
+`X-SMG-Routing-Key`; control calls still fan out to each member directly.
 
-Membership changes while the pool runs (`add_member`, `remove_member`). A member being drained gets
-no new requests (`set_draining`); `hand_back(url)` aborts the requests still running on it and
-`generate` sends each of them again, from its prompt, to another member: the turn restarts
-elsewhere instead of failing its episode.
+Membership changes while the pool runs (`add_member`, `remove_member`). A member being drained gets no
+new requests (`set_draining`); `hand_back(url)` aborts its running requests and `generate` sends each
+again, from its prompt, to another member.
 """
 
 from __future__ import annotations

@@ -1,48 +1,26 @@
 """The served-policy check: after every weight sync, prove that each engine serves the new policy.
 
-A version string proves nothing (verl #7495: with LoRA and async training the adapter never reached the
-rollout engine, which sampled the initial policy for the whole run while the loss curves looked normal).
-So with each published version the learner sends a probe (learner.served_probe): token ids and its own
-log-probs of them under the new weights. After the sync, every engine is asked for the same sequence's
-prompt log-probs (`/generate` with `max_new_tokens = 0`, `return_logprob`, `logprob_start_len = 0` ->
-`meta_info.input_token_logprobs`; with LoRA served as adapters, naming the new adapter).
+With each published version the learner sends a probe (learner.served_probe): token ids with its
+log-probs under the new and the previous weights. After the sync every engine scores the same ids
+(`/generate`, `max_new_tokens = 0`, `return_logprob`, `logprob_start_len = 0`; with LoRA adapters, naming
+the new one). With d_new = mean |engine - new|, d_prev = mean |engine - previous|, gap = mean |new -
+previous| and the engine's numerical floor, the engine serves the new version when
 
-Engines do not compute what the fp32 learner computes: a bf16 kernel lands ~0.001-0.03 nats per token
-from it, SGLang's CPU backend in fp16 0.149 (observed), and no fixed tolerance tells "another policy"
-from "other numerics". So the learner also sends the probe's log-probs under the previous version, and
-with d_new = mean |engine - new| and d_prev = mean |engine - previous| the engine serves the new
-version when
+    d_new <= tolerance                      within the dtype's tolerance of the new version, or
+    gap <= floor / 2                        the versions cannot be told apart on this engine, or
+    gap <= floor and d_new <= floor + gap   which of d_new and d_prev is smaller is noise there, or
+    d_new < d_prev                          closer to the new version than to the old one.
 
-    d_new <= tolerance                           within the dtype's tolerance of the new version, or
-    gap <= floor / 2                             the two versions differ (gap = mean |new - previous|)
-                                                 by less than half the engine's numerical floor: they
-                                                 cannot be told apart on this engine, and one is as good
-                                                 as the other; or
-    gap <= floor and d_new <= floor + gap        they differ by no more than the floor, and the engine is
-                                                 no further from the new version than its floor plus
-                                                 that gap (at a distance of the floor's order, which of
-                                                 d_new and d_prev is smaller is noise: a 2-rank learner's
-                                                 floor of 0.0011 against a gap of 0.00096 read as
-                                                 "closer to the previous version" three times in a row
-                                                 and stopped a run; an engine stuck a few versions back
-                                                 is further than floor + gap, and fails); or
-    d_new < d_prev                               closer to the new version than to the old one.
+The floor is calibrated once per engine (`calibrate`, before its first sync): its distance to the version
+it was launched with. An engine that kept the old weights sits at its floor from the previous version and
+further from the new one, so it fails. Without previous log-probs only the tolerance applies:
 
-The floor is calibrated once per engine (`calibrate`, before its first sync): its distance to the
-version it serves then, which it was launched with. An engine that kept the old weights is at its floor
-from the previous version and further from the new one, so it fails as soon as an update moves the
-probe by more than half its floor; stuck for longer, it is further from each new version still. Without
-the previous log-probs (a learner of an older rollwise) only the tolerance is applied:
+    float32 engine   1e-3 nats   the same fp32 maths in other orders and batch shapes
+    bfloat16 engine  5e-2 nats   bf16 log-probs land ~0.01-0.03 from fp32 (docs/scale_out.md)
 
-    float32 engine   1e-3 nats   the learner and the engine run the same fp32 maths in other orders and
-                                 batch shapes (measured gap ~1e-6); one optimizer step moves it far more
-    bfloat16 engine  5e-2 nats   bf16 keeps 8 bits of mantissa: log-probs land ~0.01-0.03 from fp32 on
-                                 average (docs/operations.md); SGLang engines run bf16 unless configured
-
-Verdicts per engine: `ok`, `mismatch` (the rule above fails, or the engine refused the request: it does
-not serve the version) or `error` (unreachable: a restart will reload it). Each mismatch is an error event
-and a metric; `max_failures` consecutive mismatches of one engine stop the daemon with a message naming
-it. An engine whose check passes starts counting from zero again.
+Verdicts per engine: `ok`, `mismatch` (the rule fails, or the engine refused the request) or `error`
+(unreachable: a restart reloads it). Each mismatch is an error event and a metric; `max_failures`
+consecutive mismatches of one engine stop the daemon naming it; a passing check resets the count.
 """
 
 from __future__ import annotations
@@ -238,5 +216,5 @@ class ServedPolicyCheck:
             self.fail(
                 f"engine {name} does not serve the published policy: {count} consecutive served-policy "
                 f"checks failed (last: version {v.version}, {v.detail}); it acknowledged the updates but "
-                "its log-probs are another policy's. See docs/operations.md, LoRA / served-policy check."
+                "its log-probs are another policy's. See docs/scale_out.md, served-policy check."
             )

@@ -1,33 +1,25 @@
 """Weight sync across every engine: pause -> update_weights_from_disk -> continue, each phase timed.
 
-With LoRA served as adapters (`adapter` given) the load phase is /load_lora_adapter of the version's
-PEFT directory under its versioned name instead, and once it is loaded new requests name it
-(pipeline.supervisor.engines.adapters); requests in flight keep the adapter they named, which is unloaded
-after them.
+With LoRA served as adapters (`adapter` given) the load phase is /load_lora_adapter of the version's PEFT
+directory under its versioned name; new requests then name it (pipeline.supervisor.engines.adapters), and
+requests in flight keep the adapter they named, unloaded after them.
 
-`mode` is SGLang's pause mode (the `mode` field of /pause_generation), and it decides whether the update
-may flush the prefix cache, because SGLang 0.5.23 flushes only a fully idle scheduler and *dies* when a
-flushing update meets queued or running requests (weight_updater.flush_cache_after_weight_update:
-"AssertionError: Cache flush failed after updating weights", which takes the whole server down):
+`mode` is SGLang's pause mode, and it decides whether the update may flush the prefix cache: SGLang
+0.5.23 flushes only a fully idle scheduler and dies when a flushing update meets queued or running
+requests ("Cache flush failed after updating weights"):
 
-    abort     (default) every request in flight returns at once, aborted with the tokens it has (the
-              runner resubmits the turn as prompt + those tokens: a partial rollout); the pause returns
-              only when none is left, so the update flushes the cache (KV of the old weights is never
-              reused) and every token's version is exact. Costs one re-prefill per request in flight.
-    in_place  running requests freeze with their KV and decode on after the update: no re-prefill, but the
-              update must not flush (flush_cache = false), so cached prefixes keep the old weights' KV
-              until evicted, and the tokens of a request that spans the update are of two versions:
-              exact only where the engine reports per-token versions (SGLang's `weight_versions` spans,
-              the embedded engine's extension); otherwise the pool labels them with the version the
-              request started on (EnginePool, `rollwise_engine_version_ambiguous_tokens_total`).
-    retract   running requests go back to the queue with their tokens and are re-prefilled on the new
-              weights after continue; no flush either (retracted requests wait in the queue), versions as
-              for in_place.
+    abort     (default) requests in flight return at once with the tokens they have (the runner
+              resubmits prompt + those tokens); the update flushes; every token's version is exact.
+    in_place  running requests freeze with their KV and decode on after the update; no flush, and the
+              tokens of a request spanning the update are exact only where the engine reports
+              per-token versions, else labelled with the version the request started on.
+    retract   running requests go back to the queue and are re-prefilled on the new weights; no flush;
+              versions as for in_place.
 
 The update never aborts requests itself (`abort_all_requests=False`): the pause mode decides.
 
-Invariant: every engine receives continue_generation, whatever failed before it and even when the
-caller is cancelled mid-sync, so no engine is ever left paused.
+Invariant: every engine receives continue_generation, whatever failed before it and even when the caller
+is cancelled mid-sync, so no engine is ever left paused.
 """
 
 from __future__ import annotations

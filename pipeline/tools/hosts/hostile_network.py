@@ -1,4 +1,4 @@
-"""`rollwise bench hosts`: the three machines of docs/operations.md on hosts of their own (network
+"""`rollwise bench hosts`: the three machines of docs/scale_out.md on hosts of their own (network
 namespaces, pipeline.tools.hosts.three_hosts), trained through a hostile network, one fault after the
 other on the same run:
 

@@ -1,4 +1,4 @@
-"""The three machines of docs/operations.md ("Three machines"), each a network namespace with a directory
+"""The three machines of docs/scale_out.md ("Three machines"), each a network namespace with a directory
 of its own, and every connection between them through the fault proxy:
 
     sup      B: `rollwise run` (scheduler, spool, Flight, admin; starts the learner on C by its launcher)
@@ -176,7 +176,7 @@ class FleetOnHosts:
         argv = [
             sys.executable,
             "-m",
-            "learner.model_init",
+            "learner.model.model_init",
             "--out",
             str(model),
             "--preset",

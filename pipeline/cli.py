@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 from collections.abc import Callable, Sequence
-from typing import TextIO
 
 # command words -> (module, function, one-line help). The function takes the remaining argv.
 _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
-    ("model", "init"): ("learner.model_init", "main", "write a Qwen3-architecture model + tokenizer preset"),
+    ("model", "init"): (
+        "learner.model.model_init",
+        "main",
+        "write a Qwen3-architecture model + tokenizer preset",
+    ),
     ("engine", "serve"): (
         "pipeline.engine.serve",
         "main",
@@ -27,7 +29,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "main",
         "download published weights over HTTP for an engine that does not share the run dir",
     ),
-    ("engines",): ("pipeline.supervisor.admin", "main", "list, add or drain engines of a running daemon"),
+    ("engines",): (
+        "pipeline.supervisor.fleet.admin",
+        "main",
+        "list, add or drain engines of a running daemon",
+    ),
     ("envs",): ("envs.discovery", "main_list", "list installed environments"),
     ("env", "check"): ("envs.checker", "main", "run the environment checker on NAME"),
     ("bench", "logprobs"): (
@@ -65,6 +71,11 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "pipeline.tools.bench.mismatch_clip",
         "main",
         "engine vs learner log-probs on a real model: ratio spread, GSPO clip with and without correction",
+    ),
+    ("bench", "http1"): (
+        "pipeline.tools.bench.http1_parser",
+        "main",
+        "the engine client's HTTP/1.1 reply parser vs httptools (llhttp), microseconds per reply",
     ),
     ("bench", "transport"): (
         "pipeline.tools.bench.flight_rate",
@@ -191,30 +202,8 @@ def _unknown_subcommand(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _config_warnings_as_lines() -> None:
-    """A config key from an older release (pipeline.contracts.learner_config.DeprecatedConfigKey) is one
-    line on stderr naming its new key, not Python's two-line warning with a source location."""
-    shown = warnings.showwarning
-
-    def show(
-        message: Warning | str,
-        category: type[Warning],
-        filename: str,
-        lineno: int,
-        file: TextIO | None = None,
-        line: str | None = None,
-    ) -> None:
-        if category.__name__ == "DeprecatedConfigKey":
-            print(f"rollwise: warning: {message}", file=sys.stderr)
-        else:
-            shown(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    _config_warnings_as_lines()
     delegate = _find_delegate(args)
     if delegate is not None:
         fn, rest = delegate

@@ -12,23 +12,17 @@
     [learner.distributed]    ranks and nodes (torchrun, FSDP2)
     [learner.remote]         a learner that does not share the run directory
 
-Run directories and configs written before the tables existed name the keys flat (`learner.lr`,
-`learner.lr_schedule`, ...): `migrate_flat_keys` moves each to its table with a `DeprecatedConfigKey`
-warning that names the new key (read for one more release).
+A key from before the tables (`learner.lr`, `learner.lr_schedule`, `learner.dtype`, ...) is refused,
+naming its place in a table (`refuse_flat_keys`).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
 from pipeline.contracts.config_base import Section, secret_from_env
-
-
-class DeprecatedConfigKey(FutureWarning):
-    """A config key from before the learner's tables: still read, written back in its new place."""
 
 
 class OptimConfig(Section):
@@ -192,7 +186,7 @@ class RegularizersConfig(Section):
 
 
 class MismatchConfig(Section):
-    """Training/inference mismatch correction (docs/operations.md, "Mismatch correction")."""
+    """Training/inference mismatch correction (docs/train.md, "Mismatch correction")."""
 
     proximal: Literal["engine", "learner"] = Field(
         "learner",
@@ -236,7 +230,7 @@ class MismatchConfig(Section):
 
 
 class LoraConfig(Section):
-    """LoRA on the learner with peft; adapters published in PEFT format (docs/operations.md, LoRA)."""
+    """LoRA on the learner with peft; adapters published in PEFT format (docs/train.md, LoRA)."""
 
     enabled: bool = Field(False, description="Train LoRA adapters instead of the full weights.")
     rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
@@ -257,7 +251,7 @@ class LoraConfig(Section):
 
 
 class MoeConfig(Section):
-    """Mixture-of-Experts models (docs/operations.md, "Mixture-of-Experts"). Every key needs an MoE model
+    """Mixture-of-Experts models (docs/train.md, "Mixture-of-Experts"). Every key needs an MoE model
     (a config with num_experts and num_experts_per_tok); a dense one is refused before the run starts."""
 
     routing_replay: bool = Field(
@@ -360,7 +354,7 @@ class DistributedConfig(Section):
 
 
 class RemoteConfig(Section):
-    """A learner that does not share the run directory (docs/operations.md, "Three machines")."""
+    """A learner that does not share the run directory (docs/scale_out.md, "Three machines")."""
 
     spool_url: str | None = Field(
         None,
@@ -440,7 +434,7 @@ class LearnerConfig(Section):
     def _flat_keys(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        data = migrate_flat_keys(data)
+        refuse_flat_keys(data)
         schedule = data.get("schedule")
         if isinstance(schedule, dict) and "kind" not in schedule:
             data["schedule"] = {"kind": "constant", **schedule}  # a table without kind: the default kind
@@ -528,7 +522,7 @@ class LearnerConfig(Section):
 
 
 # --- keys from before the tables ----------------------------------------------------------------------
-# flat key -> (table, key in the table)
+# flat key -> (table, key in the table): refused naming the new place; tests use the flat names as shorthand
 FLAT_KEYS: dict[str, tuple[str, str]] = {
     **{k: ("optim", k) for k in ("lr", "weight_decay", "embedding_weight_decay", "betas", "grad_clip")},
     "grad_accum": ("optim", "grad_accum"),
@@ -564,45 +558,14 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
         for k in ("spool_url", "run_dir", "weights_host", "weights_port", "weights_url", "weights_token")
     },
 }
-_LOSS_KINDS = {level: kind for kind, level in LOSS_LEVELS.items()}  # old loss_level values
-_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}  # the key before `precision` was `dtype`
 
 
-def migrate_flat_keys(data: dict[str, Any]) -> dict[str, Any]:
-    """`[learner]` with its flat keys moved into their tables (a `DeprecatedConfigKey` warning naming the
-    new key for each). A key given both ways is an error naming both. A resolved config of an older run
-    spells out the schedule's unused keys (`lr_decay_steps = 0` with a constant schedule): dropped."""
-    data = dict(data)
-    if "dtype" in data and "precision" not in data:
-        legacy = data.pop("dtype")
-        data["precision"] = _PRECISIONS.get(legacy, legacy)
-        _warn("learner.dtype", "learner.precision")
-    flat = {key: data.pop(key) for key in list(data) if key in FLAT_KEYS}
-    if not flat:
-        return data
-    if flat.get("lr_schedule", "constant") == "constant":
-        for unused, default in (("lr_decay_steps", 0), ("lr_min_ratio", 0.0)):
-            if flat.get(unused, default) == default:
-                flat.pop(unused, None)
-    for key, value in flat.items():
-        table, new_key = FLAT_KEYS[key]
-        if key == "loss_level":
-            value = _LOSS_KINDS.get(value, value)
-        section = data.setdefault(table, {})
-        if not isinstance(section, dict):
-            raise ValueError(f"learner.{table} must be a table")
-        if new_key in section:
-            raise ValueError(
-                f"learner.{key} and learner.{table}.{new_key} are the same setting: keep the second"
-            )
-        section[new_key] = value
-        _warn(f"learner.{key}", f"learner.{table}.{new_key}")
-    return data
-
-
-def _warn(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is deprecated: use {new} (the old key is read until rollwise 0.3)",
-        DeprecatedConfigKey,
-        stacklevel=2,
-    )
+def refuse_flat_keys(data: dict[str, Any]) -> None:
+    """A `[learner]` key from before its tables is an error naming the key's table (FLAT_KEYS)."""
+    if "dtype" in data:
+        raise ValueError('learner.dtype is learner.precision now ("fp32", "bf16-mixed", "bf16" or "auto")')
+    for key in data:
+        if key in FLAT_KEYS:
+            table, new_key = FLAT_KEYS[key]
+            values = ' (values "gspo_token", "gspo", "grpo")' if key == "loss_level" else ""
+            raise ValueError(f"learner.{key} is learner.{table}.{new_key} now{values}")

@@ -5,7 +5,7 @@ engine frees its prefix cache's KV at every weight update, tens of MiB spread ov
 arena, and the next cycle reuses those chunks in another order, touching pages that had not been
 resident. Resident memory then creeps up while the allocator's books stay flat: in the 60-minute soak
 of 2026-11-26 the engine grew 8.5 MiB/h with malloc's in-use and free-held bytes unchanged, and one
-malloc_trim(0) after 15 minutes gave back 31 MiB (docs/operations.md, "The engine's growth found").
+malloc_trim(0) after 15 minutes gave back 31 MiB (docs/troubleshoot.md, "The engine's growth found").
 malloc_trim(0) releases the free pages of every arena (madvise), not only the heap's top.
 
 Only glibc has it; elsewhere `Trimmer.maybe` does nothing.

@@ -132,7 +132,7 @@ def log_lines(path: Path) -> list[str]:
     return lines
 
 
-# The context length of rollwise's presets (learner.model_init builds them with it): known before the
+# The context length of rollwise's presets (learner.model.model_init builds them with it): known before the
 # preset exists, so the config check can use it.
 PRESET_CONTEXT_TOKENS = 1024
 

@@ -1,4 +1,4 @@
-"""TLS on every door that leaves a host (docs/operations.md, "Ports, keys and hostile input").
+"""TLS on every door that leaves a host (docs/secure.md, "Ports, keys and hostile input").
 
 One certificate and key per machine serve every rollwise server on it (the supervisor's metrics, admin
 and Flight endpoints, the learner's weight server, the embedded engine and the fetch agent, the

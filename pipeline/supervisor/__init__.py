@@ -1,2 +1,3 @@
 """The daemon process (`rollwise run`): daemon.py is its schedule; actors/ produce trajectories,
-engines/ talk to inference engines, observability/ exports what happens."""
+engines/ talk to inference engines, fleet/ keeps the child processes and the engine fleet,
+observability/ exports what happens."""

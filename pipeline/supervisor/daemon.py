@@ -34,14 +34,14 @@ from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version
 from pipeline.contracts.tls import context_for
 from pipeline.supervisor.actors.rollout import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
-from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
-from pipeline.supervisor.fleet_membership import FleetMembership, scaled_concurrency
-from pipeline.supervisor.fleet_services import FleetServices
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
+from pipeline.supervisor.fleet.fleet_membership import FleetMembership, scaled_concurrency
+from pipeline.supervisor.fleet.fleet_services import FleetServices
 from pipeline.supervisor.heap import freeze_startup_heap
 from pipeline.supervisor.http_endpoints import HttpEndpoints
-from pipeline.supervisor.learner_child import LearnerChild, config_message, learner_child_spec
+from pipeline.supervisor.learner_child import LearnerChild, config_message, flight_token, learner_child_spec
 from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
 from pipeline.supervisor.lineage import Lineage
 from pipeline.supervisor.log_rotation import keep_logs_small
@@ -119,7 +119,7 @@ class Supervisor:
             trackers=self.trackers,
         )
         self.learner = LearnerChild(
-            learner_child_spec(self.run_dir, cfg.learner, transport_token=reveal(cfg.transport.token)),
+            learner_child_spec(self.run_dir, cfg.learner, transport_token=flight_token(cfg)),
             stopping=self.stopping,
             on_event=self.learner_events.handle,
             fail=self.fail,
@@ -133,7 +133,7 @@ class Supervisor:
             api_key=reveal(cfg.metrics.api_key),
             ssl_context=context_for(cfg.metrics.host, tls),
         )
-        # Elastic fleet, weights over HTTP and Arrow Flight (docs/operations.md, "A fleet across machines").
+        # Elastic fleet, weights over HTTP and Arrow Flight (docs/scale_out.md, "A fleet across machines").
         self.membership = FleetMembership(
             self.engines, self.engines.sync_lock, lambda: self.lineage.version, self.on_fleet_capacity
         )

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.contracts import events
-from pipeline.contracts.config import Config, config_to_toml, get_secret
+from pipeline.contracts.config import Config, FlightTransport, config_to_toml, get_secret, reveal
 from pipeline.contracts.learner_config import LearnerConfig
 from pipeline.contracts.run_dir import RunDir
-from pipeline.supervisor.children import Child, ChildSpec, keep_running
+from pipeline.supervisor.fleet.children import Child, ChildSpec, keep_running
 
 log = logging.getLogger("rollwise.learner_child")
 
@@ -63,10 +63,10 @@ def learner_child_spec(
     config and secrets arrive on stdin (`config_message`), which a launcher carries to another machine
     (an environment variable would not cross ssh)."""
     if learner.remote.run_dir is not None:
-        argv = ["-m", "learner.worker", "--config", "-", "--run-dir", learner.remote.run_dir]
+        argv = ["-m", "learner.process", "--config", "-", "--run-dir", learner.remote.run_dir]
         transport_token = None  # in the config message instead
     else:
-        argv = ["-m", "learner.worker", "--config", str(run.config_file), "--run-dir", str(run.root)]
+        argv = ["-m", "learner.process", "--config", str(run.config_file), "--run-dir", str(run.root)]
     command = [*torchrun_argv(run, learner), *argv] if learner.world_size > 1 else [sys.executable, *argv]
     threads = str(learner.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
@@ -80,6 +80,12 @@ def learner_child_spec(
         events=True,
         stdin=True,
     )
+
+
+def flight_token(cfg: Config) -> str | None:
+    """The key a learner reading the spool over Flight needs (transport.token); None without Flight."""
+    t = cfg.transport
+    return reveal(t.token) if isinstance(t, FlightTransport) else None
 
 
 # The secrets a learner with its own run directory needs: the Flight reader's and its weight server's.

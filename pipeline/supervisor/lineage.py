@@ -34,9 +34,9 @@ from pipeline.contracts import events, tracing
 from pipeline.contracts.config import Config, reveal
 from pipeline.contracts.durable import retry_delays
 from pipeline.contracts.run_dir import RunDir, model_digest
-from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.adapters import adapter_name
 from pipeline.supervisor.engines.served_check import Probe, ServedPolicyCheck, Verdict
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.progress import Progress
 from pipeline.transport.weights_http import FetchError, fetch_version, staged_bytes

@@ -21,28 +21,35 @@ from envs.agent import AgentEnvironment
 from envs.api import EnvFactory, Environment
 from envs.task_split import training_tasks
 from pipeline.contracts import events
-from pipeline.contracts.config import Config, ConfigError, check_exposed_ports, check_tls_files, load_config
+from pipeline.contracts.config import (
+    Config,
+    ConfigError,
+    ManagedEngine,
+    check_exposed_ports,
+    check_tls_files,
+    load_config,
+)
 from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS, RunDir, is_model_dir, model_context_length
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
-from pipeline.supervisor.actors.scheduler import GroupScheduler
-from pipeline.supervisor.core_split import CoreSplit, apply_split
+from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing, ResumePoint
 from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.eval_cadence import describe_cadence
 from pipeline.supervisor.eval_schedule import (
     AdmissionHold,
     EvalSetup,
     Evaluator,
-    describe_cadence,
     evaluates_training_env,
     resolve_eval,
     training_holdout,
 )
+from pipeline.supervisor.fleet.core_split import CoreSplit, apply_split
 from pipeline.supervisor.progress import Progress
 from pipeline.transport.spool import SpoolWriter, spool_depth
 
 if TYPE_CHECKING:
-    from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 
 log = logging.getLogger("rollwise.supervisor")
 
@@ -193,7 +200,7 @@ def check_moe(cfg: Config, model_dir: Path) -> None:
 
 def model_context(cfg: Config, run: RunDir) -> tuple[int, str] | None:
     """The context length the engines will serve and where that is known from; None when unknown."""
-    args = cfg.engine.extra_args
+    args = cfg.engine.extra_args if isinstance(cfg.engine, ManagedEngine) else []
     if "--context-length" in args[:-1]:
         try:
             return int(args[args.index("--context-length") + 1]), "engine.extra_args --context-length"
@@ -262,7 +269,7 @@ def check_observer_libraries(cfg: Config) -> None:
 
 async def ensure_initial_model(setup: RunSetup) -> Path:
     """The initial model directory; creates the preset in run_dir/model (atomically) when needed, in a
-    process of its own (`python -m learner.model_init`): building weights takes torch, which the daemon
+    process of its own (`python -m learner.model.model_init`): building weights takes torch, which the daemon
     never imports."""
     target = setup.run.initial_model
     if setup.cfg.model.path is not None or is_model_dir(target):
@@ -270,7 +277,7 @@ async def ensure_initial_model(setup: RunSetup) -> Path:
     preset, seed = setup.cfg.model.preset, setup.cfg.run.seed
     argv = ["--out", str(target), "--preset", preset, "--seed", str(seed), "--keep-existing"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "learner.model_init", *argv, stdout=PIPE, stderr=PIPE
+        sys.executable, "-m", "learner.model.model_init", *argv, stdout=PIPE, stderr=PIPE
     )
     _, err = await proc.communicate()
     if proc.returncode != 0:
@@ -346,26 +353,30 @@ def build_scheduler(
     stream = training_tasks(setup.env.tasks(cfg.run.seed), training_holdout(cfg))
     tasks = itertools.islice(stream, spool.next_seq - 1, None)
     return GroupScheduler(
-        engine=engine,
-        tokenizer=tokenizer,
-        factory=setup.env_factory,
-        env_name=cfg.env.name,
-        env_options=cfg.env.options,
-        settings=agent_endpoint.settings,
-        group_size=cfg.env.group_size,
+        recipe=GroupRecipe(
+            engine=engine,
+            tokenizer=tokenizer,
+            factory=setup.env_factory,
+            env_name=cfg.env.name,
+            settings=agent_endpoint.settings,
+            group_size=cfg.env.group_size,
+            env_options=cfg.env.options,
+            agent_endpoint=agent_endpoint,
+        ),
         admission=AdmissionController(
             cfg.learner.batch_groups, cfg.async_.max_staleness, cfg.rollout.max_concurrent_groups
         ),
         spool=spool,
         tasks=tasks,
-        initial_version=served_version,
-        initial_accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed)
-        - dropped_already,
+        resume=ResumePoint(
+            version=served_version,
+            accepted=initial_accepted(ready.version, cfg.learner.batch_groups, unconsumed) - dropped_already,
+        ),
+        pacing=Pacing(
+            straggler_patience=cfg.async_.straggler_patience, cut_late_groups=cfg.async_.cut_late_groups
+        ),
         notify=notify,
-        agent_endpoint=agent_endpoint,
         engines_up=engines_up,
-        straggler_patience=cfg.async_.straggler_patience,
-        cut_late_groups=cfg.async_.cut_late_groups,
     )
 
 
@@ -376,12 +387,12 @@ async def start_openai_endpoint(
     which find it through `envs.judge.set_run_endpoint`). The scheduler owns it from here on; its
     settings are the training rollouts' (`rollout_settings(cfg, model_dir)`)."""
     from envs.judge import set_run_endpoint
-    from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.observability import judge_metrics
 
     pool = None
     if cfg.env.agent_workers > 0:
-        from pipeline.supervisor.actors.agent_workers import AgentWorkerPool
+        from pipeline.supervisor.actors.agent_api.agent_workers import AgentWorkerPool
 
         pool = AgentWorkerPool(cfg.env.agent_workers)
         await pool.start()
@@ -408,7 +419,7 @@ def build_evaluator(
     newest_published: Callable[[], int] | None = None,
 ) -> Evaluator | None:
     """The evaluation side (pipeline.supervisor.eval_schedule): on the training engines (`engine`) within
-    eval.max_engine_share, or on a dedicated engine process it creates (pipeline.supervisor.eval_engine;
+    eval.max_engine_share, or on a dedicated engine process it creates (pipeline.supervisor.fleet.eval_engine;
     the Evaluator launches and stops it); None when eval is off. `on_result` receives each evaluation's
     row (the experiment trackers); `training` is held while an evaluation runs when `eval.pause_training`
     is set; `newest_published()` is the learner's newest published version (versions_behind)."""
@@ -417,7 +428,7 @@ def build_evaluator(
     cfg = setup.cfg
     dedicated = None
     if cfg.eval.engine == "dedicated":
-        from pipeline.supervisor.eval_engine import DedicatedEvalEngine
+        from pipeline.supervisor.fleet.eval_engine import DedicatedEvalEngine
 
         dedicated = DedicatedEvalEngine(cfg, setup.run, grace_s=cfg.run.shutdown_grace_s)
     evaluator = Evaluator(

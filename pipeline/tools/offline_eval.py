@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.contracts.config import Config, ConfigError, load_config, reveal
+from pipeline.contracts.config import Config, ConfigError, EmbeddedEngine, load_config, reveal
 from pipeline.contracts.run_dir import RunDir, is_model_dir, is_published_dir
 from pipeline.supervisor.actors.heldout import Mode, ModeResult, run_evaluation
 from pipeline.supervisor.eval_schedule import EvalSetup, eval_row, resolve_eval
@@ -151,7 +151,8 @@ async def evaluate_weights(
             from pipeline.engine.serve import start_server
             from pipeline.engine.serve_flags import ServerConfig
 
-            e, lora = cfg.engine, cfg.learner.lora
+            e = cfg.engine if isinstance(cfg.engine, EmbeddedEngine) else EmbeddedEngine()  # its defaults
+            lora = cfg.learner.lora
             server = await start_server(
                 ServerConfig(
                     model=str(model),
@@ -159,7 +160,7 @@ async def evaluate_weights(
                     weight_version=str(version) if adapter is None else "0",
                     max_batch=e.max_batch,
                     batch_wait_ms=e.batch_wait_ms,
-                    dtype=e.dtype or "auto",
+                    dtype=cfg.engine.dtype or "auto",
                     threads=e.threads if threads is None else threads,
                     seed=cfg.run.seed,
                     enable_lora=adapter is not None,

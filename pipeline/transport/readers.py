@@ -8,7 +8,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
-from pipeline.contracts.config import Config, learner_tls, reveal
+from pipeline.contracts.config import Config, FlightTransport, learner_tls, reveal
 from pipeline.contracts.tls import ca_bytes
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, SpoolReader
 
@@ -31,14 +31,15 @@ class GroupReader(Protocol):
 
 def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupReader:
     """The reader `cfg` asks for, positioned after `after_seq` (the checkpoint's consumed sequence)."""
-    if cfg.learner.remote.spool_url is None:
+    t = cfg.transport  # Config refuses learner.remote.spool_url without transport.kind = "flight"
+    if cfg.learner.remote.spool_url is None or not isinstance(t, FlightTransport):
         return SpoolReader(spool_dir, after_seq=after_seq)
     from pipeline.transport.flight import FlightSpoolReader
 
     return FlightSpoolReader(
         cfg.learner.remote.spool_url,
         after_seq=after_seq,
-        token=reveal(cfg.transport.token),
-        wait_s=cfg.transport.poll_wait_s,
+        token=reveal(t.token),
+        wait_s=t.poll_wait_s,
         tls_root_certs=ca_bytes(learner_tls(cfg)),
     )

@@ -319,7 +319,7 @@ def prune_consumed(spool_dir: str | Path, through_seq: int) -> int:
     """Delete spool files with seq <= `through_seq` (groups a durable checkpoint recorded as consumed).
 
     retention.json is updated first, so a writer never reuses a pruned number. Returns files deleted.
-    Callers pass a checkpoint older than the latest one as margin (see learner.worker).
+    Callers pass a checkpoint older than the latest one as margin (see learner.process.checkpointer).
     """
     root = Path(spool_dir)
     if through_seq <= deleted_through(root):

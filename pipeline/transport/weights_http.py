@@ -1,7 +1,7 @@
 """Published weights over HTTP, for engines (and a supervisor) that do not share the disk they are on.
 
-Supervisor side (routes on the admin endpoint, pipeline/supervisor/admin.py; the same routes on the weight
-server of a learner with its own run directory, `WeightServerThread`, from which the supervisor copies
+Supervisor side (routes on the admin endpoint, pipeline/supervisor/fleet/admin.py; the same routes on the
+weight server of a learner with its own run directory, `WeightServerThread`, from which the supervisor copies
 each version into its run directory with `fetch_version` before the engines load it):
 
     GET /weights/v<n>/manifest        {"version": n, "files": [{"path", "size", "sha256"}, ...]}

@@ -1,15 +1,13 @@
-import json
 import subprocess
 import sys
 import tomllib
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pipeline.contracts.config import Config, ConfigError, config_to_toml, load_config, write_resolved
-from pipeline.contracts.learner_config import FLAT_KEYS, LOSS_LEVELS, DecaySchedule, DeprecatedConfigKey
+from pipeline.contracts.config_engine import ENGINE_KINDS, FlightTransport
+from pipeline.contracts.learner_config import FLAT_KEYS, DecaySchedule
 
 
 def test_defaults_roundtrip_through_printed_toml() -> None:
@@ -91,60 +89,28 @@ def test_cli_rejects_bad_config_with_exit_2() -> None:
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.toml"))
 
 
-def flat_learner(tree: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """`tree` with [learner]'s tables written as the flat keys of before (the inverse of the migration),
-    and the new keys that moved."""
-    inverse = {(table, key): flat for flat, (table, key) in FLAT_KEYS.items()}
-    levels = LOSS_LEVELS
-    learner = dict(tree.get("learner", {}))
-    moved = []
-    for table in {table for table, _ in FLAT_KEYS.values()}:
-        for key, value in learner.pop(table, {}).items():
-            flat = inverse[(table, key)]
-            learner[flat] = levels[value] if flat == "loss_level" else value
-            moved.append(f"learner.{table}.{key}")
-    return {**tree, "learner": learner}, moved
-
-
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_every_shipped_example_in_the_old_flat_form_loads_the_same_with_a_warning_per_key(
-    example: Path, tmp_path: Path
-) -> None:
-    tree = tomllib.loads(example.read_text())
-    old_tree, moved = flat_learner(tree)
-    old = tmp_path / "old.toml"
-    old.write_text(_toml(old_tree))
-    assert moved, f"{example.name} sets no key of the learner's tables"
-    with pytest.warns(DeprecatedConfigKey) as caught:
-        migrated = load_config(old)
-    assert migrated == load_config(example)
-    messages = [str(w.message) for w in caught]
-    assert sorted(m.split(": use ")[1].split(" ")[0] for m in messages) == sorted(moved)
-    assert all(" is deprecated: use learner." in m for m in messages)
-    # `config show` prints the new form, which loads without a warning.
-    shown = config_to_toml(migrated)
-    assert "[learner.optim]" in shown and "\nlr = " not in shown.split("[learner.optim]")[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecatedConfigKey)
-        assert Config.model_validate(tomllib.loads(shown)) == migrated
+def test_every_shipped_example_loads_and_roundtrips(example: Path) -> None:
+    cfg = load_config(example)
+    assert Config.model_validate(tomllib.loads(config_to_toml(cfg))) == cfg
 
 
-def test_an_old_resolved_config_with_every_flat_key_spelled_out_resumes(tmp_path: Path) -> None:
-    """The run directory's config.toml of an older rollwise spells out every key, the constant schedule's
-    unused decay keys included: it must resume as the same config."""
-    tree = tomllib.loads(config_to_toml(load_config()))
-    old_tree, _ = flat_learner(tree)
-    old_tree["learner"] |= {"lr_schedule": "constant", "lr_decay_steps": 0, "lr_min_ratio": 0.0}
-    old_tree["learner"]["dtype"] = old_tree["learner"].pop("precision")
-    (tmp_path / "config.toml").write_text(_toml(old_tree))
-    with pytest.warns(DeprecatedConfigKey):
-        assert load_config(tmp_path / "config.toml") == load_config()
-
-
-def test_a_key_given_both_flat_and_in_its_table_is_refused_naming_both() -> None:
+@pytest.mark.parametrize("flat", sorted(FLAT_KEYS))
+def test_a_flat_learner_key_from_before_the_tables_is_refused_naming_its_table(flat: str) -> None:
+    table, key = FLAT_KEYS[flat]
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["learner.lr=1e-3", "learner.optim.lr=2e-3"])
-    assert "learner.lr and learner.optim.lr are the same setting" in str(info.value)
+        load_config(None, [f"learner.{flat}=1"])
+    assert f"learner.{flat} is learner.{table}.{key} now" in str(info.value)
+
+
+def test_an_old_resolved_config_is_refused_naming_the_new_place(tmp_path: Path) -> None:
+    old = tmp_path / "config.toml"
+    old.write_text('[learner]\ndtype = "float32"\n')
+    with pytest.raises(ConfigError, match=r"learner\.dtype is learner\.precision now"):
+        load_config(old)
+    old.write_text('[learner]\nloss_level = "sequence"\n')
+    with pytest.raises(ConfigError, match=r"learner\.loss_level is learner\.loss\.kind now \(values"):
+        load_config(old)
 
 
 def test_a_decay_needs_its_length_and_a_constant_schedule_has_none() -> None:
@@ -156,43 +122,77 @@ def test_a_decay_needs_its_length_and_a_constant_schedule_has_none() -> None:
         load_config(None, ["learner.schedule.decay_steps=100"])
 
 
-def test_the_command_line_shows_a_deprecated_key_as_one_line_naming_the_new_key(tmp_path: Path) -> None:
+def test_the_command_line_refuses_a_flat_key_naming_the_new_key(tmp_path: Path) -> None:
     old = tmp_path / "old.toml"
     old.write_text("[learner]\nlr = 0.003\n")
     shown = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "config", "show", "--config", str(old)],
         capture_output=True,
         text=True,
-        check=True,
     )
-    assert shown.stderr == (
-        "rollwise: warning: learner.lr is deprecated: use learner.optim.lr (the old key is read until "
-        "rollwise 0.3)\n"
-    )
-    assert "[learner.optim]\n# AdamW learning rate" in shown.stdout and "lr = 0.003" in shown.stdout
+    assert shown.returncode == 2 and "learner.lr is learner.optim.lr now" in shown.stderr
 
 
-def _toml(tree: dict[str, Any]) -> str:
-    """A config tree as TOML (tables of scalars, lists and inline tables; what configs hold)."""
-    out: list[str] = []
-
-    def table(name: str, node: dict[str, Any]) -> None:
-        out.append(f"[{name}]")
-        subtables = {k: v for k, v in node.items() if isinstance(v, dict) and k not in ("options",)}
-        for key, value in node.items():
-            if key not in subtables:
-                out.append(f"{key} = {_value(value)}")
-        for key, value in subtables.items():
-            table(f"{name}.{key}", value)
-
-    for name, node in tree.items():
-        table(name, node)
-    return "\n".join(out) + "\n"
+# --- [engine] and [transport]: one model per kind ---------------------------------------------------------
+def test_each_engine_kind_loads_its_own_model_and_roundtrips() -> None:
+    kinds = {
+        "embedded": ["engine.threads=2", "engine.max_batch=8"],
+        "sglang": ["engine.tp=2", "engine.mem_fraction_static=0.5", "engine.num_engines=2"],
+        "external": ['engine.urls=["http://127.0.0.1:1"]', 'engine.router.kind="sglang-router"'],
+    }
+    for kind, keys in kinds.items():
+        cfg = load_config(None, [f'engine.kind="{kind}"', *keys, 'transport.kind="flight"'])
+        assert type(cfg.engine) is ENGINE_KINDS[kind] and isinstance(cfg.transport, FlightTransport)
+        shown = config_to_toml(cfg)
+        assert "[engine.router]" in shown
+        assert Config.model_validate(tomllib.loads(shown)) == cfg
 
 
-def _value(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_value(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, list):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    return json.dumps(value)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ['engine.kind="sglang"', "engine.threads=2"],
+            "engine.threads is a setting of engine.kind = 'embedded', not 'sglang'",
+        ),
+        (
+            ['engine.urls=["http://h:1"]'],
+            "engine.urls is a setting of engine.kind = 'external', not 'embedded'",
+        ),
+        (
+            ['engine.kind="external"', 'engine.urls=["http://h:1"]', "engine.port=1"],
+            "engine.port is a setting of engine.kind = 'embedded' or 'sglang', not 'external'",
+        ),
+        (
+            ["transport.flight_port=1"],
+            "transport.flight_port is a setting of transport.kind = 'flight', not 'spool'",
+        ),
+        (['engine.kind="bogus"'], "engine.kind: Input tag 'bogus'"),
+        (
+            ['engine.kind="sglang"', "engine.tp=0"],
+            "engine.tp: Input should be greater than or equal to 1 (engine.kind = 'sglang')",
+        ),
+        (['engine.router_host="0.0.0.0"'], "engine.router_host is engine.router.host now"),
+        (["engine.router_port=1"], "engine.router_port is engine.router.port now"),
+        (
+            ['engine.router="sglang-router"'],
+            "engine.router is a table now: set engine.router.kind = 'sglang-router'",
+        ),
+        (['engine.router.kind="nginx"'], "engine.router.kind: Input should be 'none' or 'sglang-router'"),
+        (['engine.kind="sglang"', 'engine.weight_transport="http"'], "needs engines with a fetcher"),
+        (
+            ['engine.kind="external"', 'engine.urls=["http://h:1"]', 'engine.fetch_urls=["http://f:1"]'],
+            "engine.fetch_urls needs engine.weight_transport = 'http'",
+        ),
+        (
+            ['learner.remote.spool_url="grpc://s:1"'],
+            "learner.remote.spool_url reads the spool over Arrow Flight",
+        ),
+    ],
+)
+def test_a_key_of_another_kind_or_from_before_the_tables_is_refused_naming_it(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)

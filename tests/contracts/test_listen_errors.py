@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from pipeline.contracts.http_guard import CannotListen, check_port_free
-from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
+from pipeline.supervisor.fleet.admin import AdminEndpoint, make_admin_app
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.transport.flight import SpoolFlightService
 from pipeline.transport.weights_http import WeightServerThread

@@ -68,9 +68,9 @@ def test_a_spool_file_with_a_pickled_extension_type_is_quarantined_not_unpickled
 def test_a_checkpoint_whose_trainer_state_is_a_pickle_bomb_is_refused(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from learner.checkpoint import restore, save_checkpoint
-    from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
-    from learner.model import load_policy
+    from learner.model.model_io import load_policy
+    from learner.process.checkpoint import restore, save_checkpoint
+    from learner.process.checkpoint_state import ConsumedState, load_latest_checkpoint
     from learner.trainer import Trainer
     from pipeline.contracts.learner_config import LearnerConfig
 
@@ -99,7 +99,7 @@ def _weights_with_plants(source: Path, target: Path, marker: Path) -> None:
 def test_weights_from_elsewhere_run_no_remote_code_and_no_pickle(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from learner.model import load_policy
+    from learner.model.model_io import load_policy
     from pipeline.engine.model_loading import load_model
 
     marker = tmp_path / "ran"

@@ -28,8 +28,8 @@ from pipeline.contracts.config import (
 from pipeline.contracts.http_guard import DoorLimits, ExposedWithoutKey, is_loopback
 from pipeline.engine.serve import RunningServer, main, start_server
 from pipeline.engine.serve_flags import ServerConfig
-from pipeline.supervisor.children import Child, ChildSpec, redact_argv
-from pipeline.supervisor.engine_launch import engine_child_spec, plan_engines
+from pipeline.supervisor.fleet.children import Child, ChildSpec, redact_argv
+from pipeline.supervisor.fleet.engine_launch import engine_child_spec, plan_engines
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.wiring import resolve_config
 from tests.engine.test_embedded_engine import gen_body, model_dirs

@@ -50,7 +50,7 @@ def test_daemon_trains_through_the_router_reads_over_flight_and_survives_a_drain
         f"admin.port={admin_port}",
         f'model.path="{tiny_model}"',
         "engine.num_engines=2",
-        'engine.router="sglang-router"',
+        'engine.router.kind="sglang-router"',
         "engine.drain_timeout_s=5",
         'transport.kind="flight"',
         f"transport.flight_port={flight_port}",

@@ -1,4 +1,4 @@
-"""The three machines of docs/operations.md on hosts of their own (network namespaces, a directory each,
+"""The three machines of docs/scale_out.md on hosts of their own (network namespaces, a directory each,
 nothing shared but the network), every connection through the tests' fault proxy: trajectories over
 Arrow Flight, weights over HTTP, an engine added and drained at run time, TLS on every door, and the
 network made hostile (latency, drops, resets, a throttled weight link, partitions). After each: the

@@ -29,12 +29,12 @@ from pipeline.contracts.tls import (
 )
 from pipeline.engine.serve import start_server
 from pipeline.engine.serve_flags import ServerConfig
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
-from pipeline.supervisor.admin import AdminEndpoint
-from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import EngineUnavailable, SamplingParams
 from pipeline.supervisor.engines.router import router_argv
+from pipeline.supervisor.fleet.admin import AdminEndpoint
+from pipeline.supervisor.fleet.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.tools.hosts.private_ca import PrivateCA
 from pipeline.transport.flight import FlightSpoolReader, SpoolFlightService

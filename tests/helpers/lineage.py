@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir
-from pipeline.supervisor.engine_fleet import EngineFleet
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 from pipeline.supervisor.lineage import Lineage
 from pipeline.supervisor.progress import JsonProgress
 

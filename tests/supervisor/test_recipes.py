@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.contracts.config import ConfigError, load_config
-from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from pipeline.supervisor.fleet.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.wiring import bare_run_config, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,6 @@ import pytest
 from pipeline.contracts import events
 from pipeline.contracts.config import load_config
 from pipeline.contracts.cpu_features import auto_cpu_dtype
-from pipeline.supervisor.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.engines.adapters import AdapterRegistry, AdapterRouting, lora_launch_flags, unloader
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
@@ -34,6 +33,7 @@ from pipeline.supervisor.engines.served_check import (
     tolerance_for,
 )
 from pipeline.supervisor.engines.weightsync import sync_weights
+from pipeline.supervisor.fleet.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.observability import metrics
 from pipeline.tools.fake_sglang import FakeSGLang, free_port, prompt_logprobs
 

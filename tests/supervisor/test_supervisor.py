@@ -18,9 +18,9 @@ import pytest
 from pipeline.contracts import events
 from pipeline.contracts.config import ConfigError, load_config
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, hold_supervisor_lock
-from pipeline.supervisor.children import Backoff, Child, ChildSpec, keep_running
 from pipeline.supervisor.daemon import main_run
-from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from pipeline.supervisor.fleet.children import Backoff, Child, ChildSpec, keep_running
+from pipeline.supervisor.fleet.engine_launch import engine_argv, plan_engines
 from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_dispatch import StepBook, step_line
 from pipeline.supervisor.observability import metrics

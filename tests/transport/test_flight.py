@@ -175,7 +175,10 @@ def test_a_token_protected_service_refuses_a_reader_without_the_token(spool: Pat
 def test_learner_spool_url_selects_the_flight_reader(tmp_path: Path) -> None:
     local = open_spool_reader(load_config(None, []), tmp_path, after_seq=7)
     assert isinstance(local, SpoolReader) and local.after_seq == 7
-    cfg = load_config(None, ['learner.remote.spool_url="grpc://10.0.0.5:8815"', 'transport.token="t"'])
+    cfg = load_config(
+        None,
+        ['learner.remote.spool_url="grpc://10.0.0.5:8815"', 'transport.kind="flight"', 'transport.token="t"'],
+    )
     remote = open_spool_reader(cfg, tmp_path, after_seq=7)
     assert isinstance(remote, FlightSpoolReader) and remote.after_seq == 7
     with pytest.raises(ValueError, match=r"learner\.remote\.spool_url"):

@@ -478,15 +478,17 @@ def run_seed(
 def report_budgets(run_dir: Path, seed: int, engines: ChildCpu, *, wall_s: float) -> str:
     """The run's learner and engine idle shares (pipeline.tools.bench.run_budgets), printed and written to
     the run directory's logs/budgets.txt."""
-    from pipeline.contracts.config import load_config
+    from pipeline.contracts.config import EmbeddedEngine, ManagedEngine, load_config
 
     learner = learner_budget(run_dir / "logs" / "steps.jsonl")
     busy = None
     resolved = run_dir / "config.toml"
     if resolved.is_file() and engines.seconds:
         cfg = load_config(resolved)
-        threads = cfg.engine.threads or 1
-        busy = engine_busy_fraction(engines.total_s, wall_s, threads, cfg.engine.num_engines)
+        e = cfg.engine
+        threads = (e.threads if isinstance(e, EmbeddedEngine) else None) or 1
+        count = e.num_engines if isinstance(e, ManagedEngine) else 1
+        busy = engine_busy_fraction(engines.total_s, wall_s, threads, count)
     line = f"seed {seed}: {render_budgets(learner, busy)}"
     print(line, file=sys.stderr, flush=True)
     if (run_dir / "logs").is_dir():

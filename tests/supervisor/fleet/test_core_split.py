@@ -1,11 +1,11 @@
-"""The cores split between embedded engines and the learner (pipeline.supervisor.core_split)."""
+"""The cores split between embedded engines and the learner (pipeline.supervisor.fleet.core_split)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipeline.contracts.config import load_config
-from pipeline.supervisor.core_split import apply_split, choose_split
+from pipeline.supervisor.fleet.core_split import apply_split, choose_split
 
 
 def _cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -36,13 +36,17 @@ def test_values_the_config_sets_are_kept_and_an_oversubscription_is_said() -> No
 def test_a_learner_on_a_gpu_or_another_machine_leaves_every_core_to_the_engines() -> None:
     assert choose_split(_cfg(), 8, gpu_present=True).engine_threads == 8
     assert choose_split(_cfg('learner.device="cuda"'), 8, gpu_present=False).engine_threads == 8
-    remote = _cfg('learner.remote.run_dir="/elsewhere"', 'learner.remote.spool_url="grpc://127.0.0.1:1"')
+    remote = _cfg(
+        'learner.remote.run_dir="/elsewhere"',
+        'learner.remote.spool_url="grpc://127.0.0.1:1"',
+        'transport.kind="flight"',
+    )
     split = choose_split(remote, 8, gpu_present=False)
     assert (split.engine_threads, split.learner_threads) == (8, 1)
 
 
 def test_an_engine_that_is_not_embedded_is_not_given_threads() -> None:
-    cfg = _cfg('engine.kind="external"', 'engine.urls=["http://127.0.0.1:1"]')
+    cfg = load_config(None, ['engine.kind="external"', 'engine.urls=["http://127.0.0.1:1"]'])
     new, split = apply_split(cfg, 8, gpu_present=False)
     assert split.engine_threads is None and new is cfg
     assert "no embedded engine" in split.describe()

@@ -16,13 +16,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.config import Config, EmbeddedEngine, ManagedEngine, reveal
 from pipeline.contracts.cpu_features import usable_cores
 from pipeline.contracts.http_guard import ENGINE_API_KEY_ENV
 from pipeline.contracts.run_dir import RunDir
 from pipeline.contracts.tls import scheme_of
-from pipeline.supervisor.children import ChildSpec
 from pipeline.supervisor.engines.adapters import lora_launch_flags
+from pipeline.supervisor.fleet.children import ChildSpec
 
 
 @dataclass(frozen=True)
@@ -138,16 +138,18 @@ def priority_scheduling_args(cfg: Config) -> list[str]:
     that one serves nothing else), or the user's extra_args already configure it."""
     if not cfg.eval.enabled or cfg.eval.priority == "off" or cfg.eval.engine == "dedicated":
         return []
-    if "--enable-priority-scheduling" in cfg.engine.extra_args:
+    e = cfg.engine
+    if isinstance(e, ManagedEngine) and "--enable-priority-scheduling" in e.extra_args:
         return []
     return ["--enable-priority-scheduling", "--default-priority-value", "0"]
 
 
 def engine_seed(cfg: Config, slot: EngineSlot) -> int:
     """run.seed + the engine's index (engine0, engine1, ...); an engine named otherwise (the evaluation
-    engine, pipeline.supervisor.eval_engine) takes the index after the planned ones."""
+    engine, pipeline.supervisor.fleet.eval_engine) takes the index after the planned ones."""
     index = slot.name.removeprefix("engine")
-    return cfg.run.seed + (int(index) if index.isdigit() else cfg.engine.num_engines)
+    planned = cfg.engine.num_engines if isinstance(cfg.engine, ManagedEngine) else len(cfg.engine.urls)
+    return cfg.run.seed + (int(index) if index.isdigit() else planned)
 
 
 def engine_argv(
@@ -240,11 +242,13 @@ def engine_child_spec(
     weights_dir: Path | None = None,
     adapter: Path | None = None,
 ) -> ChildSpec:
-    threads = str(cfg.engine.threads or usable_cores())
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if cfg.engine.kind == "embedded" else {}
-    key = reveal(cfg.engine.api_key)
-    if key and cfg.engine.kind == "embedded":
-        env[ENGINE_API_KEY_ENV] = key  # the environment, not argv: /proc/<pid>/cmdline and the log show argv
+    e, env = cfg.engine, {}
+    if isinstance(e, EmbeddedEngine):
+        threads = str(e.threads or usable_cores())
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        key = reveal(e.api_key)
+        if key:  # the environment, not argv: /proc/<pid>/cmdline and the log show argv
+            env[ENGINE_API_KEY_ENV] = key
     return ChildSpec(
         name=slot.name,
         argv=engine_argv(

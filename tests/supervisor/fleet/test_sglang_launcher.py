@@ -1,5 +1,5 @@
 """SGLang launcher: the exact command line, and the process lifecycle (the daemon's Child and readiness
-wait, pipeline.supervisor.children and engine_fleet.ready_or_exited) against a stub server script."""
+wait, pipeline.supervisor.fleet.children and engine_fleet.ready_or_exited) against a stub server script."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.supervisor.children import Child, ChildSpec
-from pipeline.supervisor.engine_fleet import ready_or_exited
-from pipeline.supervisor.engine_launch import SGLangLaunchSpec, build_sglang_command
 from pipeline.supervisor.engines.client import EngineClient
+from pipeline.supervisor.fleet.children import Child, ChildSpec
+from pipeline.supervisor.fleet.engine_fleet import ready_or_exited
+from pipeline.supervisor.fleet.engine_launch import SGLangLaunchSpec, build_sglang_command
 from pipeline.tools.fake_sglang import free_port
 
-STUB = Path(__file__).resolve().parents[1] / "fakes" / "stub_sglang_server.py"
+STUB = Path(__file__).resolve().parents[2] / "fakes" / "stub_sglang_server.py"
 
 
 def test_command_line_is_exact_for_a_full_spec() -> None:

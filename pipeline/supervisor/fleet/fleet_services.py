@@ -1,4 +1,4 @@
-"""The doors other hosts come through (docs/operations.md, "A fleet across machines"): the admin endpoint
+"""The doors other hosts come through (docs/scale_out.md, "A fleet across machines"): the admin endpoint
 (engines join and drain; the published weights the engines' fetchers copy) and, with
 `transport.kind = "flight"`, the spool's Arrow Flight service, which a learner on another host reads.
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.config import Config, FlightTransport, reveal
 from pipeline.contracts.run_dir import RunDir
 from pipeline.contracts.tls import context_for, pem_pair
-from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
-from pipeline.supervisor.engine_fleet import EngineFleet
-from pipeline.supervisor.fleet_membership import FleetMembership
+from pipeline.supervisor.fleet.admin import AdminEndpoint, make_admin_app
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
+from pipeline.supervisor.fleet.fleet_membership import FleetMembership
 from pipeline.transport.flight import SpoolFlightService
 from pipeline.transport.weights_http import WeightServer
 
@@ -37,8 +37,8 @@ class FleetServices:
         await self.admin.start()
         engines.weight_source = cfg.admin.advertise_url or self.admin.url
         engines.weight_token = reveal(cfg.admin.token)
-        if cfg.transport.kind == "flight":
-            t = cfg.transport
+        t = cfg.transport
+        if isinstance(t, FlightTransport):
             tls = cfg.tls.files()
             pem = pem_pair(tls) if context_for(t.flight_host, tls) is not None else None
             self.flight = SpoolFlightService(

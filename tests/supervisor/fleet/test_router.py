@@ -16,10 +16,10 @@ import pytest
 
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir
-from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.protocol import EngineError, SamplingParams
 from pipeline.supervisor.engines.router import router_argv
 from pipeline.supervisor.engines.weightsync import sync_weights
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 
 pytestmark = [
     pytest.mark.integration,
@@ -58,7 +58,7 @@ async def fleet(tmp_path: Path, tiny_model_dir: Path) -> AsyncIterator[EngineFle
         [
             "engine.port=0",
             "engine.num_engines=2",
-            'engine.router="sglang-router"',
+            'engine.router.kind="sglang-router"',
             "engine.max_batch=8",
             f'model.path="{tiny_model_dir}"',
         ],

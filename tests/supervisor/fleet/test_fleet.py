@@ -16,13 +16,13 @@ from aiohttp import web
 
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir
-from pipeline.supervisor.admin import AdminEndpoint, make_admin_app
-from pipeline.supervisor.admin import main as engines_main
-from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import EngineHTTPError, SamplingParams
-from pipeline.supervisor.fleet_membership import FleetMembership, MembershipError, scaled_concurrency
+from pipeline.supervisor.fleet.admin import AdminEndpoint, make_admin_app
+from pipeline.supervisor.fleet.admin import main as engines_main
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
+from pipeline.supervisor.fleet.fleet_membership import FleetMembership, MembershipError, scaled_concurrency
 from pipeline.tools.fake_sglang import FakeSGLang, free_port
 from pipeline.transport.weights_http import (
     FetchError,
@@ -389,7 +389,7 @@ async def test_an_engine_counts_as_idle_by_its_own_get_load(fakes: list[FakeSGLa
     """Issue 29, problem 7: `internal_states` of /server_info hold no request counts, so a drained
     engine looked idle at once; /get_load counts running and queued requests (the router 404s it: each
     engine is asked directly)."""
-    from pipeline.supervisor.fleet_membership import _engine_idle
+    from pipeline.supervisor.fleet.fleet_membership import _engine_idle
 
     async with EngineClient(fakes[0].base_url) as client:
         assert await _engine_idle(client)
@@ -406,7 +406,7 @@ async def test_an_engine_whose_fetcher_cannot_be_reached_sits_the_sync_out_and_t
 ) -> None:
     """Issue 33: a connection to a fetcher that breaks (reset, partition) failed the whole publish, and
     the daemon stopped. Now it is asked again, then its engine keeps its version until the next sync."""
-    monkeypatch.setattr("pipeline.supervisor.engine_fleet.FETCH_RETRY_S", (0.01,))
+    monkeypatch.setattr("pipeline.supervisor.fleet.engine_fleet.FETCH_RETRY_S", (0.01,))
     run = RunDir.at(str(tmp_path / "run"), None)
     publish(run, 5)
     server_app, fetcher_app = web.Application(), web.Application()

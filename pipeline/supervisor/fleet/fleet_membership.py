@@ -1,5 +1,5 @@
 """Engines that join and leave a running daemon (`rollwise engines add|drain URL`,
-pipeline/supervisor/admin.py).
+pipeline/supervisor/fleet/admin.py).
 
 Join: the engine must answer /health; under the supervisor's publish lock (so no weight sync runs in
 between) it loads the version the fleet serves when it serves another one, and only then becomes a
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.contracts.tls import PlaintextRefused, check_url
-from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import EngineError
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 from pipeline.supervisor.observability import metrics
 
 log = logging.getLogger("rollwise.fleet")

@@ -26,12 +26,9 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.config import Config, EmbeddedEngine, ManagedEngine, reveal
 from pipeline.contracts.run_dir import RunDir, is_published_dir
 from pipeline.contracts.tls import client_context
-from pipeline.supervisor.children import Child, ChildSpec, keep_running
-from pipeline.supervisor.engine_fleet import ready_or_exited
-from pipeline.supervisor.engine_launch import EngineSlot, engine_child_spec, free_port
 from pipeline.supervisor.engines.adapters import adapter_name
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.protocol import (
@@ -40,6 +37,9 @@ from pipeline.supervisor.engines.protocol import (
     GenerateResult,
     SamplingParams,
 )
+from pipeline.supervisor.fleet.children import Child, ChildSpec, keep_running
+from pipeline.supervisor.fleet.engine_fleet import ready_or_exited
+from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_child_spec, free_port
 
 log = logging.getLogger("rollwise.evaluation")
 
@@ -52,14 +52,15 @@ class EvalEngineDown(EngineError):
 
 
 def eval_engine_config(cfg: Config) -> Config:
-    """`cfg` as the evaluation engine is launched with: its own thread count, eval.engine_args appended."""
-    engine = cfg.engine.model_copy(
-        update={
-            "threads": cfg.eval.engine_threads,
-            "extra_args": [*cfg.engine.extra_args, *cfg.eval.engine_args],
-        }
-    )
-    return cfg.model_copy(update={"engine": engine})
+    """`cfg` as the evaluation engine is launched with: eval.engine_args appended, and an embedded
+    engine's own thread count (external engines have no evaluation engine: eval_schedule refuses it)."""
+    e = cfg.engine
+    if not isinstance(e, ManagedEngine):
+        return cfg
+    update: dict[str, object] = {"extra_args": [*e.extra_args, *cfg.eval.engine_args]}
+    if isinstance(e, EmbeddedEngine):
+        update["threads"] = cfg.eval.engine_threads
+    return cfg.model_copy(update={"engine": e.model_copy(update=update)})
 
 
 class DedicatedEvalEngine:

@@ -1,31 +1,19 @@
-"""The engines of a run: the managed children (none for `engine.kind = "external"`), one EngineClient
-per engine, the EnginePool over them and, with `engine.router = "sglang-router"`, the router in front.
+"""The engines of a run: managed children (none for `engine.kind = "external"`), one EngineClient per
+engine, the EnginePool over them and, with `[engine.router] kind = "sglang-router"`, the router in front.
 
-A managed engine is kept running with backoff; each (re)start loads the version the daemon serves at
-that moment (`served_version()`), and an engine that comes up after a newer version was published
-loads it before it is marked up. An engine that fails its start `MAX_FAILED_STARTS` times in a row
-calls `fail(why)`.
-
-With the router: it is a child too (restarted with the engines that are up at that moment as its
-worker list); an engine whose process exits leaves the router's worker list at once, and joins it
-again once it is up on the served version. Engines added or drained while the daemon runs
-(pipeline.supervisor.fleet_membership) go through `admit` and `retire`.
-
-Weights: with `engine.weight_transport = "http"` an engine's fetcher downloads each version into the
-engine's own disk before it loads it (`weights_for`; pipeline.transport.weights_http). One weight
-operation runs at a time (`sync_lock`: syncs, engines joining, engines answering again).
-
-Liveness: the pool ejects an engine that stops answering (failed requests, or the /health checks of
-`watch_health` while nothing is sent to it) and readmits it only after `rejoin` loaded the served
-version into it: a server restarted on the same URL comes back with the weights it was launched with.
-While no engine can serve, admission waits; after `engine.unavailable_timeout_s` without one the
-daemon stops, naming the engines (`guard_availability`).
-
-With LoRA served as adapters (`learner.lora.serving = "adapter"`) every engine runs the initial model
-with SGLang's LoRA flags and a version is its adapter (pipeline.supervisor.engines.adapters): a (re)started
-engine
-loads the served version's adapter at launch (`--lora-paths`), `sync` loads new ones, and `generator`
-(what the actors call) makes each request name the served adapter.
+- A managed engine is kept running with backoff; each (re)start loads the served version, and it is
+  marked up only once it serves the newest published one. `MAX_FAILED_STARTS` failed starts in a row
+  call `fail(why)`.
+- The router is a child too, restarted with the engines up at that moment; an engine joins its worker
+  list only while up on the served version. Engines added or drained at run time go through `admit`
+  and `retire` (fleet_membership.py).
+- One weight operation at a time (`sync_lock`). With `engine.weight_transport = "http"` an engine's
+  fetcher copies each version to its own disk first (`weights_for`).
+- An engine that stops answering is ejected and readmitted only after `rejoin` loaded the served
+  version. With none able to serve, admission waits; after `engine.unavailable_timeout_s` the daemon
+  stops, naming them (`guard_availability`).
+- LoRA served as adapters: every engine runs the initial model with the LoRA flags, a version is its
+  adapter, and `generator` makes each request name the served adapter.
 """
 
 from __future__ import annotations
@@ -37,18 +25,18 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from pipeline.contracts.config import Config, reveal
+from pipeline.contracts.config import Config, ExternalEngine, reveal
 from pipeline.contracts.run_dir import RunDir
 from pipeline.contracts.tls import client_context, scheme_of
 from pipeline.supervisor.actors.rollout import GenerateEngine
-from pipeline.supervisor.children import Child, ChildSpec, keep_running
-from pipeline.supervisor.engine_launch import EngineSlot, engine_child_spec, free_port, plan_engines
 from pipeline.supervisor.engines.adapters import AdapterRegistry, AdapterRouting, adapter_name, unloader
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import EngineError
 from pipeline.supervisor.engines.router import RouterAdmin, RouterError, router_argv
 from pipeline.supervisor.engines.weightsync import SyncMode, SyncTimings, sync_weights
+from pipeline.supervisor.fleet.children import Child, ChildSpec, keep_running
+from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_child_spec, free_port, plan_engines
 from pipeline.supervisor.observability import metrics
 from pipeline.transport.weights_http import FetchError, request_fetch
 
@@ -86,7 +74,8 @@ class EngineFleet:
         # engine URL -> its fetcher (weights over HTTP): an embedded engine serves the route itself.
         self.fetchers: dict[str, str] = {}
         if e.weight_transport == "http":
-            fetch_urls = e.fetch_urls or [s.url for s in self.slots]
+            listed = e.fetch_urls if isinstance(e, ExternalEngine) else []
+            fetch_urls = listed or [s.url for s in self.slots]
             self.fetchers = {s.url: f.rstrip("/") for s, f in zip(self.slots, fetch_urls, strict=True)}
         self.capacity: dict[str, int] = {}  # engine URL -> max_running_requests it reported
         self.engine_tasks: dict[str, asyncio.Task[None]] = {}  # managed slot name -> its keep() task
@@ -97,11 +86,12 @@ class EngineFleet:
         self._router_up = False
         self._router_ready = asyncio.Event()
         router_client = None
-        if e.router == "sglang-router":
-            port = e.router_port or free_port(e.router_host)
-            self._router_prometheus_port = free_port(e.router_host)
-            self.router_url = f"{scheme_of(e.router_host, self.cfg.tls.files())}://{e.router_host}:{port}"
-            self.router_metrics_url = f"http://{e.router_host}:{self._router_prometheus_port}/metrics"
+        router = e.router
+        if router.kind == "sglang-router":
+            port = router.port or free_port(router.host)
+            self._router_prometheus_port = free_port(router.host)
+            self.router_url = f"{scheme_of(router.host, self.cfg.tls.files())}://{router.host}:{port}"
+            self.router_metrics_url = f"http://{router.host}:{self._router_prometheus_port}/metrics"
             self._router_port = port
             router_client = self.make_client(self.router_url)
             self.router_admin = RouterAdmin(self.router_url, ssl_context=self.client_tls)
@@ -216,7 +206,7 @@ class EngineFleet:
             except TimeoutError:
                 self.fail(
                     f"no engine has answered for {timeout_s:.0f} s (engine.unavailable_timeout_s): {down}; "
-                    "see each engine's log, and docs/operations.md, 'When things break'"
+                    "see each engine's log, and docs/troubleshoot.md, 'When things break'"
                 )
                 return
             self.progress_message(f"engines serve again ({self.pool.serving} of {len(self.pool.members)})")
@@ -377,14 +367,14 @@ class EngineFleet:
         return ChildSpec(
             name="router",
             argv=router_argv(
-                host=e.router_host,
+                host=e.router.host,
                 port=self._router_port,
                 worker_urls=up,
-                policy=e.router_policy,
+                policy=e.router.policy,
                 request_timeout_s=e.request_timeout_s,
                 prometheus_port=self._router_prometheus_port,
                 api_key=reveal(e.api_key),
-                extra_args=e.router_args,
+                extra_args=e.router.args,
                 tls=self.cfg.tls.files(),
             ),
             log_path=self.run_dir.log_file("router"),

@@ -14,8 +14,8 @@ import pytest
 
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir
-from pipeline.supervisor.engine_fleet import EngineFleet
 from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 from pipeline.supervisor.observability import metrics
 from pipeline.tools.fake_sglang import FakeSGLang
 from pipeline.transport.weights_http import FetchError

@@ -15,7 +15,7 @@ import pytest
 from pipeline.contracts.config import load_config
 from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.engines.protocol import EngineError, SamplingParams
-from pipeline.supervisor.eval_engine import EVAL_ENGINE, DedicatedEvalEngine, eval_engine_config
+from pipeline.supervisor.fleet.eval_engine import EVAL_ENGINE, DedicatedEvalEngine, eval_engine_config
 from pipeline.supervisor.observability.metrics import REGISTRY
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=3)
@@ -85,7 +85,7 @@ async def test_the_dedicated_engine_loads_versions_and_a_crash_costs_only_what_w
 def test_its_seed_follows_the_training_engines_and_the_training_engines_get_no_priority_flags(
     tmp_path: Path,
 ) -> None:
-    from pipeline.supervisor.engine_launch import EngineSlot, engine_seed, priority_scheduling_args
+    from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_seed, priority_scheduling_args
 
     cfg = dedicated_config(tmp_path, tmp_path / "m", "engine.num_engines=2", "run.seed=7")
     slot = EngineSlot(name=EVAL_ENGINE, host="127.0.0.1", port=1, managed=True)

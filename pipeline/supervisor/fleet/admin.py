@@ -38,7 +38,7 @@ from pipeline.contracts.http_guard import (
     runner_options,
 )
 from pipeline.contracts.tls import PlaintextRefused, TlsFiles, check_url, client_context
-from pipeline.supervisor.fleet_membership import FleetMembership, MembershipError
+from pipeline.supervisor.fleet.fleet_membership import FleetMembership, MembershipError
 from pipeline.transport.weights_http import WeightServer
 
 TOKEN_ENV = "ROLLWISE_ADMIN_TOKEN"

@@ -21,7 +21,7 @@ import pytest
 from envs.agent_process import AgentProcessEnvironment
 from envs.api import Task
 from envs.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool

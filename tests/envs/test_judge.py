@@ -18,7 +18,7 @@ from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from envs.judge import Judge, JudgeConfig, JudgeError, set_run_endpoint, shared_judge
 from pipeline.engine.serve import RunningServer, start_server
 from pipeline.engine.serve_flags import ServerConfig
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import RolloutSettings, run_group
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool

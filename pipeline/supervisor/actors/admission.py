@@ -1,4 +1,4 @@
-"""AReaL-style staleness control (the AReaL paper, arXiv 2505.24298). Pure arithmetic.
+"""AReaL-style staleness control (the AReaL paper, arXiv 2505.24298): pure arithmetic, and the straggler rule.
 
 The actor side admits a new group only while
 
@@ -22,6 +22,10 @@ admitted meanwhile counts against (η + floor + 1)·B, the protected group's own
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -62,3 +66,35 @@ class AdmissionController:
         return (
             self.concurrency_room(running) > 0 and self.staleness_room(version, accepted, running, floor) == 0
         )
+
+
+class Stragglers:
+    """Which running groups admission protects (module docstring): those admitted at an older version than
+    the one served that have run for less than `patience` times the median duration of the last groups.
+    Past that patience a group is on its own (it may arrive stale and be dropped): one stuck episode must
+    not stop admission for its whole timeout. `patience` 0 protects none."""
+
+    def __init__(self, patience: float) -> None:
+        if patience < 0:
+            raise ValueError(f"straggler_patience must be >= 0, got {patience}")
+        self.patience = patience
+        self.durations: deque[float] = deque(maxlen=64)  # of the last groups run
+
+    def floor(
+        self, admitted: Iterable[tuple[int, float]], version: int, now: float | None = None
+    ) -> tuple[int | None, float | None]:
+        """(the oldest admission version of the protected groups among `admitted` ((version, monotonic
+        start) of each running group), when the first of them stops being protected); (None, None) when
+        none is protected."""
+        if not self.patience or not self.durations:
+            return None, None
+        now = time.monotonic() if now is None else now
+        patience_s = self.patience * statistics.median(self.durations)
+        floor: int | None = None
+        expires: float | None = None
+        for admitted_version, started in admitted:
+            if admitted_version < version and now - started < patience_s:
+                floor = admitted_version if floor is None else min(floor, admitted_version)
+                until = started + patience_s
+                expires = until if expires is None else min(expires, until)
+        return floor, expires

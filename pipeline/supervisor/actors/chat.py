@@ -28,15 +28,15 @@ correct, but configure `stop_token_ids` to the template's end-of-turn token to a
 The environment's final reply (the one that ends the episode) is never appended: the engine never
 saw it, and the row holds exactly what the engine saw and produced.
 
-Cost: one full template render per turn (linear in the conversation so far). It is what makes the
-history-rewrite check exact for any template. For a Hugging Face tokenizer the render calls the
-Jinja template directly (`_FastRenderer`), skipping the wrapper's per-call deep copies and template
-lookup, compiled in a sandbox whose `message.key` lookup on a plain dict skips the exception the stock
-sandbox raises and catches per lookup (`dict_fast_getattr`, same result); the fast render is checked
-against `apply_chat_template` on the first prompt and is used only for messages made of plain JSON
-values, else the wrapper renders. Results that are pure functions of the tokenizer and exact inputs
-are shared by the tokenizer's buffers (`_TokenizerMemo`): the first prompt of given messages (a
-group's G episodes start alike) and the ids of short appended texts (environment replies repeat).
+Rendering: one full template render per turn (linear in the conversation), which makes the
+history-rewrite check exact for any template. For a Hugging Face tokenizer the render calls the compiled
+Jinja template directly (`_FastRenderer`), in a sandbox whose `message.key` lookup on a plain dict skips
+the exception the stock sandbox raises and catches (`dict_fast_getattr`, same result). The template is
+compiled by transformers' private `_compile_jinja_template`, so filters, globals and extensions are
+those of `apply_chat_template`; the fast render is checked against `apply_chat_template` on each
+buffer's first prompt and used only for messages of plain JSON values: if the private function moves or
+renders differently, the public wrapper renders. Results that are pure functions of the tokenizer and
+exact inputs are shared by its buffers (`_TokenizerMemo`): first prompts and short appended texts.
 """
 
 from __future__ import annotations

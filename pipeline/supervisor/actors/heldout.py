@@ -29,7 +29,8 @@ from typing import Any, Literal, Protocol
 
 from envs.api import EnvFactory, Task
 from pipeline.supervisor.actors.chat import ChatTokenizer
-from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings, run_episode
+from pipeline.supervisor.actors.outcomes import EpisodeOutcome
+from pipeline.supervisor.actors.rollout import RolloutSettings, run_episode
 from pipeline.supervisor.engines.protocol import GenerateResult, SamplingParams
 
 Mode = Literal["greedy", "sampled"]

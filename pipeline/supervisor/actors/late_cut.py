@@ -32,8 +32,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from pipeline.supervisor.actors.admission import AdmissionController
+from pipeline.supervisor.observability import metrics
+from pipeline.transport.spool import SpoolWriter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,3 +138,120 @@ class GroupCut:
     def _expire(scope: asyncio.Timeout) -> None:
         if not scope.expired():  # an episode timing out on its own already ends the same way
             scope.reschedule(asyncio.get_running_loop().time())
+
+
+CUT_WRITES_FIRST_S = 2.0  # the longest another group's write waits for the cut groups' writes
+
+
+class Admitted(NamedTuple):
+    """A running group's admission: the version served then, when it started (monotonic), and its cut."""
+
+    version: int
+    started: float
+    cut: GroupCut
+
+
+class Cutter:
+    """The scheduler's late cuts; this base (`cut_late_groups = 0`) cuts no group and holds no write."""
+
+    groups_cut = 0
+
+    def on_learner_step(self, version: int, consumed_groups: int) -> None:
+        pass
+
+    def check(self, admitted: Mapping[str, Admitted], writes: int) -> None:
+        pass
+
+    def settled(self, group_id: str) -> None:
+        pass
+
+    async def before_write(self, group_id: str) -> None:
+        pass
+
+
+class LateCuts(Cutter):
+    """The scheduler's side of the rule: it knows the learner's version and how many spool groups it has
+    consumed from its step events (`on_learner_step`: its watermark plus the groups consumed beyond it);
+    the groups waiting for it are the spool's highest sequence number less those, exact while groups land
+    after the event. `check` cuts at each step event, each group written and each admission round. While
+    cut groups close their episodes, any other group's write waits for them (at most
+    CUT_WRITES_FIRST_S): the learner completes its batch with whatever lands first, and a group admitted
+    later that finished in that window would take the place the cut was for."""
+
+    def __init__(
+        self, max_share: float, admission: AdmissionController, group_size: int, spool: SpoolWriter
+    ) -> None:
+        self.max_share = max_share
+        self.batch_groups = admission.batch_groups
+        self.max_staleness = admission.max_staleness
+        self.group_size = group_size
+        self.spool = spool
+        self.groups_cut = 0
+        self._learner: tuple[int, int] | None = None  # (version, spool groups consumed) at its last step
+        self._unwritten: set[str] = set()  # cut groups not yet written (or lost)
+        self._all_written = asyncio.Event()  # set while _unwritten is empty
+        self._all_written.set()
+
+    def on_learner_step(self, version: int, consumed_groups: int) -> None:
+        self._learner = (version, consumed_groups)
+
+    def check(self, admitted: Mapping[str, Admitted], writes: int) -> None:
+        """Cut the running groups the rule picks now; `writes` = groups being written."""
+        if self._learner is None:
+            return
+        learner_version, consumed = self._learner
+        waiting = max(0, self.spool.next_seq - 1 - consumed)  # spool seqs are 1, 2, ... without gaps
+        running = [
+            RunningGroup(group_id, entry.version, entry.cut.unfinished)
+            for group_id, entry in admitted.items()
+            if not entry.cut.fired
+        ]
+        cut_ids = groups_to_cut(
+            running,
+            learner_version=learner_version,
+            waiting_groups=waiting,
+            writing_groups=writes + len(admitted) - len(running),  # the cut ones close their episodes
+            batch_groups=self.batch_groups,
+            max_staleness=self.max_staleness,
+            group_size=self.group_size,
+            max_share=self.max_share,
+        )
+        for group_id in cut_ids:
+            self._cut(group_id, admitted[group_id], learner_version, waiting, len(cut_ids))
+
+    def _cut(self, group_id: str, entry: Admitted, learner_version: int, waiting: int, together: int) -> None:
+        cut = entry.cut
+        cut.fire(
+            f"cut: the learner reached version {learner_version}, the last at which group {group_id} "
+            f"(admitted at {entry.version}, max_staleness {self.max_staleness}) can be trained; "
+            f"{waiting} groups waiting and {together} cut at once for its batch of "
+            f"{self.batch_groups}; {cut.unfinished} of its {self.group_size} episodes stopped"
+        )
+        log.info("%s", cut.reason)
+        self._unwritten.add(group_id)
+        self._all_written.clear()
+        self.groups_cut += 1
+        metrics.GROUPS_CUT.inc()
+
+    def settled(self, group_id: str) -> None:
+        """A cut group was written or lost: the writes held for it may go."""
+        self._unwritten.discard(group_id)
+        if not self._unwritten:
+            self._all_written.set()
+
+    async def before_write(self, group_id: str) -> None:
+        """Hold this group's write while cut groups are still to be written (class docstring)."""
+        if group_id in self._unwritten or self._all_written.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CUT_WRITES_FIRST_S):
+                await self._all_written.wait()
+
+
+def late_cuts(
+    max_share: float, admission: AdmissionController, group_size: int, spool: SpoolWriter
+) -> Cutter:
+    """The late cuts of a scheduler: none with `max_share` 0 (`async.cut_late_groups`)."""
+    if not 0 <= max_share <= 1:
+        raise ValueError(f"cut_late_groups must be a share in [0, 1], got {max_share}")
+    return LateCuts(max_share, admission, group_size, spool) if max_share else Cutter()

@@ -1,47 +1,43 @@
 """The multi-turn episode runner (token-in/token-out) and the group runner.
 
-One episode: `env.reset(task)` -> messages; the chat template renders the first prompt once
-(pipeline.supervisor.actors.chat.ChatBuffer); then per turn k = 0, 1, ...: `/generate` with the buffer's ids
-(rid `"{episode_id}-t{k}"`, affinity key = the group id, so every turn of the group's episodes hits the
-same server, whose prefix cache holds their shared first prompt and each episode's history), the
-output ids are appended verbatim, the decoded text is parsed into an Action (envs.toolcalls),
-`env.step(action)` answers, and only the reply's new tokens are appended.
+One group: `run_group` runs G episodes of a task concurrently (`run_episode`, or the agent runner for an
+agent-function environment). One episode: `env.reset(task)` -> messages; the chat template renders the
+first prompt once (chat.ChatBuffer); then per turn k = 0, 1, ... (`_EpisodeRun`): `/generate` with the
+buffer's ids (rid `"{episode_id}-t{k}"`, affinity key = the group id, so a group's turns hit one server
+and its prefix cache), the output ids appended verbatim, the decoded text parsed into an Action
+(envs.toolcalls), `env.step(action)`, and only the reply's new tokens appended. Its metrics
+(episode_metrics), spans (episode_trace) and routing records (expert_routing) are chosen once per
+episode, each with a do-nothing twin where it is off.
 
 Per-token columns (pipeline.contracts.schema.EpisodeSegment):
 - prompt tokens (and the whole re-rendered prompt of a later segment): turn_index -1;
 - tokens generated in turn k: turn_index k, loss mask 1, the engine's log-probs verbatim, versions =
   version_to_int of each token's weight version;
-- environment reply (and template glue) appended after turn k: turn_index k (it is turn k's transition),
-  loss mask 0, log-prob 0, version -1.
+- environment reply (and template glue) appended after turn k: turn_index k, loss mask 0, log-prob 0,
+  version -1. The final environment reply is not appended (chat.py).
 
 Turns: a turn counts once the engine returned tokens for it or the environment stepped on it;
-`turn_rewards` has one entry per counted turn (the step's reward; 0.0 when the step never answered),
-`outcome` is the last step's outcome. The final environment reply is not appended (see
-pipeline.supervisor.actors.chat).
+`turn_rewards` has one entry per counted turn (0.0 when the step never answered), `outcome` is the last
+step's outcome.
 
 finish_reason says why the episode ended:
 - "stop": the environment ended it (done) after a turn the model closed itself;
 - "length": the environment ended it (done) right after a turn cut by max_new_tokens;
-- "truncated": the environment truncated it (its turn limit), the runner's own cap of spec.max_turns
-  steps was reached, or the context budget ran out (before a request, `max_new_tokens` is capped to
-  `max_context_tokens - len(buffer)`; when nothing is left, or the next environment reply would not
-  leave room for one token, the episode ends);
+- "truncated": the environment truncated it, the runner's cap of spec.max_turns steps was reached, or
+  the context budget ran out (`max_new_tokens` is capped to `max_context_tokens - len(buffer)`; when
+  nothing is left, or the next reply would not leave room for one token, the episode ends);
 - "timeout": a reset/step exceeded spec.step_timeout_s (ENV_ERRORS kind "timeout"), or the episode
   exceeded spec.episode_timeout_s;
-- "env_error": reset/step/the factory raised (EnvError or anything else; ENV_ERRORS kind "error"), or
+- "env_error": reset/step/the factory raised (ENV_ERRORS kind "error" or the EnvError's kind), or
   returned something unusable: a non-finite reward/outcome, not a StepResult, messages the chat
   template cannot render (kind "invalid");
 - "engine_error": any EngineError (ENGINE_ERRORS kind protocol, http, unavailable) or an aborted
-  generation that is not resubmitted (kind "abort").
-- "cut": the scheduler cut its group so that the episodes already finished are trained before the group
-  goes stale (pipeline.supervisor.actors.late_cut); the error says at which learner version.
-Rows of failed episodes are kept for accounting (the learner skips them); an episode whose reset
-failed has no tokens and so no row. A failing `env.close()` is counted (kind "close"), not raised.
-With `retry_aborted`, a generation aborted with partial output (SGLang's abort-mode weight sync) is
-resubmitted as prompt + partial ids (AReaL-style partial rollout): the partial tokens keep their
-log-probs and versions, the continuation gets the new version (a turn fails after `max_abort_retries`
-aborts in a row that kept no new token).
-`env.close()` is always awaited, also when the episode is cancelled.
+  generation that is not resubmitted (kind "abort");
+- "cut": the scheduler cut its group (late_cut); the error says at which learner version.
+Rows of failed episodes are kept for accounting (the learner skips them); an episode whose reset failed
+has no row. `env.close()` is always awaited, also on cancellation; its failure is counted (kind "close").
+With `retry_aborted`, an aborted generation is resubmitted as prompt + partial ids: the partial tokens
+keep their log-probs and versions, the continuation gets the new version.
 Metric labels: env = the `env_name` argument; engine = "pool" (the pool hides which member served).
 """
 
@@ -51,39 +47,39 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Coroutine, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
-from types import CoroutineType
-from typing import Any, Protocol, cast
-
-import pyarrow as pa
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from envs.agent import AgentEnvironment
-from envs.api import FORMAT_ERROR, EnvError, EnvFactory, Environment, StepResult, Task, is_finite_number
+from envs.api import FORMAT_ERROR, EnvFactory, Environment, StepResult, Task, is_finite_number
 from envs.toolcalls import get_parser
 from pipeline.contracts import tracing
-from pipeline.contracts.schema import (
-    TRAINABLE_FINISH_REASONS,
-    EpisodeSegment,
-    RoutedExperts,
-    segments_to_batch,
-)
+from pipeline.contracts.schema import EpisodeSegment
 from pipeline.supervisor.actors.chat import ChatBuffer, ChatTokenizer
+from pipeline.supervisor.actors.env_calls import DeadlinePassed, close_env, within
+from pipeline.supervisor.actors.episode_end import (
+    ENGINE_LABEL,
+    EpisodeEnded,
+    engine_error_kind,
+    engine_failure,
+    env_failure,
+    error_kind,
+)
+from pipeline.supervisor.actors.episode_metrics import EpisodeMetrics, episode_metrics, record_episode
+from pipeline.supervisor.actors.episode_trace import UNTRACED, Spans, episode_attributes, episode_trace
+from pipeline.supervisor.actors.expert_routing import expert_routing
 from pipeline.supervisor.actors.late_cut import GroupCut
+from pipeline.supervisor.actors.outcomes import EpisodeOutcome, GroupOutcome
 from pipeline.supervisor.engines.protocol import (
     EngineError,
-    EngineHTTPError,
-    EngineProtocolError,
-    EngineUnavailable,
     GenerateResult,
-    RoutedExpertsRequest,
     SamplingParams,
     version_to_int,
 )
 from pipeline.supervisor.observability import metrics
 
-ENGINE_LABEL = "pool"
+_ENGINE_LATENCY = metrics.ENGINE_REQUEST_LATENCY.labels(engine=ENGINE_LABEL)
 
 
 class GenerateEngine(Protocol):
@@ -94,23 +90,8 @@ class GenerateEngine(Protocol):
     ) -> GenerateResult: ...
 
 
-class RoutingEngine(Protocol):
-    """A GenerateEngine that can return routed experts (the EnginePool; RolloutSettings.routed_experts)."""
-
-    async def generate(
-        self,
-        input_ids: list[int],
-        sampling: SamplingParams,
-        rid: str,
-        *,
-        affinity_key: str,
-        routed_experts: RoutedExpertsRequest | None = None,
-    ) -> GenerateResult: ...
-
-
 class AgentRunner(Protocol):
-    """Runs the episodes of agent-function environments
-    (pipeline.supervisor.actors.openai_endpoint.OpenAIEndpoint)."""
+    """Runs the episodes of agent-function environments (agent_api.openai_endpoint.OpenAIEndpoint)."""
 
     async def run_agent_episode(
         self, env: AgentEnvironment, task: Task, *, episode_id: str, group_id: str, env_name: str
@@ -128,8 +109,7 @@ class RolloutSettings:
     turn fails after `max_abort_retries` aborts in a row that kept no new token; set it when the weight
     sync aborts requests, leave it off otherwise (an abort is then an error).
     `routed_experts` = (layers, topk, num_experts) of an MoE model whose engines return routed experts
-    (learner.moe): each turn asks for the positions its segment has no record of yet, and every row
-    carries its segment's record (Contract 1's routed_experts column). None = not asked.
+    (learner.moe; expert_routing). None = not asked.
     """
 
     sampling: SamplingParams
@@ -150,234 +130,6 @@ class RolloutSettings:
             raise ValueError(f"RolloutSettings.max_abort_retries must be >= 0, got {self.max_abort_retries}")
 
 
-@dataclass
-class EpisodeOutcome:
-    """Result of one episode: its rows (one per segment; none when reset failed) and statistics.
-
-    `turn_seconds[k]` is the wall time of turn k (request to the end of the step and the buffer
-    update); `engine_seconds[k]` the part spent waiting for /generate.
-    """
-
-    episode_id: str
-    group_id: str
-    task_id: str
-    env: str
-    finish_reason: str
-    rows: list[EpisodeSegment]
-    turn_rewards: list[float]
-    outcome: float | None
-    generated_tokens: int
-    duration_s: float
-    turn_seconds: list[float] = field(default_factory=list)
-    engine_seconds: list[float] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def num_turns(self) -> int:
-        return len(self.turn_rewards)
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.rows)
-
-    @property
-    def success(self) -> bool:
-        return self.outcome is not None and self.outcome >= 1.0
-
-    @property
-    def trainable(self) -> bool:
-        return self.finish_reason in TRAINABLE_FINISH_REASONS
-
-    @property
-    def score(self) -> float:
-        """The outcome, or the sum of turn rewards when the environment set none."""
-        return self.outcome if self.outcome is not None else sum(self.turn_rewards)
-
-
-@dataclass
-class GroupOutcome:
-    """G episodes of one task; `to_record_batch()` is the group's Arrow batch (Contract 1)."""
-
-    group_id: str
-    task_id: str
-    env: str
-    episodes: list[EpisodeOutcome]
-
-    @property
-    def rows(self) -> list[EpisodeSegment]:
-        return [row for ep in self.episodes for row in ep.rows]
-
-    def to_record_batch(self) -> pa.RecordBatch:
-        return segments_to_batch(self.rows)
-
-
-class _EpisodeEnded(Exception):
-    """Internal: ends the turn loop with a finish reason."""
-
-    def __init__(self, finish_reason: str, message: str | None = None) -> None:
-        super().__init__(message or finish_reason)
-        self.finish_reason = finish_reason
-        self.message = message
-
-
-@dataclass(frozen=True)
-class _EnvMetrics:
-    """Prometheus children bound to one env label (labels() per turn would cost a lock and a lookup)."""
-
-    turns: Any
-    generated_tokens: Any
-    prompt_tokens: Any
-    prompt_tokens_cached: Any
-    turn_tokens: Any
-    turn_reward: Any
-    step_latency: Any
-    episode_turns: Any
-    episode_duration: Any
-    episode_reward: Any
-    reward_positive: Any
-    reward_negative: Any
-    successes: Any
-    tool_calls: Any
-    tool_call_errors: Any
-    without_tool_calls: Any
-    format_errors: Any
-    env_name: str
-
-
-@lru_cache(maxsize=256)
-def _env_metrics(env_name: str) -> _EnvMetrics:
-    return _EnvMetrics(
-        turns=metrics.TURNS.labels(env=env_name),
-        generated_tokens=metrics.GENERATED_TOKENS.labels(env=env_name),
-        prompt_tokens=metrics.PROMPT_TOKENS.labels(env=env_name),
-        prompt_tokens_cached=metrics.PROMPT_TOKENS_CACHED.labels(env=env_name),
-        turn_tokens=metrics.TURN_TOKENS.labels(env=env_name),
-        turn_reward=metrics.TURN_REWARD.labels(env=env_name),
-        step_latency=metrics.ENV_STEP_LATENCY.labels(env=env_name),
-        episode_turns=metrics.EPISODE_TURNS.labels(env=env_name),
-        episode_duration=metrics.EPISODE_DURATION.labels(env=env_name),
-        episode_reward=metrics.EPISODE_REWARD.labels(env=env_name),
-        reward_positive=metrics.EPISODE_REWARD_POSITIVE.labels(env=env_name),
-        reward_negative=metrics.EPISODE_REWARD_NEGATIVE.labels(env=env_name),
-        successes=metrics.EPISODE_SUCCESSES.labels(env=env_name),
-        tool_calls=metrics.TOOL_CALLS.labels(env=env_name),
-        tool_call_errors=metrics.TOOL_CALL_ERRORS.labels(env=env_name),
-        without_tool_calls=metrics.EPISODES_WITHOUT_TOOL_CALLS.labels(env=env_name),
-        format_errors=metrics.ANSWER_FORMAT_ERRORS.labels(env=env_name),
-        env_name=env_name,
-    )
-
-
-@lru_cache(maxsize=1024)
-def _episodes_counter(env_name: str, finish_reason: str) -> Any:
-    return metrics.EPISODES.labels(env=env_name, reason=finish_reason)
-
-
-_ENGINE_LATENCY = metrics.ENGINE_REQUEST_LATENCY.labels(engine=ENGINE_LABEL)
-
-
-class _Unrecorded:
-    """A metric child that records nothing: the turn-level metrics of an evaluation episode."""
-
-    def inc(self, amount: float = 1.0) -> None:
-        pass
-
-    def observe(self, amount: float) -> None:
-        pass
-
-
-@lru_cache(maxsize=64)
-def _unrecorded(env_name: str) -> _EnvMetrics:
-    fields = [f.name for f in dataclasses.fields(_EnvMetrics) if f.name != "env_name"]
-    return _EnvMetrics(**dict.fromkeys(fields, _Unrecorded()), env_name=env_name)
-
-
-class _Started:
-    """Awaiting this finishes a coroutine that was already advanced to its first suspension, where it
-    handed `pending` to the event loop: the same as awaiting the coroutine from there (`yield from`)."""
-
-    __slots__ = ("_coro", "_pending")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
-        self._coro = coro
-        self._pending = pending
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, value = self._coro, self._pending
-        while True:
-            try:
-                sent = yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # a cancellation (the timeout) or anything thrown into the task
-                try:
-                    value = coro.throw(exc)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    value = coro.send(sent)
-                except StopIteration as done:
-                    return done.value
-
-
-class _DeadlinePassed(TimeoutError):
-    """`_within`'s bound was exceeded (unlike a TimeoutError the awaited call raised itself)."""
-
-
-async def _within(call: Awaitable[Any], timeout_s: float) -> Any:
-    """`await call` bounded by `timeout_s` seconds from now; _DeadlinePassed when exceeded.
-
-    A coroutine is first run up to its first suspension: most environment calls never suspend, and
-    one that returns before yielding to the event loop cannot be timed out by asyncio anyway (the
-    timer only fires from the loop), so it needs no timer. One that suspends finishes under a
-    deadline taken before it started, as `asyncio.timeout(timeout_s)` around the whole call would.
-    """
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    if isinstance(call, CoroutineType):
-        try:
-            pending = call.send(None)
-        except StopIteration as done:
-            return done.value
-        call = _Started(call, pending)
-    bound = asyncio.timeout_at(deadline)
-    try:
-        async with bound:
-            return await call
-    except TimeoutError as exc:
-        if bound.expired():
-            raise _DeadlinePassed(f"not done within {timeout_s} s") from exc
-        raise
-
-
-def _engine_error_kind(exc: EngineError) -> str:
-    if isinstance(exc, EngineProtocolError):
-        return "protocol"
-    if isinstance(exc, EngineHTTPError):
-        return "http"
-    if isinstance(exc, EngineUnavailable):
-        return "unavailable"
-    return "error"
-
-
-def error_kind(exc: BaseException) -> str:
-    """The ENV_ERRORS kind of an exception an environment raised: an EnvError's own `kind` when it is one
-    of the known kinds (a bounded label set), else "error"."""
-    kind = getattr(exc, "kind", "error") if isinstance(exc, EnvError) else "error"
-    return kind if kind in metrics.ENV_ERROR_KINDS else "error"
-
-
-def _engine_failure(kind: str, message: str) -> _EpisodeEnded:
-    metrics.ENGINE_ERRORS.labels(engine=ENGINE_LABEL, kind=kind).inc()
-    return _EpisodeEnded("engine_error", message)
-
-
-def _env_failure(env_name: str, kind: str, finish_reason: str, message: str) -> _EpisodeEnded:
-    metrics.ENV_ERRORS.labels(env=env_name, kind=kind).inc()
-    return _EpisodeEnded(finish_reason, message)
-
-
 def stop_token_ids(settings: RolloutSettings, tokenizer: ChatTokenizer) -> tuple[int, ...]:
     """The ids that end a turn: the configured ones, else the tokenizer's eos token."""
     if settings.sampling.stop_token_ids:
@@ -389,7 +141,8 @@ def stop_token_ids(settings: RolloutSettings, tokenizer: ChatTokenizer) -> tuple
 
 
 class _EpisodeRun:
-    """State of one running episode; `play` runs the turn loop and raises _EpisodeEnded to stop."""
+    """State of one running episode; `play` runs the turn loop and raises EpisodeEnded to stop. Its
+    metrics and trace are chosen by whoever starts it, its routing record by the settings."""
 
     def __init__(
         self,
@@ -398,8 +151,9 @@ class _EpisodeRun:
         env: Environment,
         settings: RolloutSettings,
         episode_id: str,
-        env_name: str,
-        record_metrics: bool = True,
+        *,
+        metrics: EpisodeMetrics,
+        trace: Spans = UNTRACED,
         affinity_key: str | None = None,
     ) -> None:
         self.engine = engine
@@ -408,7 +162,9 @@ class _EpisodeRun:
         self.env = env
         self.settings = settings
         self.episode_id = episode_id
-        self.metrics = _env_metrics(env_name) if record_metrics else _unrecorded(env_name)
+        self.metrics = metrics
+        self.trace = trace
+        self.routing = expert_routing(settings.routed_experts)
         self.parser = get_parser(settings.tool_parser)
         self.stops = stop_token_ids(settings, tokenizer)
         self.sampling = dataclasses.replace(settings.sampling, stop_token_ids=self.stops)
@@ -421,23 +177,20 @@ class _EpisodeRun:
         self.turn_seconds: list[float] = []
         self.engine_seconds: list[float] = []
         self.tool_calls = 0
-        self.span: Any = tracing.NO_SPAN  # the episode's span (run_episode), when tracing is on
-        self.trace_id: str | None = None  # its trace, stored with the rows (sampled traces only)
-        self._linked: set[int] = set()  # policy versions the episode span links to
         self.matched: str | None = None  # the stop string that ended the last turn, if one did
 
     async def _call_env(self, what: str, call: Any) -> Any:
-        """Await an env coroutine under the step timeout; failures become _EpisodeEnded."""
+        """Await an env coroutine under the step timeout; failures become EpisodeEnded."""
         env_name = self.metrics.env_name
         try:
-            return await _within(call, self.step_timeout_s)
-        except _DeadlinePassed as exc:
-            raise _env_failure(
+            return await within(call, self.step_timeout_s)
+        except DeadlinePassed as exc:
+            raise env_failure(
                 env_name, "timeout", "timeout", f"env.{what} exceeded step_timeout_s={self.step_timeout_s}"
             ) from exc
         except Exception as exc:
             kind = error_kind(exc)
-            raise _env_failure(env_name, kind, "env_error", f"env.{what} raised {exc!r}") from exc
+            raise env_failure(env_name, kind, "env_error", f"env.{what} raised {exc!r}") from exc
 
     async def play(self, task: Task) -> str:
         spec = self.env.spec
@@ -452,10 +205,8 @@ class _EpisodeRun:
             raise self._invalid(f"the chat template cannot render env.reset's messages: {exc!r}") from exc
         chat = self.chat
         for turn in range(spec.max_turns):
-            # An unsampled or untraced episode opens no child spans: they would cost time, record nothing.
-            span = tracing.span("turn", {"rollwise.turn": turn}) if self.trace_id else tracing.NO_SPAN
-            with span as current:
-                finish = await self._turn(chat, turn, current)
+            with self.trace.turn(turn) as span:
+                finish = await self._turn(chat, turn, span)
             if finish is not None:
                 return finish
         return "truncated"
@@ -466,20 +217,15 @@ class _EpisodeRun:
         started = time.perf_counter()
         engine_finish = await self._generate_turn(chat, turn)
         action = self.parser(chat.finish_turn())
-        if action.tool_calls:
+        if action.tool_calls or action.tool_call_errors:
             self.tool_calls += len(action.tool_calls)
-            self.metrics.tool_calls.inc(len(action.tool_calls))
-        if action.tool_call_errors:
-            self.metrics.tool_call_errors.inc(len(action.tool_call_errors))
+            self.metrics.tool_calls(len(action.tool_calls), len(action.tool_call_errors))
         if len(self.turn_rewards) == turn:
             self.turn_rewards.append(0.0)
         step = await self._step(action)
-        if span.is_recording():
-            span.set_attributes(
-                {"rollwise.reward": step.reward, "rollwise.done": bool(step.done or step.truncated)}
-            )
+        self.trace.stepped(span, step)
         self.turn_rewards[turn] = step.reward
-        self.metrics.turn_reward.observe(step.reward)
+        self.metrics.turn_reward(step.reward)
         if step.outcome is not None:
             self.outcome = step.outcome
         finish = _finish_after_step(step, engine_finish)
@@ -493,18 +239,18 @@ class _EpisodeRun:
         self.turn_seconds.append(time.perf_counter() - started)
         return finish
 
-    def _invalid(self, message: str) -> _EpisodeEnded:
-        return _env_failure(self.metrics.env_name, "invalid", "env_error", message)
+    def _invalid(self, message: str) -> EpisodeEnded:
+        return env_failure(self.metrics.env_name, "invalid", "env_error", message)
 
     async def _step(self, action: Any) -> StepResult:
         started = time.perf_counter()
         step = await self._call_env("step", self.env.step(action))
-        self.metrics.step_latency.observe(time.perf_counter() - started)
+        self.metrics.step_latency(time.perf_counter() - started)
         if not isinstance(step, StepResult):
             raise self._invalid(f"env.step returned {type(step).__name__}, expected StepResult")
         info = step.info
         if type(info) is dict and info.get(FORMAT_ERROR):
-            self.metrics.format_errors.inc()
+            self.metrics.format_error()
         if not isinstance(step.messages, list):
             raise self._invalid(f"env.step returned messages of type {type(step.messages).__name__}")
         # A non-finite score would make the row invalid for the learner: it is the env's failure.
@@ -551,135 +297,74 @@ class _EpisodeRun:
         `stop` strings instead of the config's); returns how the turn ended: "stop" or "length".
         `self.matched` is then the stop string that ended it, or None."""
         max_new = self.settings.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
-        produced = 0
-        engine_s = 0.0
-        attempt = 0
+        produced = attempt = 0
         fruitless = 0  # aborts in a row that kept no new token
+        engine_s = 0.0
         self.matched = None
-        while True:
+        finish: str | None = None
+        while finish is None:
             budget = self.settings.max_context_tokens - len(chat.input_ids)
             if budget <= 0:
-                if produced:  # a resubmission with no room left: the turn ends cut, like "length"
-                    finish = "length"
-                    break
-                raise _EpisodeEnded("truncated", "context budget exhausted")
-            sampling = self._sampling(min(max_new - produced, budget), stop)
+                if not produced:
+                    raise EpisodeEnded("truncated", "context budget exhausted")
+                finish = "length"  # a resubmission with no room left: the turn ends cut, like "length"
+                break
             rid = f"{self.episode_id}-t{turn}" + (f"-r{attempt}" if attempt else "")
-            started = time.perf_counter()
-            routing = self._routing_request(chat)
-            span = (
-                tracing.span("engine.generate", {"rollwise.rid": rid}) if self.trace_id else tracing.NO_SPAN
-            )
-            try:
-                with span as current:
-                    if routing is None:
-                        result = await self.engine.generate(
-                            chat.input_ids, sampling, rid, affinity_key=self.affinity_key
-                        )
-                    else:
-                        result = await cast(RoutingEngine, self.engine).generate(
-                            chat.input_ids,
-                            sampling,
-                            rid,
-                            affinity_key=self.affinity_key,
-                            routed_experts=routing,
-                        )
-                    versions = self._versions(result.token_versions)
-                    if current.is_recording():
-                        self._trace_request(current, result, versions, len(chat.input_ids), started)
-            except EngineError as exc:
-                raise _engine_failure(_engine_error_kind(exc), str(exc)) from exc
-            finally:
-                elapsed = time.perf_counter() - started
-                engine_s += elapsed
-                _ENGINE_LATENCY.observe(elapsed)
+            sampling = self._sampling(min(max_new - produced, budget), stop)
+            result, seconds = await self._request(chat, turn, sampling, rid)
+            engine_s += seconds
             n = len(result.output_ids)
-            if n and len(self.turn_rewards) == turn:
-                self.turn_rewards.append(0.0)  # the turn exists once it has tokens
-            chat.add_generated(result.output_ids, result.logprobs, versions, turn)
-            if routing is not None and result.routed_experts is not None and result.finish_reason != "abort":
-                self._record_routing(chat, routing, result)
             produced += n
-            self.generated_tokens += n
-            self.metrics.generated_tokens.inc(n)
-            if result.prompt_tokens is not None:  # None: aborted while waiting, nothing was prefilled
-                self.metrics.prompt_tokens.inc(result.prompt_tokens)
-                self.metrics.prompt_tokens_cached.inc(result.cached_tokens)
-            if result.finish_reason != "abort":
-                finish = "stop" if result.finish_reason == "stop" else "length"
-                self.matched = result.matched
-                break
-            if not self.settings.retry_aborted:
-                raise _engine_failure("abort", f"generation {rid} aborted: {result.abort_message}")
             fruitless = fruitless + 1 if n == 0 else 0
-            if fruitless > self.settings.max_abort_retries:
-                raise _engine_failure(
-                    "abort",
-                    f"generation {rid} aborted {fruitless} times in a row without a new token: "
-                    f"{result.abort_message}",
-                )
-            if produced >= max_new:
-                finish = "length"
-                break
+            finish = self._turn_end(rid, result, fruitless, produced >= max_new)
             attempt += 1
         self.engine_seconds.append(engine_s)
-        self.metrics.turns.inc()
-        self.metrics.turn_tokens.observe(produced)
+        self.metrics.turn_generated(produced)
         return finish
 
-    def _routing_request(self, chat: ChatBuffer) -> RoutedExpertsRequest | None:
-        """Ask for the positions of the current segment without a record yet (RolloutSettings)."""
-        shape = self.settings.routed_experts
-        if shape is None:
-            return None
-        return RoutedExpertsRequest(start_len=chat.current.routed_positions, per_position=shape[0] * shape[1])
+    async def _request(
+        self, chat: ChatBuffer, turn: int, sampling: SamplingParams, rid: str
+    ) -> tuple[GenerateResult, float]:
+        """One engine request of turn `turn`, its answer added to the buffer; (the answer, its seconds)."""
+        started = time.perf_counter()
+        try:
+            with self.trace.request(rid) as span:
+                result = await self.routing.generate(self.engine, chat, sampling, rid, self.affinity_key)
+                versions = self._versions(result.token_versions)
+                self.trace.answered(span, result, versions, chat.input_ids, started)
+        except EngineError as exc:
+            raise engine_failure(engine_error_kind(exc), str(exc)) from exc
+        finally:
+            elapsed = time.perf_counter() - started
+            _ENGINE_LATENCY.observe(elapsed)
+        n = len(result.output_ids)
+        if n and len(self.turn_rewards) == turn:
+            self.turn_rewards.append(0.0)  # the turn exists once it has tokens
+        chat.add_generated(result.output_ids, result.logprobs, versions, turn)
+        self.routing.record(chat, result)
+        self.generated_tokens += n
+        self.metrics.generated(n, result.prompt_tokens, result.cached_tokens)
+        return result, elapsed
 
-    def _record_routing(
-        self, chat: ChatBuffer, request: RoutedExpertsRequest, result: GenerateResult
-    ) -> None:
-        """Append a finished turn's routed experts to its segment's record (an aborted attempt's are
-        not kept: its resubmission asks again from the same position)."""
-        assert self.settings.routed_experts is not None and result.routed_experts is not None
-        layers, topk, experts = self.settings.routed_experts
-        if max(result.routed_experts, default=0) >= experts:
-            raise _engine_failure(
-                "protocol", f"{result.rid}: meta_info.routed_experts names an expert >= the model's {experts}"
+    def _turn_end(self, rid: str, result: GenerateResult, fruitless: int, budget_spent: bool) -> str | None:
+        """How the turn ended after an answer: "stop" or "length", None to resubmit an aborted one."""
+        if result.finish_reason != "abort":
+            self.matched = result.matched
+            return "stop" if result.finish_reason == "stop" else "length"
+        if not self.settings.retry_aborted:
+            raise engine_failure("abort", f"generation {rid} aborted: {result.abort_message}")
+        if fruitless > self.settings.max_abort_retries:
+            raise engine_failure(
+                "abort",
+                f"generation {rid} aborted {fruitless} times in a row without a new token: "
+                f"{result.abort_message}",
             )
-        width = RoutedExperts.width_for(experts)
-        ids = RoutedExperts.encode(result.routed_experts, layers=layers, topk=topk, width=width)
-        chat.current.append_routed(request.start_len, len(result.routed_experts) // (layers * topk), ids)
-
-    def _routing_of(self, seg: Any) -> RoutedExperts | None:
-        shape = self.settings.routed_experts
-        if shape is None:
-            return None
-        layers, topk, experts = shape
-        return RoutedExperts(
-            layers=layers, topk=topk, width=RoutedExperts.width_for(experts), ids=bytes(seg.routed)
-        )
-
-    def _trace_request(
-        self, current: Any, result: GenerateResult, versions: list[int], prompt: int, started: float
-    ) -> None:
-        """The attributes of an engine request's span (only computed when it is recorded)."""
-        version = versions[0] if versions else -1
-        current.set_attributes(
-            {
-                "rollwise.policy_version": version,
-                "rollwise.finish_reason": result.finish_reason,
-                "rollwise.latency_s": time.perf_counter() - started,
-                "gen_ai.usage.input_tokens": prompt,
-                "gen_ai.usage.output_tokens": len(result.output_ids),
-            }
-        )
-        if version >= 0 and version not in self._linked:
-            self._linked.add(version)
-            tracing.link_version(self.span, version)
+        return "length" if budget_spent else None
 
     def rows(self, task: Task, group_id: str, env_name: str, finish_reason: str) -> list[EpisodeSegment]:
         if self.chat is None:
             return []
-        trace_id = self.trace_id
+        trace_id = self.trace.trace_id
         return [
             EpisodeSegment(
                 episode_id=self.episode_id,
@@ -698,7 +383,7 @@ class _EpisodeRun:
                 finish_reason=finish_reason,
                 segment=index,
                 trace_id=trace_id,
-                routed_experts=self._routing_of(seg),
+                routed_experts=self.routing.of(seg),
             )
             for index, seg in enumerate(self.chat.segments)
         ]
@@ -710,32 +395,6 @@ def _finish_after_step(step: StepResult, engine_finish: str) -> str | None:
     if step.done:
         return "length" if engine_finish == "length" else "stop"
     return None
-
-
-async def _close_env(env: Environment, env_name: str) -> str | None:
-    """Await env.close() (bounded by the step timeout); a failure is counted and reported, not raised."""
-    try:
-        await _within(env.close(), env.spec.step_timeout_s)
-    except Exception as exc:
-        metrics.ENV_ERRORS.labels(env=env_name, kind="close").inc()
-        return f"env.close raised {exc!r}"
-    return None
-
-
-def _record_episode(outcome: EpisodeOutcome) -> None:
-    children = _env_metrics(outcome.env)
-    _episodes_counter(outcome.env, outcome.finish_reason).inc()
-    children.episode_turns.observe(outcome.num_turns)
-    children.episode_duration.observe(outcome.duration_s)
-    if outcome.trainable:
-        score = outcome.score
-        children.episode_reward.observe(score)
-        if score >= 0:
-            children.reward_positive.inc(score)
-        else:
-            children.reward_negative.inc(-score)
-    if outcome.success:
-        children.successes.inc()
 
 
 async def run_episode(
@@ -760,9 +419,8 @@ async def run_episode(
     fires, as its timeout would, with finish reason `cut`.
     """
     started = time.perf_counter()
-    in_flight = metrics.EPISODES_IN_FLIGHT if record_metrics else None
-    if in_flight is not None:
-        in_flight.inc()
+    recorded = episode_metrics(env_name, record_metrics)
+    recorded.started()
     error: str | None = None
     span = tracing.root_span(
         "episode", {"rollwise.episode_id": episode_id, "rollwise.env": env_name, "rollwise.task_id": task.id}
@@ -770,14 +428,20 @@ async def run_episode(
     try:
         with span as current:
             episode = _EpisodeRun(
-                engine, tokenizer, env, settings, episode_id, env_name, record_metrics, affinity_key=group_id
+                engine,
+                tokenizer,
+                env,
+                settings,
+                episode_id,
+                metrics=recorded,
+                trace=episode_trace(current),
+                affinity_key=group_id,
             )
-            episode.span, episode.trace_id = current, tracing.trace_id(current)
             try:
                 async with asyncio.timeout(env.spec.episode_timeout_s) as scope:
                     with cut.watching(scope) if cut is not None else contextlib.nullcontext():
                         finish_reason = await episode.play(task)
-            except _EpisodeEnded as ended:
+            except EpisodeEnded as ended:
                 finish_reason, error = ended.finish_reason, ended.message
             except TimeoutError:
                 if cut is not None and cut.fired:
@@ -786,11 +450,18 @@ async def run_episode(
                     finish_reason = "timeout"
                     error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
             if current.is_recording():
-                current.set_attributes(_episode_attributes(episode, finish_reason))
+                current.set_attributes(
+                    episode_attributes(
+                        finish_reason,
+                        len(episode.turn_rewards),
+                        episode.tool_calls,
+                        episode.generated_tokens,
+                        episode.outcome,
+                    )
+                )
     finally:
-        close_error = await _close_env(env, env_name)
-        if in_flight is not None:
-            in_flight.dec()
+        close_error = await close_env(env, env_name)
+        recorded.stopped()
     outcome = EpisodeOutcome(
         episode_id=episode_id,
         group_id=group_id,
@@ -806,23 +477,8 @@ async def run_episode(
         engine_seconds=episode.engine_seconds,
         error=error or close_error,
     )
-    if record_metrics:
-        _record_episode(outcome)
-        if episode.tool_calls == 0 and env.spec.tools and outcome.trainable:
-            episode.metrics.without_tool_calls.inc()
+    recorded.ended(outcome, episode.tool_calls, bool(env.spec.tools))
     return outcome
-
-
-def _episode_attributes(episode: _EpisodeRun, finish_reason: str) -> dict[str, str | int | float]:
-    attributes: dict[str, str | int | float] = {
-        "rollwise.finish_reason": finish_reason,
-        "rollwise.turns": len(episode.turn_rewards),
-        "rollwise.tool_calls": episode.tool_calls,
-        "gen_ai.usage.output_tokens": episode.generated_tokens,
-    }
-    if episode.outcome is not None:
-        attributes["rollwise.outcome"] = episode.outcome
-    return attributes
 
 
 def _failed_to_start(
@@ -842,7 +498,7 @@ def _failed_to_start(
         duration_s=0.0,
         error=message,
     )
-    _record_episode(outcome)
+    record_episode(outcome)
     return outcome
 
 
@@ -888,7 +544,7 @@ async def run_group(
             return _failed_to_start(episode_id, group_id, task, env_name, f"env factory raised {exc!r}")
         if isinstance(env, AgentEnvironment):
             if agent_runner is None:
-                await _close_env(env, env_name)
+                await close_env(env, env_name)
                 message = "an agent environment needs an OpenAI endpoint (agent_runner), and none was given"
                 return _failed_to_start(episode_id, group_id, task, env_name, message)
             if cut is not None:

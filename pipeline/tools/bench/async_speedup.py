@@ -11,9 +11,9 @@ What is real and what is modelled:
 - modelled learner: a step is `step_s` of asyncio.sleep consuming B groups; then it publishes the
   version and goes on with its next step while the supervisor syncs the engines (pause -> update with
   `load_s` of sleep -> continue), one sync at a time, skipping a version a newer one overtook, and
-  tells admission the served version when a sync completes: as the daemon does (learner.worker
+  tells admission the served version when a sync completes: as the daemon does (learner.process
   publishes and trains on; pipeline.supervisor.lineage syncs); it reads up to 2·B groups ahead and takes
-  them earliest staleness deadline first, as learner.worker does; groups older than v − η are dropped.
+  them earliest staleness deadline first, as learner.process does; groups older than v − η are dropped.
 
 Both runs use the same seeds and parameters; only η differs. Reported per η: learner steps/hour,
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
@@ -45,7 +45,7 @@ from pipeline.contracts.schema import batch_to_segments
 from pipeline.contracts.staleness import deadline_key, is_stale
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import RolloutSettings
-from pipeline.supervisor.actors.scheduler import GroupScheduler
+from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
@@ -171,18 +171,19 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     )
     env = CoinEnv(params.turns)
     scheduler = GroupScheduler(
-        engine=pool,
-        tokenizer=CharTokenizer(),
-        factory=CoinEnv,
-        env_name="bench-coin",
-        env_options={"turns": params.turns},
-        settings=settings,
-        group_size=params.group_size,
+        recipe=GroupRecipe(
+            engine=pool,
+            tokenizer=CharTokenizer(),
+            factory=CoinEnv,
+            env_name="bench-coin",
+            settings=settings,
+            group_size=params.group_size,
+            env_options={"turns": params.turns},
+        ),
         admission=admission,
         spool=SpoolWriter(spool_dir),
         tasks=env.tasks(params.seed),
-        straggler_patience=params.straggler_patience,
-        cut_late_groups=params.cut_late_groups,
+        pacing=Pacing(straggler_patience=params.straggler_patience, cut_late_groups=params.cut_late_groups),
     )
     reader = SpoolReader(spool_dir, after_seq=0)
     stop = asyncio.Event()

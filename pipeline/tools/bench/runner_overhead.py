@@ -26,18 +26,17 @@ prefix cache): per group the shared first prompt once, then per turn what the en
 (a cached prefix still recomputes its last token). The pool sends a group's requests to one engine
 (affinity by group id), which is what lets the cache see all of it.
 
-`--agent` compares instead, in the same process and against the same instant server, the native runner
-with agent-function episodes of the same conversation (pipeline.supervisor.actors.openai_endpoint): an
-echo agent that sends T chat completions through the in-process OpenAI endpoint, each one rendered,
-recorded and generated like a native turn. Two agents: one calls `client.chat.completions.create` (the
-openai SDK: its request building and response models run on the same core), one posts the same JSON with
-aiohttp to the episode's base URL (what the endpoint itself costs). Goal: agent turns/s >= 0.5x native.
-Then the SDK agent again in 1 and 2 agent worker processes (`[env] agent_workers`,
-pipeline/supervisor/actors/agent_workers.py; `--agent-workers`): the agent and its openai client run
-there, on any core, and reach the endpoint over the worker's pipe; the actor's side keeps the endpoint's
+`--agent` compares instead, in the same process and against the same instant server, the native runner with
+agent-function episodes of the same conversation (pipeline.supervisor.actors.agent_api.openai_endpoint): an
+echo agent that sends T chat completions through the in-process OpenAI endpoint, each one rendered, recorded
+and generated like a native turn. Two agents: one calls `client.chat.completions.create` (the openai SDK:
+its request building and response models run on the same core), one posts the same JSON with aiohttp to the
+episode's base URL (what the endpoint itself costs). Goal: agent turns/s >= 0.5x native. Then the SDK agent
+again in 1 and 2 agent worker processes (`[env] agent_workers`,
+pipeline/supervisor/actors/agent_api/agent_workers.py; `--agent-workers`): the agent and its openai client
+run there, on any core, and reach the endpoint over the worker's pipe; the actor's side keeps the endpoint's
 work. With 2 cores, the instant server and the actor pinned one to each, the workers share both. The
-workers' own CPU per turn (from /proc) is reported beside the actor's.
-"""
+workers' own CPU per turn (from /proc) is reported beside the actor's."""
 
 from __future__ import annotations
 
@@ -385,8 +384,8 @@ async def agent_side(
     endpoint's own cost, no client library and no transport). `workers` > 0: the SDK agent runs in that many
     agent worker processes (on `worker_cpus`), started before the clock."""
     from envs.agent import POLICY_MODEL, AgentEnvironment
-    from pipeline.supervisor.actors.agent_workers import AgentWorkerPool
-    from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+    from pipeline.supervisor.actors.agent_api.agent_workers import AgentWorkerPool
+    from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
     from pipeline.supervisor.actors.rollout import GroupOutcome, run_group
 
     settings = _echo_settings(tokenizer)
@@ -486,10 +485,10 @@ async def sdk_alone_cpu_us(turns: int, conversations: int) -> float:
     import openai
 
     from envs.agent import POLICY_MODEL
-    from pipeline.supervisor.actors.openai_wire import Completion, chat_completion
+    from pipeline.supervisor.actors.agent_api.openai_wire import Completion, chat_completion
 
-    # The same response object the endpoint sends (pipeline.supervisor.actors.openai_wire), so the SDK
-    # parses alike.
+    # The same response object the endpoint sends (pipeline.supervisor.actors.agent_api.openai_wire), so
+    # the SDK parses alike.
     completion = Completion(MODEL_TEXT, (), (), "stop", prompt_tokens=1, completion_tokens=1)
     body = json.dumps(chat_completion(completion, completion_id="chatcmpl-0", model=POLICY_MODEL)).encode()
 
@@ -574,7 +573,7 @@ def load_tokenizer(model_dir: str | None) -> Any:
 
     if model_dir is not None:
         return AutoTokenizer.from_pretrained(model_dir)
-    from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
+    from learner.model.model_init import build_tokenizer, vocab_hints, write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="rollwise-bench-tok-") as tmp:
         write_tokenizer(build_tokenizer(vocab_hints()), Path(tmp))

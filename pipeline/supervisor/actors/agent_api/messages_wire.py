@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.supervisor.actors.openai_wire import (
+from pipeline.supervisor.actors.agent_api.openai_wire import (
     ChatRequest,
     Completion,
     Message,

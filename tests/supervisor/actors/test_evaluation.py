@@ -423,7 +423,8 @@ def test_a_holdout_binds_training_only_when_eval_plays_the_training_env() -> Non
 
 # --- embedded engine: priority queue ------------------------------------------------------------------------
 def test_embedded_engine_queues_by_priority_then_arrival() -> None:
-    from pipeline.engine.batcher import ContinuousBatcher, EngineRequest
+    from pipeline.engine.batcher import ContinuousBatcher
+    from pipeline.engine.engine_request import EngineRequest
     from pipeline.engine.sampling import RequestSampling
 
     def req(rid: str, priority: int) -> EngineRequest:
@@ -443,7 +444,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> P
 
     root = tmp_path_factory.mktemp("eval-run")
     cfg = load_config(
-        Path(__file__).resolve().parents[2] / "examples" / "guess_number.toml",
+        Path(__file__).resolve().parents[3] / "examples" / "guess_number.toml",
         [f"run.run_dir={json.dumps(str(root))}", "eval.tasks=4", "eval.samples=2"],
     )
     write_resolved(cfg, root)
@@ -520,7 +521,7 @@ def test_report_plots_the_eval_log_against_the_learner_step(tmp_path: Path) -> N
 
 
 def test_sglang_is_launched_with_priority_scheduling_only_when_eval_sends_a_priority(tmp_path: Path) -> None:
-    from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+    from pipeline.supervisor.fleet.engine_launch import engine_argv, plan_engines
 
     def argv(*overrides: str) -> list[str]:
         cfg = load_config(None, ["engine.kind=sglang", *overrides])

@@ -10,9 +10,9 @@ pool; an API's errors come in that API's shape. The key travels as `Authorizatio
 - an agent episode (`run_agent_episode`, the `AgentRunner` of pipeline.supervisor.actors.rollout): each
   episode gets its own key and base URL, `http://127.0.0.1:<port>/e/<key>/v1` (Anthropic clients take
   it without `/v1`), and an `openai.AsyncOpenAI` made for it, whose requests to that address are
-  answered in-process (`_shared_http_client`); concurrent episodes never share a key, so their requests
-  never mix. Requests are recorded token by token (pipeline/supervisor/actors/agent_session.py) and the
-  episode becomes trajectory rows like a native one. The agent runs as the environment says
+  answered in-process (agent_run.shared_http_client); concurrent episodes never share a key, so their
+  requests never mix. Requests are recorded token by token (agent_session.py) and the episode becomes
+  trajectory rows like a native one. The agent runs as the environment says
   (`AgentEnvironment.play`: the agent function in this event loop, or in a worker process of
   `agent_workers` (agent_workers.py), or a command in the sandbox (envs/agent_process/)).
   Sampling is the run's: `temperature`, `top_p` (and `top_k`, `min_p`) always come from the `[sampling]`
@@ -31,7 +31,6 @@ token-out. An episode's requests are answered one at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -44,7 +43,6 @@ import ssl
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -53,22 +51,25 @@ from envs.agent import (
     POLICY_MODEL,
     AgentEnvironment,
     AgentEpisode,
-    AgentFailure,
     AgentResult,
-    as_agent_result,
 )
-from envs.api import Task, ToolCall
-from envs.toolcalls import get_parser, text_without_calls
+from envs.api import Task
 from pipeline.contracts.tls import require_tls_off_loopback
-from pipeline.supervisor.actors.agent_session import AgentSession
-from pipeline.supervisor.actors.chat import ChatTokenizer
-from pipeline.supervisor.actors.messages_wire import (
+from pipeline.supervisor.actors.agent_api.agent_run import (
+    Problem,
+    agent_outcome,
+    episode_finish,
+    shared_http_client,
+    stop_agent,
+)
+from pipeline.supervisor.actors.agent_api.agent_session import AgentSession
+from pipeline.supervisor.actors.agent_api.messages_wire import (
     anthropic_error,
     message_events,
     message_object,
     parse_messages_request,
 )
-from pipeline.supervisor.actors.openai_wire import (
+from pipeline.supervisor.actors.agent_api.openai_wire import (
     ChatRequest,
     Completion,
     OpenAIRequestError,
@@ -78,7 +79,8 @@ from pipeline.supervisor.actors.openai_wire import (
     normalise_messages,
     parse_chat_request,
 )
-from pipeline.supervisor.actors.responses_wire import (
+from pipeline.supervisor.actors.agent_api.reply import Reply, dumps
+from pipeline.supervisor.actors.agent_api.responses_wire import (
     ResponsesRequest,
     assistant_message,
     parse_responses_request,
@@ -86,26 +88,22 @@ from pipeline.supervisor.actors.responses_wire import (
     response_object,
     sse,
 )
-from pipeline.supervisor.actors.rollout import (
-    EpisodeOutcome,
-    GenerateEngine,
-    RolloutSettings,
-    _close_env,
-    _record_episode,
-    stop_token_ids,
-)
-from pipeline.supervisor.engines.protocol import EngineError, SamplingParams
+from pipeline.supervisor.actors.agent_api.service_turn import ServiceTurns
+from pipeline.supervisor.actors.chat import ChatTokenizer
+from pipeline.supervisor.actors.env_calls import close_env
+from pipeline.supervisor.actors.episode_metrics import record_episode
+from pipeline.supervisor.actors.outcomes import EpisodeOutcome
+from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.observability import metrics
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 APIS = ("chat", "responses", "messages")
-STOP_GRACE_S = 5.0  # how long a stopped agent gets to finish its cleanup
 
 
 class AgentPool(Protocol):
-    """Runs agent functions off this process (pipeline.supervisor.actors.agent_workers.AgentWorkerPool)."""
+    """Runs agent functions off this process (agent_workers.AgentWorkerPool)."""
 
     def bind(self, handler: Callable[[str, str, Mapping[str, str], bytes], Awaitable[Reply]]) -> None: ...
 
@@ -143,13 +141,10 @@ class OpenAIEndpoint:
         self.ssl_context = ssl_context
         self.allow_plaintext = allow_plaintext
         self.service_key = secrets.token_urlsafe(18)
-        self.stops = stop_token_ids(settings, tokenizer)
-        self._parser = get_parser(settings.tool_parser)
         self._sessions: dict[str, AgentSession] = {}
         self._runner: web.AppRunner | None = None
         self._http: Any = None
-        self._service_requests = 0
-        self._prefix = secrets.token_hex(4)
+        self._service = ServiceTurns(engine, tokenizer, settings)
         self._unix_dir: str | None = None
         self.unix_socket: str | None = None
 
@@ -218,7 +213,7 @@ class OpenAIEndpoint:
         import openai
 
         if self._http is None:
-            self._http = _shared_http_client(self)
+            self._http = shared_http_client(self.origin, self.handle)
             # httpx logs every request at INFO: thousands of lines a minute in supervisor.log.
             for name in ("httpx", "httpx2"):
                 if logging.getLogger(name).level == logging.NOTSET:
@@ -267,7 +262,7 @@ class OpenAIEndpoint:
         )
         self._sessions[session.key] = session
         result: AgentResult | None = None
-        problem: tuple[str, str, str] | None = None  # (finish reason, ENV_ERRORS kind, message)
+        problem: Problem | None = None
         try:
             agent = asyncio.ensure_future(self._agent_run(env, self._episode(session), task))
             session.stop_agent = functools.partial(agent.cancel, "the endpoint stopped the agent")
@@ -281,16 +276,16 @@ class OpenAIEndpoint:
                     f"the agent exceeded episode_timeout_s={env.spec.episode_timeout_s}",
                 )
             finally:
-                await _stop(agent)
+                await stop_agent(agent)
             if problem is None:
-                problem, result = self._agent_outcome(agent, env_name)
+                problem, result = agent_outcome(agent, env_name)
         finally:
             session.stop_agent = None
             session.close()
             self._sessions.pop(session.key, None)
-            close_error = await _close_env(env, env_name)
+            close_error = await close_env(env, env_name)
             metrics.EPISODES_IN_FLIGHT.dec()
-        finish, error = self._finish(session, problem, result)
+        finish, error = episode_finish(session, problem, result)
         rewards = [0.0] * session.num_turns
         if result is not None and len(result.turn_rewards) <= len(rewards):
             rewards[: len(result.turn_rewards)] = result.turn_rewards
@@ -310,54 +305,8 @@ class OpenAIEndpoint:
             engine_seconds=session.run.engine_seconds,
             error=error or close_error,
         )
-        _record_episode(outcome)
+        record_episode(outcome)
         return outcome
-
-    @staticmethod
-    def _agent_outcome(
-        agent: asyncio.Future[object], env_name: str
-    ) -> tuple[tuple[str, str, str] | None, AgentResult | None]:
-        """(problem, result) of a finished agent run."""
-        if agent.cancelled():
-            return ("env_error", "agent", "the agent was stopped"), None
-        exc = agent.exception()
-        if isinstance(exc, AgentFailure):
-            metrics.AGENT_FAILURES.labels(env=env_name, reason=exc.reason).inc()
-            return (exc.finish, exc.kind, str(exc)), None
-        if exc is not None:
-            return ("env_error", "agent", f"the agent raised {exc!r}"), None
-        try:
-            return None, as_agent_result(agent.result())
-        except ValueError as err:
-            return ("env_error", "invalid", str(err)), None
-
-    def _finish(
-        self, session: AgentSession, problem: tuple[str, str, str] | None, result: AgentResult | None
-    ) -> tuple[str, str | None]:
-        """Why the episode ended: an engine failure first (its root cause), then a timeout, then a refusal
-        the endpoint made (the agent's exception is usually its consequence), then the agent's own fault."""
-        env_name = session.env_name
-        if session.finish == "engine_error":
-            return "engine_error", session.error
-        if problem is not None and problem[0] == "timeout":
-            metrics.ENV_ERRORS.labels(env=env_name, kind="timeout").inc()
-            return "timeout", problem[2]
-        if session.finish is not None:
-            return session.finish, session.error if problem is None else f"{session.error}; then {problem[2]}"
-        if problem is not None:
-            metrics.ENV_ERRORS.labels(env=env_name, kind=problem[1]).inc()
-            return problem[0], problem[2]
-        assert result is not None
-        invalid = None
-        if session.num_turns == 0:
-            invalid = "the agent returned without requesting a chat completion"
-        elif len(result.turn_rewards) > session.num_turns:
-            count = len(result.turn_rewards)
-            invalid = f"AgentResult.turn_rewards has {count} entries for {session.num_turns} turns"
-        if invalid is not None:
-            metrics.ENV_ERRORS.labels(env=env_name, kind="invalid").inc()
-            return "env_error", invalid
-        return ("length" if session.last_engine_finish == "length" else "stop"), None
 
     def _overridden(self, chat: ChatRequest) -> list[str]:
         """The sampling parameters an episode request set that the run's config replaces."""
@@ -374,78 +323,6 @@ class OpenAIEndpoint:
         return (
             run.temperature if chat.temperature is None else chat.temperature,
             run.top_p if chat.top_p is None else chat.top_p,
-        )
-
-    # ------------------------------------------------------------------ service requests
-    async def _service_complete(self, request: ChatRequest) -> Completion:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:
-            raise OpenAIRequestError(
-                400, f"the model's chat template cannot render these messages: {exc!r}", param="messages"
-            ) from exc
-        ids = list(self.tokenizer.encode(str(text), add_special_tokens=False))
-        budget = self.settings.max_context_tokens - len(ids)
-        if budget <= 0:
-            raise OpenAIRequestError(
-                400,
-                f"the prompt ({len(ids)} tokens) does not fit the context budget ({budget + len(ids)})",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        base = self.settings.sampling
-        sampling = SamplingParams(
-            temperature=base.temperature if request.temperature is None else request.temperature,
-            top_p=base.top_p if request.top_p is None else request.top_p,
-            top_k=base.top_k,
-            min_p=base.min_p,
-            max_new_tokens=min(request.max_tokens or base.max_new_tokens, budget),
-            stop_token_ids=self.stops,
-            seed=request.seed,
-            stop=request.stop,
-        )
-        self._service_requests += 1
-        rid = f"svc-{self._prefix}-{self._service_requests}"
-        started = time.perf_counter()
-        try:
-            result = await self.engine.generate(ids, sampling, rid, affinity_key=rid)
-        except EngineError as exc:
-            metrics.ENGINE_ERRORS.labels(engine="pool", kind="error").inc()
-            raise OpenAIRequestError(
-                502, f"the engine failed: {exc}", code="engine_error", kind="server_error"
-            ) from exc
-        finally:
-            metrics.ENGINE_REQUEST_LATENCY.labels(engine="pool").observe(time.perf_counter() - started)
-        output = result.output_ids
-        content_ids = output[:-1] if output and output[-1] in self.stops else output
-        raw = self.tokenizer.decode(content_ids, skip_special_tokens=False)
-        if result.matched is not None and result.matched in raw:
-            raw = raw[: raw.index(result.matched)]
-        calls: tuple[ToolCall, ...] = ()
-        content: str | None = raw
-        if request.parse_tools:
-            action = self._parser(raw)
-            if action.tool_calls and not action.tool_call_errors:
-                calls, content = action.tool_calls, text_without_calls(raw, self.settings.tool_parser) or None
-        logprobs = None
-        if request.logprobs:
-            logprobs = [
-                (self.tokenizer.decode([token], skip_special_tokens=False), lp)
-                for token, lp in zip(content_ids, result.logprobs, strict=False)
-            ]
-        finish = "length" if result.finish_reason == "length" else "tool_calls" if calls else "stop"
-        return Completion(
-            content=content,
-            tool_calls=calls,
-            call_ids=[f"call_{secrets.token_hex(8)}" for _ in calls],
-            finish_reason=finish,
-            prompt_tokens=len(ids),
-            completion_tokens=len(output),
-            logprobs=logprobs,
-            fingerprint=f"rollwise-v{result.weight_version}",
-            stop_sequence=result.matched,
         )
 
     # ------------------------------------------------------------------ requests, whatever carried them
@@ -546,8 +423,8 @@ class OpenAIEndpoint:
         if session is not None:
             completion = await session.complete(chat)
             return completion, f"{session.episode_id}-t{session.num_turns - 1}"
-        completion = await self._service_complete(chat)
-        return completion, f"svc-{self._prefix}-{self._service_requests}"
+        completion = await self._service.complete(chat)
+        return completion, self._service.last_rid
 
     @staticmethod
     def _headers(clamped: list[str]) -> dict[str, str]:
@@ -569,7 +446,7 @@ class OpenAIEndpoint:
         chunks = chat_completion_chunks(
             completion, completion_id=completion_id, model=served, include_usage=chat.include_usage
         )
-        events = "".join(f"data: {_dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        events = "".join(f"data: {dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
         return Reply(200, events.encode(), "text/event-stream", headers)
 
     async def _answer_responses(self, session: AgentSession | None, body: Any) -> Reply:
@@ -671,25 +548,6 @@ class OpenAIEndpoint:
         return handle
 
 
-@dataclass(frozen=True)
-class Reply:
-    """An endpoint response before any transport carries it."""
-
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def json(cls, obj: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
-        return cls(status, _dumps(obj).encode(), "application/json", headers or {})
-
-    def to_aiohttp(self) -> web.Response:
-        return web.Response(
-            status=self.status, body=self.body, content_type=self.content_type, headers=self.headers
-        )
-
-
 _ANSWERS: dict[str, Callable[[OpenAIEndpoint, AgentSession | None, Any], Awaitable[Reply]]] = {
     "chat": OpenAIEndpoint._answer_chat,
     "responses": OpenAIEndpoint._answer_responses,
@@ -697,50 +555,3 @@ _ANSWERS: dict[str, Callable[[OpenAIEndpoint, AgentSession | None, Any], Awaitab
 }
 _ROUTE = re.compile(r"(?:/e/(?P<key>[^/]+))?/v1/(?P<what>chat/completions|responses|messages|models)")
 _ROUTE_APIS = {"chat/completions": "chat", "responses": "responses", "messages": "messages"}
-
-
-async def _stop(agent: asyncio.Future[object]) -> None:
-    """Cancel an agent run that is still going and give it STOP_GRACE_S to clean up (a process is killed
-    and reaped within it); a run that ignores cancellation is left behind, logged."""
-    if agent.done():
-        return
-    agent.cancel()
-    _, pending = await asyncio.wait({agent}, timeout=STOP_GRACE_S)
-    if pending:
-        log.warning("an agent run ignored its cancellation for %.0f s; left behind", STOP_GRACE_S)
-    elif not agent.cancelled():
-        with contextlib.suppress(BaseException):
-            agent.exception()  # retrieved: the episode already has its reason
-
-
-def _shared_http_client(endpoint: OpenAIEndpoint) -> Any:
-    """The httpx client behind every episode's AsyncOpenAI: requests to the endpoint's own address are
-    answered in-process by `endpoint` (no socket, no HTTP parsing: ~1.7 ms of CPU less per request,
-    docs/benchmarks.md); any other URL goes out over the network as usual. The base URL stays the real
-    `http://127.0.0.1:<port>/e/<key>/v1`, so an agent may equally use it with another HTTP client."""
-    import httpx2
-    import openai
-
-    class InProcess(httpx2.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-            reply = await endpoint.handle(
-                request.method, request.url.path, request.headers, await request.aread()
-            )
-            headers = {"content-type": reply.content_type, **reply.headers}
-            return httpx2.Response(reply.status, headers=headers, content=reply.body, request=request)
-
-    class SharedHTTPClient(openai.DefaultAsyncHttpxClient):
-        """One client for every episode's AsyncOpenAI; an agent closing its client must not close the
-        others', so only the endpoint closes it."""
-
-        async def aclose(self) -> None:
-            return None
-
-        async def close_shared(self) -> None:
-            await super().aclose()
-
-    return SharedHTTPClient(mounts={endpoint.origin: InProcess()})
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

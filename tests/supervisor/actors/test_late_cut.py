@@ -1,5 +1,5 @@
 """The rule that cuts a group at its last chance of being trained, and the handle its episodes share
-(pipeline.supervisor.actors.late_cut). The scheduler's use of them: tests/supervisor/test_scheduler.py."""
+(pipeline.supervisor.actors.late_cut). The scheduler's use of them: test_scheduler.py."""
 
 from __future__ import annotations
 

@@ -37,9 +37,16 @@ from envs.agent import AgentEnvironment
 from envs.api import Task, ToolCall
 from envs.toolcalls import get_parser, text_without_calls
 from pipeline.contracts.schema import EpisodeSegment
+from pipeline.supervisor.actors.agent_api.openai_wire import (
+    ChatRequest,
+    Completion,
+    Message,
+    OpenAIRequestError,
+)
 from pipeline.supervisor.actors.chat import ChatBuffer, ChatTokenizer
-from pipeline.supervisor.actors.openai_wire import ChatRequest, Completion, Message, OpenAIRequestError
-from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings, _EpisodeEnded, _EpisodeRun
+from pipeline.supervisor.actors.episode_end import EpisodeEnded
+from pipeline.supervisor.actors.episode_metrics import episode_metrics
+from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings, _EpisodeRun
 from pipeline.supervisor.observability import metrics
 
 
@@ -87,7 +94,15 @@ class AgentSession:
         self.key = secrets.token_urlsafe(18)
         self.model = env.model
         # Affinity by group, as native episodes: the group's shared first prompt stays in one prefix cache.
-        self.run = _EpisodeRun(engine, tokenizer, env, settings, episode_id, env_name, affinity_key=group_id)
+        self.run = _EpisodeRun(
+            engine,
+            tokenizer,
+            env,
+            settings,
+            episode_id,
+            metrics=episode_metrics(env_name),
+            affinity_key=group_id,
+        )
         self.tokenizer = tokenizer
         self.settings = settings
         self.parser = get_parser(settings.tool_parser)
@@ -206,7 +221,7 @@ class AgentSession:
         generated_from = len(chat.current)
         try:
             engine_finish = await self.run._generate_turn(chat, turn, max_new_tokens=limit, stop=request.stop)
-        except _EpisodeEnded as ended:
+        except EpisodeEnded as ended:
             self._end(ended.finish_reason, ended.message or ended.finish_reason)
             if ended.finish_reason == "truncated":
                 raise OpenAIRequestError(

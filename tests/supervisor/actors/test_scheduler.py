@@ -14,11 +14,13 @@ import pytest
 
 from envs.api import Action, Environment, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments, segments_to_batch
-from pipeline.supervisor.actors import scheduler as scheduler_module
+from pipeline.supervisor.actors import late_cut
 from pipeline.supervisor.actors.admission import AdmissionController
-from pipeline.supervisor.actors.late_cut import GroupCut
-from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
-from pipeline.supervisor.actors.scheduler import FailureStreak, GroupScheduler
+from pipeline.supervisor.actors.failure_backoff import FailureStreak
+from pipeline.supervisor.actors.late_cut import Admitted, GroupCut
+from pipeline.supervisor.actors.outcomes import EpisodeOutcome
+from pipeline.supervisor.actors.rollout import RolloutSettings
+from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
@@ -62,21 +64,32 @@ def make_scheduler(
     failure_backoff_s: tuple[float, float] = (0.05, 2.0),
     group_size: int = G,
     cut_late_groups: float = 0.25,
+    spool: SpoolWriter | None = None,
+    storage_retry_s: tuple[float, float] = (0.5, 10.0),
+    notify: Callable[[str], None] | None = None,
+    straggler_patience: float = 0.0,
 ) -> GroupScheduler:
     return GroupScheduler(
-        engine=pool,
-        tokenizer=CharTokenizer(),
-        factory=factory,
-        env_name="bench-coin",
-        env_options={"turns": 2},
-        settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
-        group_size=group_size,
+        recipe=GroupRecipe(
+            engine=pool,
+            tokenizer=CharTokenizer(),
+            factory=factory,
+            env_name="bench-coin",
+            settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
+            group_size=group_size,
+            env_options={"turns": 2},
+        ),
         admission=AdmissionController(batch_groups=batch, max_staleness=eta, max_concurrent=max_concurrent),
-        spool=SpoolWriter(spool_dir),
+        spool=spool if spool is not None else SpoolWriter(spool_dir),
         tasks=tasks if tasks is not None else _tasks(),
         run_prefix="test",
-        failure_backoff_s=failure_backoff_s,
-        cut_late_groups=cut_late_groups,
+        pacing=Pacing(
+            failure_backoff_s=failure_backoff_s,
+            storage_retry_s=storage_retry_s,
+            straggler_patience=straggler_patience,
+            cut_late_groups=cut_late_groups,
+        ),
+        notify=notify,
     )
 
 
@@ -269,31 +282,18 @@ async def test_run_returns_when_the_task_stream_ends(pool: EnginePool, tmp_path:
 
 async def test_group_ids_differ_between_scheduler_instances(pool: EnginePool, tmp_path: Path) -> None:
     a = make_scheduler(pool, tmp_path / "a", batch=1, eta=0)
-    b = GroupScheduler(
+    recipe = GroupRecipe(
         engine=pool,
         tokenizer=CharTokenizer(),
         factory=CoinEnv,
         env_name="bench-coin",
-        env_options=None,
         settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=4), max_context_tokens=128),
         group_size=G,
-        admission=AdmissionController(1, 0, 1),
-        spool=SpoolWriter(tmp_path / "b"),
-        tasks=_tasks(),
     )
+    spool = SpoolWriter(tmp_path / "b")
+    b = GroupScheduler(recipe=recipe, admission=AdmissionController(1, 0, 1), spool=spool, tasks=_tasks())
     assert a.run_prefix == "test"
-    c = GroupScheduler(
-        engine=pool,
-        tokenizer=CharTokenizer(),
-        factory=CoinEnv,
-        env_name="bench-coin",
-        env_options=None,
-        settings=b.settings,
-        group_size=G,
-        admission=b.admission,
-        spool=b.spool,
-        tasks=_tasks(),
-    )
+    c = GroupScheduler(recipe=recipe, admission=b.admission, spool=spool, tasks=_tasks())
     assert b.run_prefix != c.run_prefix
     assert len(b.run_prefix) == 8
 
@@ -320,9 +320,8 @@ class _BlockingSpool(SpoolWriter):
 async def test_group_cancelled_during_its_write_is_still_written_and_counted(
     pool: EnginePool, tmp_path: Path
 ) -> None:
-    sched = make_scheduler(pool, tmp_path, batch=1, eta=0)
     spool = _BlockingSpool(tmp_path)
-    sched.spool = spool
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, spool=spool)
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
     await until(spool.entered.is_set)
@@ -350,14 +349,20 @@ def _storage_errors(kind: str) -> float:
 async def test_a_write_the_storage_refuses_holds_the_group_pauses_admission_and_resumes(
     pool: EnginePool, tmp_path: Path, error: OSError, kind: str
 ) -> None:
-    sched = make_scheduler(pool, tmp_path, batch=100, eta=0, max_concurrent=2)
-    sched.storage_retry_s = (0.01, 0.05)
     notes: list[str] = []
-    sched.notify = notes.append
     spool = _BlockingSpool(tmp_path)
     spool.fail = error
     spool.release.set()
-    sched.spool = spool
+    sched = make_scheduler(
+        pool,
+        tmp_path,
+        batch=100,
+        eta=0,
+        max_concurrent=2,
+        spool=spool,
+        storage_retry_s=(0.01, 0.05),
+        notify=notes.append,
+    )
     before = _storage_errors(kind)
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
@@ -384,11 +389,11 @@ async def test_a_write_the_storage_refuses_holds_the_group_pauses_admission_and_
 
 
 async def test_drain_gives_up_a_write_the_storage_keeps_refusing(pool: EnginePool, tmp_path: Path) -> None:
-    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
-    sched.storage_retry_s = (0.01, 0.05)
     spool = _BlockingSpool(tmp_path)
     spool.fail = OSError(28, "No space left on device")
-    sched.spool = spool
+    sched = make_scheduler(
+        pool, tmp_path, batch=1, eta=0, max_concurrent=1, spool=spool, storage_retry_s=(0.01, 0.05)
+    )
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
     await until(lambda: spool.refused >= 2)
@@ -400,10 +405,9 @@ async def test_drain_gives_up_a_write_the_storage_keeps_refusing(pool: EnginePoo
 
 async def test_failed_write_loses_the_group_and_frees_its_slot(pool: EnginePool, tmp_path: Path) -> None:
     # A failure that is not the storage's (here a bug in the writer) is not retried.
-    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1)
     spool = _BlockingSpool(tmp_path)
     spool.fail = RuntimeError("a bug, not a full disk")
-    sched.spool = spool
+    sched = make_scheduler(pool, tmp_path, batch=1, eta=0, max_concurrent=1, spool=spool)
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
     await until(lambda: sched.failed >= 2)  # the slot came back, so a second group could start
@@ -445,24 +449,23 @@ def _episode(reason: str, error: str | None = None) -> EpisodeOutcome:
 
 async def test_a_good_group_resets_the_backoff(pool: EnginePool, tmp_path: Path) -> None:
     sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
-    sched._note_outcome("bad", [_episode("engine_error", "x")])
-    sched._note_outcome("bad", [_episode("env_error", "y")])
-    assert sched._failure_streak == 2
-    sched._note_outcome("good", [_episode("engine_error", "x"), _episode("stop")])
-    assert sched._failure_streak == 0 and sched._why_failing.groups == 0
+    sched.backoff.note("bad", [_episode("engine_error", "x")])
+    sched.backoff.note("bad", [_episode("env_error", "y")])
+    assert sched.backoff.streak == 2
+    sched.backoff.note("good", [_episode("engine_error", "x"), _episode("stop")])
+    assert sched.backoff.streak == 0 and sched.backoff.why.groups == 0
 
 
 async def test_every_episode_failed_says_why(pool: EnginePool, tmp_path: Path) -> None:
     """Issue 33: the warning said only "every episode failed (N in a row)". It now counts the streak's
     episodes by finish reason and shows its most frequent errors (digits ignored when counting)."""
     said: list[str] = []
-    sched = make_scheduler(pool, tmp_path, batch=4, eta=0)
-    sched.notify = said.append
+    sched = make_scheduler(pool, tmp_path, batch=4, eta=0, notify=said.append)
     context = "engine http://a:1: HTTP 400: The input ({n} tokens) is longer than the model's context length"
     for group in range(4):
         episodes = [_episode("engine_error", context.format(n=1020 + i)) for i in range(3)]
         episodes.append(_episode("env_error", "ValueError: bad move") if group == 0 else _episode("timeout"))
-        sched._note_outcome(f"g{group}", episodes)
+        sched.backoff.note(f"g{group}", episodes)
     assert len(said) == 3  # groups 1, 2 and 4 of the streak
     last = said[-1]
     assert "4 groups in a row" in last and "16 episodes ended engine_error 12, timeout 3, env_error 1" in last
@@ -544,8 +547,8 @@ async def test_a_straggler_from_an_older_version_holds_admission_for_its_patienc
     runner = asyncio.create_task(sched.run(stop))
     # Budget (η + 0 + 1)·B = 2 at version 0: the straggler and one more group, which finishes.
     await until(lambda: sched.written == 1 and sched.started == 2)
-    median_s = sched._durations[0]
-    sched.straggler_patience = 0.6 / median_s  # protected for 0.6 s from its start
+    median_s = sched.stragglers.durations[0]
+    sched.stragglers.patience = 0.6 / median_s  # protected for 0.6 s from its start
     sched.on_version(1)
     await _settle()
     # Version 1 alone would allow (1 + 1 + 1)·1 - (1 written + 1 running) = 1 more; the straggler's
@@ -564,25 +567,12 @@ async def test_a_straggler_from_an_older_version_holds_admission_for_its_patienc
 
 async def test_no_straggler_protection_with_patience_zero(pool: EnginePool, tmp_path: Path) -> None:
     sched = make_scheduler(pool, tmp_path, batch=1, eta=1)
-    sched.straggler_patience = 0.0
-    sched._admitted["g"] = scheduler_module._Admitted(0, 0.0, GroupCut(G))
-    sched._durations.append(1.0)
+    sched._admitted["g"] = Admitted(0, 0.0, GroupCut(G))
+    sched.stragglers.durations.append(1.0)
     sched.on_version(1)
     assert sched.floor() == (None, None)
     with pytest.raises(ValueError, match="straggler_patience"):
-        GroupScheduler(
-            engine=pool,
-            tokenizer=CharTokenizer(),
-            factory=CoinEnv,
-            env_name="x",
-            env_options=None,
-            settings=RolloutSettings(sampling=SamplingParams(max_new_tokens=8), max_context_tokens=256),
-            group_size=G,
-            admission=AdmissionController(batch_groups=1, max_staleness=1, max_concurrent=4),
-            spool=SpoolWriter(tmp_path),
-            tasks=_tasks(),
-            straggler_patience=-1.0,
-        )
+        make_scheduler(pool, tmp_path, batch=1, eta=1, max_concurrent=4, straggler_patience=-1.0)
 
 
 class _SecondEpisodeHangs(CoinEnv):
@@ -712,7 +702,7 @@ async def test_a_cut_group_is_written_before_groups_that_finish_while_it_closes(
 async def test_writes_wait_for_a_cut_group_only_so_long(
     pool: EnginePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(scheduler_module, "CUT_WRITES_FIRST_S", 0.3)
+    monkeypatch.setattr(late_cut, "CUT_WRITES_FIRST_S", 0.3)
     sched = _a_group_left_behind(tmp_path, pool, cut=0.25, closing=asyncio.Event())  # never closes
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))

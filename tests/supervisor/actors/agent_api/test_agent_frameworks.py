@@ -36,7 +36,7 @@ import pytest
 from envs.agent import POLICY_MODEL, AgentEnvironment, anthropic_base_url
 from envs.api import Task
 from pipeline.contracts.schema import EpisodeSegment, validate_segment
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
@@ -380,7 +380,7 @@ def tiny_engine(tiny_model_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_model_dir: Path) -> Any:
-    from learner.model import load_policy
+    from learner.model.model_io import load_policy
 
     return load_policy(tiny_model_dir)[0]
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult, anthropic_base_url
 from envs.api import Task
 from pipeline.contracts.schema import validate_segment
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.supervisor.actors.openai_wire import (
+from pipeline.supervisor.actors.agent_api.openai_wire import (
     ChatRequest,
     Completion,
     Message,

@@ -1,5 +1,5 @@
-"""Agent functions in worker processes (pipeline/supervisor/actors/agent_workers.py): each worker runs
-episodes' agents with its own client, over HTTP to the endpoint, which records them as always."""
+"""Agent functions in worker processes (pipeline/supervisor/actors/agent_api/agent_workers.py): each
+worker runs episodes' agents with its own client, over HTTP to the endpoint, which records them as always."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 
 from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult
 from envs.api import Task
-from pipeline.supervisor.actors.agent_workers import AgentWorkerPool
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
+from pipeline.supervisor.actors.agent_api.agent_workers import AgentWorkerPool
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool

@@ -15,8 +15,8 @@ import pytest
 from envs.agent import POLICY_MODEL, AgentEnvironment, AgentResult
 from envs.api import Task
 from pipeline.contracts.schema import validate_segment
+from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.late_cut import GroupCut
-from pipeline.supervisor.actors.openai_endpoint import OpenAIEndpoint
 from pipeline.supervisor.actors.rollout import EpisodeOutcome, RolloutSettings, run_group
 from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool

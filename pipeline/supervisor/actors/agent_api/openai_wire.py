@@ -1,6 +1,6 @@
 """OpenAI chat-completions wire format: request validation and response bodies (pure functions).
 
-What rollwise's endpoint accepts (pipeline/supervisor/actors/openai_endpoint.py), field by field:
+What rollwise's endpoint accepts (pipeline/supervisor/actors/agent_api/openai_endpoint.py), field by field:
 - `model` (required; the endpoint checks the name), `messages` (required, non-empty; roles system,
   developer (= system), user, assistant, tool; content a string or a list of text parts; assistant
   `tool_calls` with `function.name` and `function.arguments`), `tools` (function tools), `tool_choice`

@@ -46,7 +46,7 @@ STOP_WAIT_S = 10.0
 
 
 class HTTPReply(Protocol):
-    """What the endpoint answers a request with (openai_endpoint.Reply, frozen: read-only here too)."""
+    """What the endpoint answers a request with (reply.Reply, frozen: read-only here too)."""
 
     @property
     def status(self) -> int: ...
@@ -99,7 +99,7 @@ class AgentWorkerPool:
         self._workers = [await self._spawn(i) for i in range(self.size)]
 
     async def _spawn(self, index: int) -> _Worker:
-        argv = [sys.executable, "-m", "pipeline.supervisor.actors.agent_workers"]
+        argv = [sys.executable, "-m", "pipeline.supervisor.actors.agent_api.agent_workers"]
         if self.cpus is not None:
             argv.append(",".join(str(c) for c in sorted(self.cpus)))
         proc = await asyncio.create_subprocess_exec(
@@ -355,7 +355,7 @@ async def _serve(protocol_fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Worker process: `python -m pipeline.supervisor.actors.agent_workers [cpu,cpu,...]`."""
+    """Worker process: `python -m pipeline.supervisor.actors.agent_api.agent_workers [cpu,cpu,...]`."""
     if argv:
         os.sched_setaffinity(0, {int(c) for c in argv[0].split(",")})
     protocol_fd = os.dup(1)

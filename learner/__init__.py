@@ -1,1 +1,1 @@
-"""The learner process (`python -m learner.worker`, started by the daemon) and its maths."""
+"""The learner process (`python -m learner.process`, started by the daemon) and its maths."""

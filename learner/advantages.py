@@ -19,14 +19,10 @@ Default estimator ``"turn"``, two channels:
 The channels are added in reward units and the sum is scaled once: A_{i,k} = (A^o_i + lam * A^s_{i,k}) /
 sigma, sigma the batch-level population std (+1e-6) of every (episode, turn) sum in the call. One scale
 for both keeps each channel's size relative to the other: a shaping channel that holds one -0.1 format
-penalty stays a -0.1-sized correction. (Scaling each channel by its own std, as "turn" did before, blew
-such a channel up to the outcome's size: 8 three-turn episodes, half solved, one solved episode with a
-single -0.1 penalty got -2.24 on its first turns while the outcome channel gave +-1.) lam sets the
-channels' relative weight in reward units. With ``norm="none"`` (Dr. GRPO, verl's
-``norm_adv_by_std_in_grpo=False``) sigma = 1: a batch whose groups have little left to learn yields small
-advantages instead of being rescaled to unit spread, so an entropy bonus keeps its weight relative to them
-as the signal thins out (guess-number: entropy stayed 1.1-1.4 nats instead of falling to 0.3;
-docs/training_curve.md, run d9).
+penalty stays a -0.1-sized correction. lam sets the channels' relative weight in reward units. With
+``norm="none"`` (Dr. GRPO, verl's ``norm_adv_by_std_in_grpo=False``) sigma = 1: a batch whose groups have
+little left to learn yields small advantages instead of being rescaled to unit spread, so an entropy bonus
+keeps its weight relative to them as the signal thins out.
 
 Estimator ``"outcome"``: classic GRPO broadcast, per group (r_i - mean) / (std + 1e-6) with r_i the
 outcome, the same value on every turn. A group where no episode has an outcome uses the sums of the turn
@@ -43,9 +39,8 @@ engine was given). Those peers had the same information as episode i when it cho
 the baseline is a Monte-Carlo estimate of that state's value: each turn is credited against what other
 actions from the *same* state earned, not against episodes that were elsewhere. Turns with no such peer
 (or no anchor) fall back to the peers that reached turn k. The baseline never uses episode i itself, so
-it stays unbiased. Each channel is still scaled by its own batch std (sigma_o over every (i, k) outcome
-term, sigma_s over every shaping term): the default task's measured config depends on it, and moving it
-to the single scale of "turn" waits for new measurements of that task.
+it stays unbiased. Each channel is scaled by its own batch std (sigma_o over every (i, k) outcome term,
+sigma_s over every shaping term).
 
 Sums use math.fsum, which is exactly rounded, so results do not depend on episode order, not even in
 the last bit.

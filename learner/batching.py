@@ -58,8 +58,9 @@ class PackedBatch:
     (long, pad id in padding). loss_mask (float 0/1), old_logprobs, advantages: float32, 0 in padding.
     versions (long): the policy version of each scored generated token, -1 elsewhere.
     The trainer may add the learner's own step-start log-probs (`proximal_logprobs`) and importance
-    weights (`token_weights`, learner.mismatch); None until then. `routed` (B, T, layers, topk) int16:
-    the engine's experts of each input position, -1 where unrecorded (learner.moe_routing.replay_tensor).
+    weights (`token_weights`, learner.loss.mismatch); None until then. `routed` (B, T, layers, topk) int16:
+    the engine's experts of each input position, -1 where unrecorded
+    (learner.model.moe_routing.replay_tensor).
     """
 
     input_ids: torch.Tensor

@@ -3,7 +3,7 @@ the few collectives the learner's own logic needs (the model's are FSDP2's: lear
 
 torchrun gives every rank RANK, WORLD_SIZE and LOCAL_RANK plus the rendezvous; `join` turns them into a
 `Ranks`. Rank 0 leads: it alone reads the supervisor's stdin, tails the spool, decides what happens next and
-broadcasts it (learner.worker), so every rank enters the same collectives in the same order. Objects and
+broadcasts it (learner.process), so every rank enters the same collectives in the same order. Objects and
 counts travel over a gloo group even when the model's collectives run on NCCL, so they need no GPU and no
 device synchronisation.
 """

@@ -9,9 +9,7 @@ scaled logits) take the logits path, as does `fused_logprobs = false`.
 
 `scored` (B, T) names the positions whose log-probs anything reads (the loss mask: loss, mismatch, KL and
 trace use nothing else); the fused path runs the output layer and its log-softmax only there and leaves
-0.0 elsewhere. A prompt is most of a short-answer episode's tokens, and the output layer with its
-softmax over the vocabulary is a fifth of a small model's work per token (SmolLM2-135M: 28M of 135M
-parameters, 49k-way softmax): a third of the learner's step on 40-token arithmetic episodes.
+0.0 elsewhere (a prompt is most of a short-answer episode's tokens).
 With `share_prefix` the rows of a group run their common prompt once (learner.shared_prefix).
 """
 
@@ -25,7 +23,7 @@ from torch import Tensor
 
 from learner.fused_logprobs import linear_sampled_token_logprobs
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
-from learner.precision import Precision, compute
+from learner.model.precision import Precision, compute
 from learner.shared_prefix import shared_prefix_hidden_states
 
 _ENTROPY_ROWS = 256

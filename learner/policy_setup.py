@@ -1,6 +1,6 @@
 """The learner's policy as a config builds it: model, tokenizer, LoRA adapter, KL reference and Trainer.
 
-One function, used by the learner process (learner.worker) and by `rollwise bench learner --replay`, so a
+One function, used by the learner process (learner.process) and by `rollwise bench learner --replay`, so a
 replayed step runs on exactly the model, options and threads the daemon's learner ran.
 """
 
@@ -15,7 +15,7 @@ from pipeline.contracts.config import Config
 
 if TYPE_CHECKING:
     from learner.distributed import Ranks
-    from learner.lora import LoraPolicy
+    from learner.model.lora import LoraPolicy
     from learner.trainer import Trainer
 
 
@@ -38,7 +38,7 @@ def env_action_token_ids(cfg: Config, tokenizer: Any) -> list[int]:
     if cfg.learner.regularizers.action_prior_coef <= 0.0:
         return []
     from envs.discovery import resolve_env
-    from learner.action_prior import action_token_ids
+    from learner.loss.action_prior import action_token_ids
 
     hints = resolve_env(cfg.env.name)(**cfg.env.options).spec.action_hints
     if not hints:
@@ -54,8 +54,8 @@ def build_policy(cfg: Config, initial_model: Path, ranks: Ranks | None = None) -
     (learner.sharding)."""
     import torch
 
-    from learner.model import load_policy, resolve_device
-    from learner.precision import resolve_precision
+    from learner.model.model_io import load_policy, resolve_device
+    from learner.model.precision import resolve_precision
     from learner.trace import StepTracer
     from learner.trainer import Trainer
 
@@ -71,7 +71,7 @@ def build_policy(cfg: Config, initial_model: Path, ranks: Ranks | None = None) -
     model, tokenizer = load(initial_model, dtype=precision.param_dtype_name)
     lora: LoraPolicy | None = None
     if cfg.learner.lora.enabled:
-        from learner.lora import apply_lora
+        from learner.model.lora import apply_lora
 
         # The base stays the initial model; only the adapter trains, is checkpointed and published.
         lora = apply_lora(model, cfg.learner.lora, seed=cfg.run.seed)

@@ -1,4 +1,4 @@
-"""The learner's half of the served-policy check (docs/operations.md, "What the check does").
+"""The learner's half of the served-policy check (docs/scale_out.md, "What the served-policy check does").
 
 With each published version the learner sends a probe: token ids and its own log-probs of them under the
 new weights, `logprobs[i] = log P(ids[i + 1] | ids[: i + 1])`, the log-softmax of the raw logits

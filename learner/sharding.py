@@ -35,9 +35,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from learner.distributed import Ranks
-from learner.model import DTYPES, load_policy, quiet_transformers
+from learner.model.model_io import DTYPES, load_policy, quiet_transformers
+from learner.model.precision import Precision
 from learner.policy_forward import HIDDEN_STATES_METHOD
-from learner.precision import Precision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

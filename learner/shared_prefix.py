@@ -3,9 +3,9 @@ share their first tokens, with every distinct prefix computed once and its keys 
 rows that start with it.
 
 The G episodes of a group start with the same prompt, and on a short-answer task the prompt is most of
-their tokens (SmolLM2 on one-digit arithmetic: ~27 prompt tokens, ~10 generated); the learner's forward
-and backward on it are then mostly repeated work. Here a row's tokens are split at its first scored column
-c (the last prompt token, whose hidden state scores the first generated token):
+their tokens; the learner's forward and backward on it are then mostly repeated work. Here a row's
+tokens are split at its first scored column c (the last prompt token, whose hidden state scores the first
+generated token):
 
     prefix    = input[0 : c]        run once per distinct prefix, keys and values kept (use_cache)
     remainder = input[c : length]   every row; attends to its prefix's cached keys and values

@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # torch only where the learner calls in: the inspector reads 
     import torch
 
     from learner.batching import PackedBatch, TrainSequence
-    from learner.gspo import Level
+    from learner.loss.gspo import Level
 
 NOT_SCORED, TRAINED, CLIPPED, REJECTED = -1, 0, 1, 2
 TRACE_COLUMNS = pa.schema(
@@ -72,7 +72,7 @@ def token_clip_active(
     clamp and band as the loss; its mean over the mask is the loss's `clip_fraction_token`)."""
     import torch
 
-    from learner.gspo import MAX_LOG_RATIO
+    from learner.loss.gspo import MAX_LOG_RATIO
 
     keep = mask != 0
     lp = torch.where(keep, logprobs.detach().double(), 0.0)

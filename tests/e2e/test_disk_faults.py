@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from learner.worker import LearnerWorker, StopFlag, StorageGaveUp
+from learner.process.shell import StopFlag
+from learner.process.storage import DurableWriter, StorageGaveUp
 from pipeline.contracts import durable, events
 from pipeline.contracts.durable import storage_fault_kind
 from pipeline.transport.spool import parse_seq
@@ -101,7 +102,7 @@ def _worker() -> Any:
 def test_a_refused_checkpoint_is_retried_with_events_until_it_goes_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("learner.worker.retry_delays", lambda: iter([0.01] * 10))
+    monkeypatch.setattr("learner.process.storage.retry_delays", lambda: iter([0.01] * 10))
     worker = _worker()
     attempts = []
 
@@ -111,7 +112,7 @@ def test_a_refused_checkpoint_is_retried_with_events_until_it_goes_through(
             raise OSError(errno.ENOSPC, "No space left on device")
         return "written"
 
-    assert LearnerWorker.durably(worker, "checkpoint", tmp_path, write) == "written"
+    assert DurableWriter(worker.out, worker.stop).write("checkpoint", tmp_path, write) == "written"
     sent = worker.out.sent
     assert [(e.component, e.blocked, e.kind) for e in sent] == [
         ("checkpoint", True, "ENOSPC"),
@@ -130,7 +131,7 @@ def test_a_stop_while_the_storage_refuses_gives_the_write_up(tmp_path: Path) -> 
         raise OSError(errno.EROFS, "Read-only file system")
 
     with pytest.raises(StorageGaveUp, match="EROFS"):
-        LearnerWorker.durably(worker, "weights", tmp_path, write)
+        DurableWriter(worker.out, worker.stop).write("weights", tmp_path, write)
 
 
 def test_a_bug_in_a_write_is_not_retried(tmp_path: Path) -> None:
@@ -140,7 +141,7 @@ def test_a_bug_in_a_write_is_not_retried(tmp_path: Path) -> None:
         raise KeyError("model.embed_tokens.weight")
 
     with pytest.raises(KeyError):
-        LearnerWorker.durably(worker, "checkpoint", tmp_path, write)
+        DurableWriter(worker.out, worker.stop).write("checkpoint", tmp_path, write)
     assert worker.out.sent == []
 
 
@@ -205,7 +206,7 @@ def test_a_full_run_directory_pauses_the_daemon_and_it_resumes_by_itself(
     # 1. Full: the next write is refused and waits. Usually that is a finished group (admission pauses), but
     # when the learner publishes first, its next version is refused instead and the actors stop at their
     # staleness bound with nothing left to write: whichever comes first, the daemon pauses and resumes.
-    # (The scheduler's own refused-write path is unit-tested in tests/supervisor/test_scheduler.py.)
+    # (The scheduler's own refused-write path is unit-tested in tests/supervisor/actors/test_scheduler.py.)
     _fill(ballast)
     run.wait_for(lambda r: blocked("spool") + learner_blocked() >= 1.0, 60, "a refused write")
     if blocked("spool") == 1.0:

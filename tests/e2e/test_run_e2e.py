@@ -160,7 +160,7 @@ def checkpoint_state(run_dir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One initial model for every daemon test that does not test model creation itself."""
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
 

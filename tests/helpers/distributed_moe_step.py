@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from learner.checkpoint_state import ConsumedState
 from learner.distributed import Ranks, join, leave
 from learner.groups import TrainGroup
-from learner.model import load_policy
-from learner.moe_routing import MoeShape
-from learner.sharded_checkpoint import export_gathered, save_sharded_checkpoint
+from learner.model.model_io import load_policy
+from learner.model.moe_routing import MoeShape
+from learner.process.checkpoint_state import ConsumedState
+from learner.process.sharded_checkpoint import export_gathered, save_sharded_checkpoint
 from learner.sharding import load_policy_for_ranks
 from learner.trainer import Trainer
 from pipeline.contracts.learner_config import LearnerConfig

@@ -1,6 +1,5 @@
-"""Learner steps under torchrun, for tests/learner/test_distributed_learner.py (and importable there: the
-batches
-and configs below are what the one-process side trains too).
+"""Learner steps under torchrun, for tests/learner/process/test_distributed_learner.py (and importable
+there: the batches and configs below are what the one-process side trains too).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.helpers.distributed_step \
         --model TINY_DIR --out OUT_DIR [--resume CHECKPOINTS_DIR]
@@ -22,12 +21,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from learner.checkpoint import restore
-from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.distributed import Ranks, join, leave
 from learner.groups import TrainGroup
-from learner.model import load_policy
-from learner.sharded_checkpoint import save_sharded_checkpoint
+from learner.model.model_io import load_policy
+from learner.process.checkpoint import restore
+from learner.process.checkpoint_state import ConsumedState, load_latest_checkpoint
+from learner.process.sharded_checkpoint import save_sharded_checkpoint
 from learner.sharding import load_policy_for_ranks
 from learner.trainer import Trainer
 from pipeline.contracts.learner_config import LearnerConfig

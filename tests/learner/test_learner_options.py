@@ -10,20 +10,20 @@ from typing import Any
 import pytest
 import torch
 
-from learner.action_prior import action_token_ids
-from learner.gspo import gspo_token_loss
-from learner.mismatch import correct
-from learner.model import load_policy
-from learner.trainer import Trainer, lr_factor
+from learner.adamw import lr_factor
+from learner.loss.action_prior import action_token_ids
+from learner.loss.gspo import gspo_token_loss
+from learner.loss.mismatch import correct
+from learner.model.model_io import load_policy
+from learner.trainer import Trainer
 from pipeline.contracts.config import ConfigError, load_config
 from pipeline.contracts.learner_config import (
     ConstantSchedule,
     DecaySchedule,
-    DeprecatedConfigKey,
     LearnerConfig,
 )
 from pipeline.contracts.schema import EpisodeSegment
-from pipeline.supervisor.engine_launch import engine_argv, plan_engines
+from pipeline.supervisor.fleet.engine_launch import engine_argv, plan_engines
 from tests.helpers.configs import learner_cfg
 from tests.helpers.train_groups import groups_of
 
@@ -306,12 +306,12 @@ def test_precision_modes_keep_the_right_dtypes_and_show_bf16_numerics(tiny_model
 
 
 def test_auto_precision_is_bf16_mixed_where_bf16_matmuls_are_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    import learner.precision
-    from learner.precision import resolve_precision
+    import learner.model.precision
+    from learner.model.precision import resolve_precision
 
-    monkeypatch.setattr(learner.precision, "native_bf16", lambda: (False, "no avx512_bf16"))
+    monkeypatch.setattr(learner.model.precision, "native_bf16", lambda: (False, "no avx512_bf16"))
     assert resolve_precision("auto", torch.device("cpu")).name == "fp32"
-    monkeypatch.setattr(learner.precision, "native_bf16", lambda: (True, "avx512_bf16"))
+    monkeypatch.setattr(learner.model.precision, "native_bf16", lambda: (True, "avx512_bf16"))
     assert resolve_precision("auto", torch.device("cpu")).name == "bf16-mixed"
     assert resolve_precision("auto", torch.device("cuda")).name == "bf16-mixed"
     with pytest.raises(ValueError, match="unknown precision"):
@@ -330,14 +330,11 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_model_dir: Path) -> Non
     assert results[1]["grad_norm"] == pytest.approx(results[0]["grad_norm"], rel=1e-5)
 
 
-def test_a_run_directory_written_with_dtype_resumes_as_precision(tmp_path: Path) -> None:
+def test_a_run_directory_written_with_dtype_is_refused_naming_precision(tmp_path: Path) -> None:
     old = tmp_path / "config.toml"
     old.write_text('[learner]\ndtype = "float32"\n')
-    with pytest.warns(DeprecatedConfigKey, match="learner.dtype is deprecated: use learner.precision"):
-        assert load_config(old).learner.precision == "fp32"
-    old.write_text('[learner]\ndtype = "bfloat16"\n')
-    with pytest.warns(DeprecatedConfigKey):
-        assert load_config(old).learner.precision == "bf16"
+    with pytest.raises(ConfigError, match=r"learner\.dtype is learner\.precision now"):
+        load_config(old)
 
 
 @pytest.mark.slow
@@ -368,7 +365,7 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
 
 # --- regularisers ------------------------------------------------------------------------------------------
 def test_kl_estimators_hand_computed() -> None:
-    from learner.regularizers import kl_estimate
+    from learner.loss.regularizers import kl_estimate
 
     lp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])  # d = ref - lp = [-0.5, 1.0]
@@ -381,7 +378,7 @@ def test_kl_estimators_hand_computed() -> None:
 
 
 def test_overlong_penalty_is_dapos_ramp() -> None:
-    from learner.regularizers import overlong_penalty
+    from learner.loss.regularizers import overlong_penalty
 
     assert [overlong_penalty(n, budget=10, slope=4) for n in (0, 6, 7, 8, 10, 11)] == [
         0.0,
@@ -399,7 +396,7 @@ def test_overlong_penalty_is_dapos_ramp() -> None:
 
 
 def test_overlong_penalty_reaches_the_turn_advantages(policy: tuple[Any, Any]) -> None:
-    from learner.trainer import build_step_input
+    from learner.step_input import build_step_input
 
     _, tokenizer = policy
     rows = _group(tokenizer, "g", outcomes=(1, 1, 1, 1))  # no signal except the penalty
@@ -440,7 +437,7 @@ def test_kl_to_a_reference_that_equals_the_policy_is_zero_then_grows(tiny_model_
 
 
 def test_kl_in_reward_mode_shifts_the_advantages_by_the_estimate(tiny_model_dir: Path) -> None:
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     def step(reference_dir: Path | None, **kw: Any) -> dict[str, float]:
         model, tokenizer = load_policy(tiny_model_dir)
@@ -490,8 +487,8 @@ def test_fused_log_probs_train_like_the_logits_path(tiny_model_dir: Path) -> Non
 def test_scored_positions_alone_give_the_same_log_probs_and_gradients(tiny_model_dir: Path) -> None:
     """The output layer runs only where something is scored: equal values there, 0.0 elsewhere, and the
     same gradients (what is not scored contributed nothing to them before either)."""
+    from learner.model.precision import resolve_precision
     from learner.policy_forward import forward_policy
-    from learner.precision import resolve_precision
 
     cpu = torch.device("cpu")
     model, _ = load_policy(tiny_model_dir)

@@ -1,5 +1,5 @@
 """Mixture-of-Experts in the learner: the Qwen3-MoE presets, routing capture and replay, the routing
-metrics by hand, and the options that need an MoE model refused on a dense one (learner.moe_routing,
+metrics by hand, and the options that need an MoE model refused on a dense one (learner.model.moe_routing,
 learner.trainer, learner.groups, learner.lora)."""
 
 from __future__ import annotations
@@ -12,19 +12,17 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from learner.checkpoint import restore, save_checkpoint
-from learner.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.groups import TrainGroup, triage_group
-from learner.lora import apply_lora
-from learner.model import export_weights, load_policy
-from learner.model_init import MOE_PRESETS, PRESETS, count_parameters
-from learner.moe_routing import (
+from learner.loss.load_balance import load_balance_loss
+from learner.model.lora import apply_lora
+from learner.model.model_init import MOE_PRESETS, PRESETS, count_parameters
+from learner.model.model_io import export_weights, load_policy
+from learner.model.moe_routing import (
     MoeShape,
     MoeStats,
     RouterHooks,
     expert_load,
     find_routers,
-    load_balance_loss,
     load_imbalance,
     moe_shape,
     record_tensor,
@@ -32,6 +30,8 @@ from learner.moe_routing import (
     require_moe,
     routing_change,
 )
+from learner.process.checkpoint import restore, save_checkpoint
+from learner.process.checkpoint_state import ConsumedState, load_latest_checkpoint
 from learner.trainer import Trainer
 from pipeline.contracts.learner_config import LearnerConfig, LoraConfig
 from pipeline.contracts.schema import EpisodeSegment, RoutedExperts

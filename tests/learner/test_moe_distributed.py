@@ -15,15 +15,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.checkpoint import restore
-from learner.checkpoint_state import load_latest_checkpoint
+from learner.process.checkpoint import restore
+from learner.process.checkpoint_state import load_latest_checkpoint
 from tests.e2e.test_run_e2e import REPO
 from tests.helpers.distributed_moe_step import make_moe_trainer, moe_batch
 from tests.helpers.distributed_step import full_parameters, record_first_gradients
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_torch_thread")]
 
-PARAM_BOUND = 1e-6  # fp32, summed in another order (tests/learner/test_distributed_learner.py)
+PARAM_BOUND = 1e-6  # fp32, summed in another order (tests/learner/process/test_distributed_learner.py)
 GRAD_BOUND = 1e-7
 
 

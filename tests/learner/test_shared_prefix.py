@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from learner.model import load_policy
+from learner.model.model_io import load_policy
 from learner.policy_forward import final_hidden_states
 from learner.shared_prefix import shared_prefix_hidden_states, split_columns
 from learner.trainer import Trainer

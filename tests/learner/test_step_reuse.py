@@ -1,6 +1,7 @@
 """Two ways the learner's step does less work for the same numbers: the first update's training forward is
 its proximal forward (learner.trainer, `proximal_from_first_forward`), and frozen linear weights are cast
-to the autocast dtype once (learner.frozen_casts). Each is compared bit for bit with the work it saves."""
+to the autocast dtype once (learner.model.frozen_casts). Each is compared bit for bit with the work it
+saves."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from learner.frozen_casts import cache_frozen_casts
-from learner.lora import apply_lora
-from learner.model import load_policy
+from learner.model.frozen_casts import cache_frozen_casts
+from learner.model.lora import apply_lora
+from learner.model.model_io import load_policy
 from learner.trainer import Trainer
 from pipeline.contracts.learner_config import LoraConfig
 from pipeline.contracts.schema import segments_to_batch

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from learner.gspo import gspo_token_loss
-from learner.model import load_policy
+from learner.loss.gspo import gspo_token_loss
+from learner.model.model_io import load_policy
 from learner.trace import (
     CLIPPED,
     NOT_SCORED,

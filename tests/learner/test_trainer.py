@@ -10,10 +10,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-import learner.trainer as trainer_module
+import learner.loss.terms as terms_module
 from learner.batching import TrainSequence, pack_sequences
-from learner.model import load_policy
-from learner.trainer import Trainer, build_step_input
+from learner.model.model_io import load_policy
+from learner.step_input import build_step_input
+from learner.trainer import Trainer
 from pipeline.contracts.learner_config import LearnerConfig
 from pipeline.contracts.schema import TRAJECTORY_SCHEMA, EpisodeSegment, segments_to_batch
 from tests.helpers.configs import learner_cfg
@@ -377,13 +378,13 @@ def test_non_finite_loss_skips_the_update_and_keeps_the_weights(
     policy: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, tokenizer = policy
-    real_loss = trainer_module.gspo_token_loss
+    real_loss = terms_module.gspo_token_loss
 
     def poisoned(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, stats = real_loss(*args, **kwargs)
         return loss * math.inf, stats
 
-    monkeypatch.setattr(trainer_module, "gspo_token_loss", poisoned)
+    monkeypatch.setattr(terms_module, "gspo_token_loss", poisoned)
     episodes = _contrast_group(model, tokenizer, "g", _ids(tokenizer, "12"), _ids(tokenizer, "3"))
     trainer = Trainer(model, _cfg(mini_batches=2), temperature=1.0)
     before = _weights(model)
@@ -491,7 +492,7 @@ def test_generated_tokens_of_a_turn_without_a_reward_reject_the_row(policy: tupl
 
 
 def test_generated_token_entropy_is_exact_and_ignores_masked_positions() -> None:
-    from learner.trainer import generated_token_entropy
+    from learner.loss.terms import generated_token_entropy
 
     vocab = 8
     logits = torch.zeros(2, 3, vocab)  # uniform: entropy log(8) at temperature 1
@@ -581,7 +582,7 @@ def test_action_prior_needs_action_tokens_and_decays_like_the_entropy_bonus(poli
 
 
 def test_action_prior_raises_every_answer_in_a_group_without_signal(policy: tuple[Any, Any]) -> None:
-    from learner.action_prior import action_token_ids
+    from learner.loss.action_prior import action_token_ids
 
     model, tokenizer = policy
     prompt, end = _prompt_ids(tokenizer), tokenizer.eos_token_id

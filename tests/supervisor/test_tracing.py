@@ -25,7 +25,7 @@ from pipeline.supervisor.learner_dispatch import LearnerEvents, StepLog
 from pipeline.supervisor.progress import JsonProgress
 from pipeline.tools.fake_sglang import FakeSGLang
 from tests.helpers.lineage import lineage_for
-from tests.supervisor.test_silent_failures import GOOD_CALL, TASK, TextEngine, TurnsEnv
+from tests.supervisor.actors.test_silent_failures import GOOD_CALL, TASK, TextEngine, TurnsEnv
 
 ROOT = Path(__file__).resolve().parents[2]
 ON = TracingConfig(enabled=True)
@@ -40,7 +40,8 @@ def test_off_by_default_it_hands_back_one_no_op_span_and_imports_no_opentelemetr
         assert span is tracing.NO_SPAN and tracing.trace_id(span) is None
     assert tracing.traceparent() is None
     code = (
-        "import sys; import pipeline.supervisor.daemon, pipeline.supervisor.actors.rollout, learner.worker; "
+        "import sys; import pipeline.supervisor.daemon, pipeline.supervisor.actors.rollout; "
+        "import learner.process.shell; "
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('opentelemetry', 'wandb', 'mlflow', 'tensorboard'))))"
     )

@@ -18,7 +18,7 @@ from pipeline.tools.bench.learner_replay import (
     summary,
 )
 from pipeline.transport.spool import SpoolWriter
-from tests.learner.test_learner_worker import Worker, event_is, write_group
+from tests.learner.process.test_learner_worker import Worker, event_is, write_group
 
 B = 2
 # No checkpoint within the three steps, so the spool keeps every group (the learner prunes what its

@@ -397,8 +397,8 @@ def test_a_snapshot_whose_episodes_time_out_is_scored_again_with_fewer_in_flight
 
 
 def test_an_adapter_snapshot_is_served_over_the_initial_model(tiny_run: tuple[Path, list[str]]) -> None:
-    from learner.lora import apply_lora
-    from learner.model import load_policy
+    from learner.model.lora import apply_lora
+    from learner.model.model_io import load_policy
     from pipeline.contracts.learner_config import LoraConfig
 
     root, overrides = tiny_run
@@ -417,8 +417,8 @@ def test_rollwise_eval_scores_a_published_adapter_version_over_the_initial_model
     tiny_run: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`rollwise eval` of a LoRA run: weights/v<n> holds an adapter, not an HF directory."""
-    from learner.lora import apply_lora
-    from learner.model import load_policy
+    from learner.model.lora import apply_lora
+    from learner.model.model_io import load_policy
     from pipeline.contracts.config import write_resolved
     from pipeline.contracts.learner_config import LoraConfig
     from pipeline.tools.offline_eval import main as eval_main

@@ -15,8 +15,8 @@ Three measurements, each against its own baseline in the same run:
    random ids, send the whole conversation again. Run once with the prefix cache and once without
    (`--prefix-cache-mb 0`); reports the cache's hit rate, the prefill tokens it saved and both wall times.
 3. Log-prob agreement: sequences the engine samples in bfloat16 and in float32, scored by the learner's
-   fp32 forward (`learner.model.load_policy` + `learner.logprobs.sampled_token_logprobs`, the learner's
-   own path): mean and max per-token |engine - learner| over the generated tokens.
+   fp32 forward (`learner.model.model_io.load_policy` + `learner.logprobs.sampled_token_logprobs`, the
+   learner's own path): mean and max per-token |engine - learner| over the generated tokens.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def _multi_turn_summary(
 
 
 async def _agreements(args: argparse.Namespace, model_dir: Path, vocab: int) -> list[Agreement]:
-    from learner.model import load_policy
+    from learner.model.model_io import load_policy
 
     learner, _ = load_policy(model_dir)  # fp32, as the learner trains
     learner.eval()
@@ -444,6 +444,6 @@ def _load_average() -> str:
 
 def _preset_model(preset: str, tmp: Path) -> Path:
     """The preset in `tmp` (a pretrained one is linked from its cached conversion, made first if need be)."""
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     return init_model(tmp / preset, preset=preset, seed=0)

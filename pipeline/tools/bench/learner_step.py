@@ -117,8 +117,8 @@ def _measure(
     shared: bool = True,
 ) -> dict[str, Any]:
     from learner.distributed import join, leave
-    from learner.model import load_policy
-    from learner.precision import resolve_precision
+    from learner.model.model_io import load_policy
+    from learner.model.precision import resolve_precision
     from learner.trainer import Trainer
     from pipeline.contracts.learner_config import LearnerConfig, LoraConfig, OptimConfig
 
@@ -140,7 +140,7 @@ def _measure(
         shared_prefix=shared,
     )
     if lora:
-        from learner.lora import apply_lora
+        from learner.model.lora import apply_lora
 
         model = apply_lora(model, cfg.lora).model
     trainer = Trainer(model, cfg, temperature=1.0, device=device, ranks=ranks)
@@ -246,7 +246,7 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 def run(argv: list[str]) -> dict[str, Any]:
     """Every variant, each in its own process, and their ratios against fp32 (`argv`: this bench's flags)."""
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     args = _parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rollwise-bench-learner-") as tmp:
@@ -279,7 +279,7 @@ def run(argv: list[str]) -> dict[str, Any]:
 
 
 def _auto_precision(device: str) -> str:
-    from learner.precision import resolve_precision
+    from learner.model.precision import resolve_precision
 
     return resolve_precision("auto", torch.device(device)).name
 

@@ -37,8 +37,8 @@ from pipeline.tools.bench.logprob_memory import PeakMemory
 
 # ---- 1. learner --------------------------------------------------------------------------------------
 def _learner_variant(model_dir: Path, variant: str, args: argparse.Namespace) -> dict[str, float]:
-    from learner.lora import apply_lora
-    from learner.model import load_policy
+    from learner.model.lora import apply_lora
+    from learner.model.model_io import load_policy
     from learner.trainer import Trainer
     from pipeline.contracts.learner_config import LearnerConfig, LoraConfig, OptimConfig
     from pipeline.tools.bench.learner_step import _groups
@@ -92,17 +92,17 @@ def _in_own_process(model_dir: Path, variant: str, argv: list[str]) -> dict[str,
 
 # ---- 2. publishing and serving ----------------------------------------------------------------------
 async def _serving(model_dir: Path, work: Path, args: argparse.Namespace, *, lora: bool) -> dict[str, float]:
-    from learner.lora import apply_lora, directory_bytes
-    from learner.model import export_weights, load_policy
+    from learner.model.lora import apply_lora, directory_bytes
+    from learner.model.model_io import export_weights, load_policy
     from pipeline.contracts.config import load_config
     from pipeline.contracts.run_dir import RunDir
-    from pipeline.supervisor.children import Child
-    from pipeline.supervisor.engine_launch import engine_child_spec, plan_engines
     from pipeline.supervisor.engines.adapters import AdapterRegistry, AdapterRouting, unloader
     from pipeline.supervisor.engines.client import EngineClient
     from pipeline.supervisor.engines.pool import EnginePool
     from pipeline.supervisor.engines.protocol import SamplingParams
     from pipeline.supervisor.engines.weightsync import sync_weights
+    from pipeline.supervisor.fleet.children import Child
+    from pipeline.supervisor.fleet.engine_launch import engine_child_spec, plan_engines
 
     lora_flags = ["learner.lora.enabled=true", f"learner.lora.rank={args.rank}"] if lora else []
     cfg = load_config(None, ["engine.port=0", f"engine.threads={args.threads}", *lora_flags])
@@ -168,7 +168,7 @@ def _mixed_batch(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     from peft import PeftModel
     from transformers import DynamicCache
 
-    from pipeline.engine.batcher import cache_kwarg
+    from pipeline.engine.model_forward import cache_kwarg
     from pipeline.engine.model_loading import load_model
 
     plain = load_model(str(model_dir), "cpu", "float32")  # an engine without LoRA
@@ -256,7 +256,7 @@ def _clone(cache: Any) -> Any:
 
 # ---- report ------------------------------------------------------------------------------------------
 def run(argv: list[str]) -> dict[str, Any]:
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     args = _parser().parse_args(argv)
     torch.set_num_threads(args.threads)

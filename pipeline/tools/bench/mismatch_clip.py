@@ -150,8 +150,8 @@ def _sequences(samples: list[Sample]) -> list[Any]:
 def agreement(model: Any, samples: list[Sample], engine: str, precision: str, pad_id: int) -> Agreement:
     """The learner's log-probs of the engine's samples against the engine's own (module docstring, 2)."""
     from learner.batching import pack_sequences
+    from learner.model.precision import resolve_precision
     from learner.policy_forward import forward_policy
-    from learner.precision import resolve_precision
 
     cpu = torch.device("cpu")
     diffs: list[float] = []
@@ -227,7 +227,7 @@ def _groups(samples: list[Sample]) -> list[Any]:
 
 def clip_step(model_dir: Path, samples: list[Sample], precision: str, correction: str) -> dict[str, float]:
     """One GSPO-paper step on the samples from a fresh copy of the model (module docstring, 3)."""
-    from learner.model import load_policy
+    from learner.model.model_io import load_policy
     from learner.trainer import Trainer
     from pipeline.contracts.learner_config import LearnerConfig
 
@@ -248,8 +248,8 @@ def clip_step(model_dir: Path, samples: list[Sample], precision: str, correction
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from learner.model import load_policy
-    from learner.model_init import ensure_model
+    from learner.model.model_init import ensure_model
+    from learner.model.model_io import load_policy
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="rollwise-bench-mismatch-") as tmp:

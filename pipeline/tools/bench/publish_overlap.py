@@ -1,7 +1,7 @@
 """`rollwise bench publish`: the learner's steps/hour when it publishes every version, with the weight
 write inline (the step waits for it) against in the background (learner.export_in_background).
 
-Real parts only: the learner process's own loop (learner.worker.LearnerWorker, run in this process) on a
+Real parts only: the learner process's own loop (learner.process.loop.LearnerWorker, run in this process) on a
 run directory with a preset model (default `small`; `--preset smollm2-135m-instruct` the pretrained one),
 reading a spool of synthetic groups (bench learner's: `--groups` groups per step of `--group-size`
 one-turn episodes, `--prompt` + `--generated` random tokens, outcomes alternating so every step updates),
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from learner.worker import EventStream
+from learner.process.shell import EventStream
 from pipeline.contracts import events
 
 GOAL_RATIO = 1.0
@@ -73,7 +73,8 @@ def _write_spool(spool_dir: Path, vocab: int, args: argparse.Namespace) -> None:
 
 def run_once(model_dir: Path, work: Path, background: bool, args: argparse.Namespace) -> RunResult:
     """One learner run of `args.steps` steps on a fresh run directory (module docstring)."""
-    from learner.worker import LearnerWorker, StopFlag
+    from learner.process.loop import LearnerWorker
+    from learner.process.shell import StopFlag
     from pipeline.contracts.config import load_config
     from pipeline.contracts.run_dir import RunDir
 
@@ -136,7 +137,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Inline and background runs alternating; exit 0 when background is at least as fast, 1 otherwise."""
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     args = _parse(argv or [])
     with tempfile.TemporaryDirectory(prefix="rollwise-bench-publish-") as tmp:

@@ -19,7 +19,7 @@ from pathlib import Path
 _ROLES = (
     ("pipeline.engine", "engine"),
     ("sglang.launch_server", "engine"),
-    ("learner.worker", "learner"),
+    ("learner.process", "learner"),
 )
 RUN_DIR_PARTS = ("spool", "weights", "checkpoints", "logs")
 

@@ -23,15 +23,15 @@ GOAL_S = 0.5
 
 
 async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads: int) -> dict[str, Any]:
-    from learner.model import export_weights, load_policy
+    from learner.model.model_io import export_weights, load_policy
     from pipeline.contracts.config import load_config
     from pipeline.contracts.run_dir import RunDir
-    from pipeline.supervisor.children import Child
-    from pipeline.supervisor.engine_launch import engine_child_spec, plan_engines
     from pipeline.supervisor.engines.client import EngineClient
     from pipeline.supervisor.engines.pool import EnginePool
     from pipeline.supervisor.engines.protocol import SamplingParams
     from pipeline.supervisor.engines.weightsync import sync_weights
+    from pipeline.supervisor.fleet.children import Child
+    from pipeline.supervisor.fleet.engine_launch import engine_child_spec, plan_engines
 
     cfg = load_config(None, ["engine.port=0", f"engine.threads={threads}"])
     slot = plan_engines(cfg)[0]
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
         work = Path(tmp)
         model_dir = Path(args.model) if args.model else None
         if model_dir is None:
-            from learner.model_init import init_model
+            from learner.model.model_init import init_model
 
             model_dir = init_model(work / "model", preset="tiny", seed=0)
         result = asyncio.run(_measure(model_dir, work, args.repeats, args.load, args.threads))

@@ -287,7 +287,7 @@ def _model_for_trl(cfg: Any, seed: int, target: Path) -> Path:
         return Path(cfg.model.path)
     argv = ["--out", str(target), "--preset", cfg.model.preset, "--seed", str(seed), "--keep-existing"]
     done = subprocess.run(
-        [sys.executable, "-m", "learner.model_init", *argv], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "learner.model.model_init", *argv], capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"building the {cfg.model.preset} model failed: {done.stderr.strip()[-2000:]}")

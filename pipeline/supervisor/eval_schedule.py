@@ -1,56 +1,27 @@
 """Evaluation during training: the `[eval]` section -> a fixed held-out task set scored as versions go by.
 
-`resolve_eval` checks the section before anything starts (env, options, a usable held-out split, the
-evaluation engine) and fixes the task list once, so every evaluation of a run, and every run of a config
-with the same `eval.seed`, scores the same tasks.
+`resolve_eval` checks the section before anything starts and fixes the task list once, so every
+evaluation of a run, and every run of a config with the same `eval.seed`, scores the same tasks.
 
-When. `Evaluator.on_version(v)` is called by the supervisor after each weight sync; `decide` (pure) says
-whether an evaluation of v starts now:
-- a trigger: v is `every_versions` past the last version evaluated, or (`every_minutes`) v is a new
-  version and that many minutes passed since the last evaluation started; the first one runs on the
-  version the run starts from (`at_start`; otherwise the triggers count from it);
-- none is running: evaluations never pile up, and a version served while one runs is not evaluated;
-- the budget (`max_engine_share`, on the training engines only): after an evaluation that ran D seconds
-  (ok or failed), the next starts no sooner than D / max_engine_share seconds after it started. Each
-  evaluation's cycle (its start to the next start) is then at most that share evaluating, so the share
-  of wall time spent evaluating since the first evaluation stays within the budget, give or take the
-  one running. Wall time is the honest proxy of engine time here: eval requests share the training
-  engines (at a lower priority), so the engines serve them for as long as they run, alongside training.
-  With 1.0 there is no budget (back to back at most: the rule before the budget existed).
-A version a trigger made due but that did not start counts in `rollwise_eval_deferred_total{reason}`;
-once the cost is measured, the effective interval is printed ("evaluation every ~N versions / ~M min
-at X s per evaluation").
+When (`decide`, pure, in pipeline.supervisor.eval_cadence), on each version served
+(`Evaluator.on_version`), an evaluation starts if
+- a trigger is due: `every_versions` past the last version evaluated, or a new version `every_minutes`
+  after the last evaluation started; the first runs on the version the run starts from (`at_start`);
+- none is running: evaluations never pile up, and a version served meanwhile is not evaluated;
+- the budget allows (`max_engine_share`, training engines only): after an evaluation of D seconds, ok or
+  failed, the next starts no sooner than D / max_engine_share seconds after it started, so evaluating
+  takes at most that share of the engines' wall time (1.0: no budget).
+A version made due that did not start counts in `rollwise_eval_deferred_total{reason}`.
 
-Where. On the training engines (`eval.engine = "training"`, `run_evaluation` at `eval.priority`), or on a
-dedicated engine (`"dedicated"`, pipeline.supervisor.eval_engine) that loads the version before each
-evaluation and serves nothing else: no budget applies (it takes nothing from the training engines), one
-at a time still.
+Where: on the training engines at `eval.priority`, or on a dedicated engine (pipeline.supervisor.fleet.
+eval_engine) that loads the version first and serves nothing else (no budget). With `eval.pause_training`
+(never with a dedicated engine) training admission is held while an evaluation runs (`AdmissionHold`).
 
-Each finished evaluation becomes
-- one JSON line in `logs/eval.jsonl` (`eval_row`: version, learner step, elapsed seconds, a block per
-  mode with success, pass@k, reward, turns, finish reasons and the token versions seen; `engine`,
-  `versions_behind`: how many versions the learner had published past the evaluated one when it
-  finished, `eval_share`: the wall time spent evaluating so far over the time since the first one
-  started, and `load_s` on a dedicated engine),
-- the `rollwise_eval_*` metrics, labelled by eval env and mode (`rollwise_eval_engine_seconds_total`
-  counts while an evaluation runs, so its rate is eval's share of wall time); when eval plays the
-  training env with its options (`training_env`), also the gap between the training episodes' success
-  since the previous evaluation and this evaluation's (`rollwise_eval_success_gap_ratio`): training
-  reward that stops carrying to held-out tasks shows there first,
-- an `eval` line in the progress view.
-
-With `eval.pause_training` (off by default; never with a dedicated engine) the evaluator holds training
-admission while it runs (`AdmissionHold`, the group scheduler): running groups finish and no new one
-starts, so the evaluation is not starved by training on an engine training keeps full. It costs training
-the whole evaluation; the seconds held are `rollwise_eval_training_paused_seconds`.
-
-A failed evaluation is logged and counted (`rollwise_eval_runs_total{status="failed"}`), writes no row
-and never stops the daemon; the next version served is evaluated instead (its seconds still count in the
-budget). It fails on a bug, when the dedicated engine is down or cannot load the version, and when any of
-its episodes ended `engine_error`: an engine that died or stopped answering (a restart, a machine out of
-memory) is no verdict on the policy, and 64 such episodes in a row scored 0.0 where the evaluations
-around it scored 0.56-0.67. Env failures (`env_error`, `timeout`) are the policy's episodes like any
-other and count.
+Each finished evaluation becomes a line of `logs/eval.jsonl` (`eval_row`), the `rollwise_eval_*` metrics
+(with the training/held-out success gap when eval plays the training env) and an `eval` line in the
+progress view. A failed one (a bug, the dedicated engine down, or any episode ended `engine_error`: an
+engine failure is no verdict on the policy) is logged and counted, writes no row and never stops the
+daemon; the next version served is evaluated instead, its seconds still counted in the budget.
 """
 
 from __future__ import annotations
@@ -59,12 +30,11 @@ import asyncio
 import collections
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from envs.api import EnvFactory, Environment
 from envs.task_split import TaskSplitError, eval_tasks
@@ -73,6 +43,7 @@ from pipeline.contracts.run_dir import log_lines
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.heldout import EvalPlan, Mode, ModeResult, PriorityEngine, run_evaluation
 from pipeline.supervisor.actors.rollout import RolloutSettings
+from pipeline.supervisor.eval_cadence import Cadence, EvalClock, decide, effective_interval
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.progress import Progress
 
@@ -91,104 +62,13 @@ class AdmissionHold(Protocol):
 
 
 class OwnEngine(PriorityEngine, Protocol):
-    """A dedicated evaluation engine (pipeline.supervisor.eval_engine.DedicatedEvalEngine)."""
+    """A dedicated evaluation engine (pipeline.supervisor.fleet.eval_engine.DedicatedEvalEngine)."""
 
     def launch(self, version: int) -> None: ...
 
     async def load(self, version: int) -> float: ...
 
     async def stop(self) -> None: ...
-
-
-# --- when an evaluation starts (pure) -------------------------------------------------------------------
-Decision = Literal["start", "wait", "running", "budget"]
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """The `[eval]` triggers and budget (0 = that trigger off; max_engine_share 1.0 = no budget)."""
-
-    every_versions: int = 0
-    every_minutes: float = 0.0
-    max_engine_share: float = 1.0
-
-
-@dataclass(frozen=True)
-class EvalClock:
-    """What the rule remembers. `version`/`since`: the version the triggers count from and when its
-    evaluation started (None: nothing evaluated yet; a failed evaluation hands them back to the one
-    before). `ran_at`/`ran_s`: start and wall seconds of the latest evaluation, ok or failed (`ran_s` None
-    while it runs), for the budget."""
-
-    version: int | None = None
-    since: float | None = None
-    ran_at: float | None = None
-    ran_s: float | None = None
-
-
-def decide(cadence: Cadence, clock: EvalClock, version: int, now: float) -> Decision:
-    """Whether an evaluation of the served `version` starts at `now` (seconds, monotonic): "start";
-    "wait" (no trigger is due); "running" (one runs: never two); "budget" (due, but the last evaluation's
-    D seconds make the next wait until D / max_engine_share seconds after its start). Module docstring."""
-    if clock.version is None:
-        triggered = True
-    else:
-        by_versions = cadence.every_versions > 0 and version - clock.version >= cadence.every_versions
-        by_minutes = (
-            cadence.every_minutes > 0
-            and version != clock.version
-            and clock.since is not None
-            and now - clock.since >= cadence.every_minutes * 60.0
-        )
-        triggered = by_versions or by_minutes
-    if not triggered:
-        return "wait"
-    if clock.ran_at is not None and clock.ran_s is None:
-        return "running"
-    if now < budget_opens_at(cadence, clock):
-        return "budget"
-    return "start"
-
-
-def budget_opens_at(cadence: Cadence, clock: EvalClock) -> float:
-    """When the budget lets the next evaluation start: D / max_engine_share seconds after the start of
-    the latest one, which ran D seconds (-inf: no budget, or none has finished)."""
-    if cadence.max_engine_share >= 1.0 or clock.ran_at is None or clock.ran_s is None:
-        return -math.inf
-    return clock.ran_at + clock.ran_s / cadence.max_engine_share
-
-
-def effective_interval(cadence: Cadence, eval_s: float, version_s: float) -> tuple[int, float]:
-    """(versions, seconds) between evaluation starts that `decide` gives when an evaluation takes `eval_s`
-    seconds and a version is served every `version_s` seconds: the first trigger due, no sooner than the
-    budget (or the evaluation itself) allows, rounded up to a whole version (starts land on versions)."""
-    triggers = []
-    if cadence.every_versions > 0:
-        triggers.append(cadence.every_versions * version_s)
-    if cadence.every_minutes > 0:
-        triggers.append(cadence.every_minutes * 60.0)
-    trigger_s = min(triggers) if triggers else version_s
-    cycle_s = max(trigger_s, eval_s / cadence.max_engine_share, version_s)
-    versions = max(1, math.ceil(cycle_s / version_s - 1e-9))
-    return versions, versions * version_s
-
-
-def describe_cadence(cadence: Cadence, *, dedicated: bool) -> str:
-    """The start line: triggers, and the budget or the dedicated engine."""
-    triggers = []
-    if cadence.every_versions > 0:
-        triggers.append(f"{cadence.every_versions} version{'s' if cadence.every_versions > 1 else ''}")
-    if cadence.every_minutes > 0:
-        triggers.append(f"{cadence.every_minutes:g} min")
-    when = " or ".join(triggers) or "never"
-    if dedicated:
-        return f"evaluation every {when} on a dedicated engine (one at a time; no budget)"
-    if cadence.max_engine_share >= 1.0:
-        return f"evaluation every {when} on the training engines, no budget (eval.max_engine_share = 1)"
-    return (
-        f"evaluation every {when} on the training engines, within {cadence.max_engine_share:.0%} of their "
-        "time (eval.max_engine_share): the interval follows from the first evaluation's measured cost"
-    )
 
 
 @dataclass(frozen=True)
@@ -321,13 +201,78 @@ def record_metrics(row: dict[str, Any], results: dict[Mode, ModeResult]) -> None
             metrics.EVAL_EPISODES.labels(env=env, mode=mode, reason=reason).inc(count)
 
 
+class ServedPace:
+    """(version, when) of the latest versions served: how fast versions come, and the newest one.
+    `newest_published()`: the learner's newest published version (default: the newest served)."""
+
+    def __init__(self, newest_published: Callable[[], int] | None) -> None:
+        self.served: collections.deque[tuple[int, float]] = collections.deque(maxlen=PACE_VERSIONS + 1)
+        self.newest_published = newest_published
+
+    def note(self, version: int, now: float) -> None:
+        self.served.append((version, now))
+
+    @property
+    def measured(self) -> bool:
+        """The pace is measured over PACE_VERSIONS versions."""
+        return len(self.served) > PACE_VERSIONS
+
+    def version_seconds(self) -> float | None:
+        """Mean seconds between the latest PACE_VERSIONS + 1 served versions (None before two distinct
+        versions)."""
+        if len(self.served) < 2 or self.served[-1][0] <= self.served[0][0]:
+            return None
+        (v0, t0), (v1, t1) = self.served[0], self.served[-1]
+        return (t1 - t0) / (v1 - v0)
+
+    def newest(self) -> int:
+        served = max(v for v, _ in self.served) if self.served else 0
+        return max(served, self.newest_published()) if self.newest_published is not None else served
+
+
+class TrainingGap:
+    """Training success of the episodes finished since the previous evaluation minus an evaluation's,
+    when eval plays the training env `training_env` (None: never computed)."""
+
+    def __init__(self, env_name: str, training_env: str | None) -> None:
+        self.env_name = env_name
+        self.training_env = training_env
+        self.seen = training_counts(training_env) if training_env is not None else (0.0, 0.0)
+
+    def record(self, results: dict[Mode, ModeResult]) -> None:
+        if self.training_env is None:
+            return
+        episodes, successes = training_counts(self.training_env)
+        new_episodes = episodes - self.seen[0]
+        new_successes = successes - self.seen[1]
+        self.seen = (episodes, successes)
+        if new_episodes <= 0:
+            return  # no training episode finished meanwhile: the last gap stands
+        training = new_successes / new_episodes
+        for mode, result in results.items():
+            metrics.EVAL_SUCCESS_GAP.labels(env=self.env_name, mode=mode).set(training - result.success)
+
+
+def engine_failure(results: dict[Mode, ModeResult]) -> str | None:
+    """Why an evaluation scores nothing when some of its episodes ended engine_error (None: none did)."""
+    engine_errors = sum(result.finish_reasons.get("engine_error", 0) for result in results.values())
+    if not engine_errors:
+        return None
+    episodes = sum(result.episodes for result in results.values())
+    return (
+        f"{engine_errors} of {episodes} episodes ended engine_error (an engine failed, not the "
+        "policy); no score recorded, the next version is evaluated instead"
+    )
+
+
 class Evaluator:
     """Starts evaluations as versions are served (module docstring); one at a time, in the background.
 
     `every_versions`, `every_minutes`, `max_engine_share`: the Cadence (the defaults: no minute trigger,
     no budget). `dedicated`: the evaluation engine (then `engine` is ignored and no budget applies).
-    `newest_published()`: the learner's newest published version (for versions_behind; default the
-    newest version served). `clock`: monotonic seconds."""
+    `training_env`: the env whose training success the gap compares (None: no gap). `on_result`: called
+    with each eval row after the metrics (the experiment trackers). `training`: held while an evaluation
+    runs (eval.pause_training; None = never). `clock`: monotonic seconds."""
 
     def __init__(
         self,
@@ -352,40 +297,32 @@ class Evaluator:
         self.setup = setup
         self.dedicated = dedicated
         self.engine: PriorityEngine | None = dedicated if dedicated is not None else engine
-        self.tokenizer = tokenizer
-        self.settings = settings
         self.kind = "dedicated" if dedicated is not None else "training"
         share = 1.0 if dedicated is not None else max_engine_share
         self.cadence = Cadence(every_versions, every_minutes, share)
-        self.log_path = log_path
-        self.progress = progress
-        self.started_at = started_at
+        self.tokenizer, self.settings = tokenizer, settings
+        self.log_path, self.progress, self.started_at = log_path, progress, started_at
+        self.on_result, self.training = on_result, training
         self.clock_now = clock
         self.clock = EvalClock()
+        self.pace = ServedPace(newest_published)
         self.running: asyncio.Task[None] | None = None
         self.completed = 0
-        self.training_env = training_env  # the gap is computed only when eval plays the training env
-        self.on_result = on_result  # each eval row, after the metrics (the experiment trackers)
-        self.training = training  # held while an evaluation runs (eval.pause_training); None = never
-        self.newest_published = newest_published
-        # (version, when) of the latest served versions: their pace, and the newest one.
-        self.served: collections.deque[tuple[int, float]] = collections.deque(maxlen=PACE_VERSIONS + 1)
         self.last_eval_s: float | None = None  # the latest successful evaluation's wall seconds
         self.eval_seconds = 0.0  # wall seconds evaluations ran (ok and failed)
         self.first_started: float | None = None
         self._counted = 0.0  # up to when the running evaluation's seconds are counted
         self.interval_told = False
-        env = setup.env_name
         metrics.init_eval_label_values(
-            env,
+            setup.env_name,
             setup.plan.modes,
             every_versions=every_versions,
             gap=training_env is not None,
             kind=self.kind,
             budget=share if dedicated is None else None,
         )
-        self.seconds_counter = metrics.EVAL_ENGINE_SECONDS.labels(env=env, kind=self.kind)
-        self.training_seen = training_counts(training_env) if training_env is not None else (0.0, 0.0)
+        self.seconds_counter = metrics.EVAL_ENGINE_SECONDS.labels(env=setup.env_name, kind=self.kind)
+        self.gap = TrainingGap(setup.env_name, training_env)
 
     @property
     def last_version(self) -> int | None:
@@ -394,7 +331,7 @@ class Evaluator:
 
     def skip_start(self, version: int) -> None:
         """No evaluation at start (`at_start = false`): the triggers count from the version served now."""
-        self._note_served(version)
+        self.pace.note(version, self.clock_now())
         self.clock = replace(self.clock, version=version, since=self.clock_now())
         if self.dedicated is not None:
             self.dedicated.launch(version)  # up by the time the first evaluation is due
@@ -405,8 +342,8 @@ class Evaluator:
     def on_version(self, version: int, step: int) -> None:
         """The engines now serve `version` (at start: the version they start on)."""
         now = self.clock_now()
-        self._note_served(version, now)
-        if not self.interval_told and self.last_eval_s is not None and len(self.served) > PACE_VERSIONS:
+        self.pace.note(version, now)
+        if not self.interval_told and self.last_eval_s is not None and self.pace.measured:
             self.tell_interval(self.last_eval_s)
         decision = decide(self.cadence, self.clock, version, now)
         if decision in ("running", "budget"):
@@ -419,21 +356,6 @@ class Evaluator:
         self.running = asyncio.create_task(
             self._evaluate(version, step, previous, started=now), name=f"eval v{version}"
         )
-
-    def _note_served(self, version: int, now: float | None = None) -> None:
-        self.served.append((version, self.clock_now() if now is None else now))
-
-    def version_seconds(self) -> float | None:
-        """Mean seconds between the latest PACE_VERSIONS + 1 served versions (None before two distinct
-        versions)."""
-        if len(self.served) < 2 or self.served[-1][0] <= self.served[0][0]:
-            return None
-        (v0, t0), (v1, t1) = self.served[0], self.served[-1]
-        return (t1 - t0) / (v1 - v0)
-
-    def newest(self) -> int:
-        served = max(v for v, _ in self.served) if self.served else 0
-        return max(served, self.newest_published()) if self.newest_published is not None else served
 
     def _failed(self, version: int, previous: tuple[int | None, float | None], why: str) -> None:
         """Count and report a failed evaluation; the next version served is due again."""
@@ -467,15 +389,34 @@ class Evaluator:
     async def _run(
         self, version: int, step: int, previous: tuple[int | None, float | None], started: float
     ) -> None:
-        holder = f"eval v{version}"
+        """One evaluation: its episodes, then its row and metrics, or a failure counted and reported."""
         extra: dict[str, Any] = {"engine": self.kind}
+        try:
+            results = await self._play(version, started, extra)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("evaluation of version %d failed", version)
+            self._failed(version, previous, repr(exc))
+            return
+        why = engine_failure(results)
+        if why is not None:
+            log.warning("evaluation of version %d failed: %s", version, why)
+            self._failed(version, previous, why)
+            return
+        await self._record(version, step, started, results, extra)
+
+    async def _play(self, version: int, started: float, extra: dict[str, Any]) -> dict[Mode, ModeResult]:
+        """The evaluation's episodes (on a dedicated engine: once it loaded `version`), training admission
+        held meanwhile with eval.pause_training."""
+        holder = f"eval v{version}"
         if self.training is not None:
             self.training.pause(holder)
         try:
             if self.dedicated is not None:
                 extra["load_s"] = round(await self.dedicated.load(version), 3)
             assert self.engine is not None, "an Evaluator needs an engine or a dedicated one"
-            results = await run_evaluation(
+            return await run_evaluation(
                 self.engine,
                 self.tokenizer,
                 self.setup.factory,
@@ -487,30 +428,24 @@ class Evaluator:
                 priority=self.setup.priority if self.dedicated is None else None,
                 rid_prefix=f"eval-v{version}",
             )
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("evaluation of version %d failed", version)
-            self._failed(version, previous, repr(exc))
-            return
         finally:
             if self.training is not None:
                 self.training.resume(holder)
                 paused = self.clock_now() - started
                 metrics.EVAL_TRAINING_PAUSED.labels(env=self.setup.env_name).inc(paused)
-        engine_errors = sum(result.finish_reasons.get("engine_error", 0) for result in results.values())
-        if engine_errors:
-            episodes = sum(result.episodes for result in results.values())
-            why = (
-                f"{engine_errors} of {episodes} episodes ended engine_error (an engine failed, not the "
-                "policy); no score recorded, the next version is evaluated instead"
-            )
-            log.warning("evaluation of version %d failed: %s", version, why)
-            self._failed(version, previous, why)
-            return
+
+    async def _record(
+        self,
+        version: int,
+        step: int,
+        started: float,
+        results: dict[Mode, ModeResult],
+        extra: dict[str, Any],
+    ) -> None:
+        """A finished evaluation's row (logs/eval.jsonl), metrics, gap, progress line and interval."""
         now = self.clock_now()
         first = self.first_started if self.first_started is not None else started
-        extra["versions_behind"] = max(0, self.newest() - version)
+        extra["versions_behind"] = max(0, self.pace.newest() - version)
         extra["eval_share"] = round((self.eval_seconds + now - started) / max(now - first, 1e-9), 4)
         row = eval_row(
             self.setup,
@@ -534,7 +469,7 @@ class Evaluator:
     def tell_interval(self, eval_s: float) -> None:
         """The effective interval from an evaluation's cost and the versions' pace: logged after every
         evaluation, printed once, when the pace is measured over PACE_VERSIONS versions."""
-        version_s = self.version_seconds()
+        version_s = self.pace.version_seconds()
         if version_s is None or version_s <= 0:
             return
         versions, seconds = effective_interval(self.cadence, eval_s, version_s)
@@ -548,23 +483,13 @@ class Evaluator:
             f"{eval_s:.0f} s per evaluation (on {where}; a version every {version_s:.0f} s)"
         )
         log.info("%s", line)
-        if not self.interval_told and len(self.served) > PACE_VERSIONS:
+        if not self.interval_told and self.pace.measured:
             self.interval_told = True
             self.progress.message(line)
 
     def record_gap(self, results: dict[Mode, ModeResult]) -> None:
         """Training success of the episodes finished since the previous evaluation, minus this one's."""
-        if self.training_env is None:
-            return
-        episodes, successes = training_counts(self.training_env)
-        new_episodes = episodes - self.training_seen[0]
-        new_successes = successes - self.training_seen[1]
-        self.training_seen = (episodes, successes)
-        if new_episodes <= 0:
-            return  # no training episode finished meanwhile: the last gap stands
-        training = new_successes / new_episodes
-        for mode, result in results.items():
-            metrics.EVAL_SUCCESS_GAP.labels(env=self.setup.env_name, mode=mode).set(training - result.success)
+        self.gap.record(results)
 
     async def finish(self, grace_s: float) -> None:
         """At shutdown: let a running evaluation end within `grace_s` seconds (the engines are still up

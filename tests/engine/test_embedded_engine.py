@@ -1,6 +1,6 @@
 """The embedded SGLang-compatible engine over real HTTP on 127.0.0.1 (server started in-process, port 0).
 
-Log-prob parity is checked against the learner's own recomputation: `learner.model.load_policy` (the
+Log-prob parity is checked against the learner's own recomputation: `learner.model.model_io.load_policy` (the
 same `from_pretrained` path) and `learner.logprobs.sampled_token_logprobs` on a full forward of
 prompt + output, fp32.
 """
@@ -30,18 +30,15 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from learner.logprobs import sampled_token_logprobs
-from learner.model import load_policy
-from learner.model_init import init_model
-from pipeline.engine.batcher import (
-    ContinuousBatcher,
-    EngineRequest,
-    GrowableLayer,
-    architecture_mismatch,
-    growable_cache,
-    prefill_buckets,
-)
+from learner.model.model_init import init_model
+from learner.model.model_io import load_policy
+from pipeline.engine.batcher import ContinuousBatcher
 from pipeline.engine.engine_metrics import EngineMetrics
+from pipeline.engine.engine_request import EngineRequest
+from pipeline.engine.kv_batch import GrowableLayer, growable_cache
+from pipeline.engine.model_forward import architecture_mismatch
 from pipeline.engine.model_loading import load_model
+from pipeline.engine.prefill import prefill_buckets
 from pipeline.engine.routes import build_app
 from pipeline.engine.sampling import RequestSampling
 from pipeline.engine.serve import RunningServer, serve, start_server
@@ -845,14 +842,14 @@ async def test_auto_dtype_follows_the_cpu_and_server_info_says_why(
 def test_engine_flags_default_to_auto_dtype_all_cores_and_a_prefix_cache(tmp_path: Path) -> None:
     from pipeline.contracts.config import load_config
     from pipeline.engine.serve_flags import parse_args
-    from pipeline.supervisor.engine_launch import engine_argv, engine_child_spec, plan_engines
+    from pipeline.supervisor.fleet.engine_launch import engine_argv, engine_child_spec, plan_engines
 
     config = parse_args(["--model", "m"])
     assert (config.dtype, config.threads, config.prefix_cache_mb) == ("auto", None, 1024.0)
     assert parse_args(["--model", "m", "--disable-radix-cache"]).prefix_cache_mb == 0.0
     assert parse_args(["--model", "m", "--prefix-cache-mb", "64", "--threads", "3"]).prefix_cache_mb == 64.0
     # A config without engine.threads or engine.dtype passes neither and the engine picks (`rollwise run`
-    # chooses the threads first: pipeline.supervisor.core_split).
+    # chooses the threads first: pipeline.supervisor.fleet.core_split).
     cfg = load_config(None, ["engine.port=0"])
     slot = plan_engines(cfg)[0]
     argv = engine_argv(cfg, slot, model_dir=tmp_path, version=0)

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import torch
 
-from learner.lora import LoraPolicy, apply_lora
-from learner.model import load_policy
-from learner.model_init import init_model
+from learner.model.lora import LoraPolicy, apply_lora
+from learner.model.model_init import init_model
+from learner.model.model_io import load_policy
 from learner.served_probe import probe_logprobs
 from pipeline.contracts.learner_config import LoraConfig
 from pipeline.engine.serve import RunningServer, start_server

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import torch
 
-from learner.lora import apply_lora
-from learner.model import load_policy
-from learner.model_init import init_model
+from learner.model.lora import apply_lora
+from learner.model.model_init import init_model
+from learner.model.model_io import load_policy
 from pipeline.contracts.learner_config import LoraConfig
 from pipeline.engine.serve_flags import parse_args
 from pipeline.supervisor.engines.client import EngineClient

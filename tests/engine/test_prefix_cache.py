@@ -19,8 +19,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from learner.logprobs import sampled_token_logprobs
-from learner.model import load_policy
-from learner.model_init import init_model
+from learner.model.model_init import init_model
+from learner.model.model_io import load_policy
 from pipeline.engine.prefix_cache import LayerKV, PrefixCache, kv_bytes
 from pipeline.engine.serve import RunningServer, start_server
 from pipeline.engine.serve_flags import ServerConfig

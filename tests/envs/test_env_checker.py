@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import pytest
 
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task, ToolCall
-from envs.checker import CRITERIA, check_env, format_report, gold_policy_action, main, random_action
+from envs.check_policies import gold_policy_action, random_action
+from envs.checker import CRITERIA, check_env, format_report, main
 from envs.discovery import resolve_env
 from envs.sync_adapter import SyncEnvironment, as_async_factory, is_pool_thread
 

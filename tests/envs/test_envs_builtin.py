@@ -15,7 +15,7 @@ import pytest
 from envs import builtin_vocab_hints
 from envs.api import Action, Environment, Task, ToolCall
 from envs.calculator import CalculatorEnv, CalculatorError, evaluate, format_value
-from envs.checker import random_action
+from envs.check_policies import random_action
 from envs.grid_nav import GridNavEnv
 from envs.guess_number import GuessNumberEnv, expected_information_bits, first_integer
 from envs.toolcalls import parse_hermes

@@ -16,19 +16,12 @@ import pytest
 from pipeline.contracts.config import ConfigError, load_config
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import GenerateResult, SamplingParams
-from pipeline.supervisor.eval_engine import EvalEngineDown
-from pipeline.supervisor.eval_schedule import (
-    Cadence,
-    EvalClock,
-    Evaluator,
-    decide,
-    describe_cadence,
-    effective_interval,
-    read_eval_log,
-)
+from pipeline.supervisor.eval_cadence import Cadence, EvalClock, decide, describe_cadence, effective_interval
+from pipeline.supervisor.eval_schedule import Evaluator, read_eval_log
+from pipeline.supervisor.fleet.eval_engine import EvalEngineDown
 from pipeline.supervisor.observability.metrics import REGISTRY
 from pipeline.supervisor.progress import JsonProgress
-from tests.supervisor.test_evaluation import coin_setup, fake, pool, settings  # noqa: F401 - fixtures
+from tests.supervisor.actors.test_evaluation import coin_setup, fake, pool, settings  # noqa: F401 - fixtures
 
 
 # --- the rule, pure ---------------------------------------------------------------------------------------

@@ -17,6 +17,15 @@ EngineClient's calls are all small JSON exchanges with a server we know, so the 
 
 A connection is reused only after a complete reply: one that was cancelled, timed out or broke is
 closed, so no late reply can ever be read as the answer to the next request.
+
+Why not httptools (llhttp, uvicorn's parser): it parses a 48-token /generate reply in ~1.3 us against
+~3.8 us for `_Reply` (a 512-token chunked one: ~3 vs ~12 us; `python -m pipeline.tools.bench.http1_parser`,
+both in one process, one httptools parser per connection), so it would save ~2.5 of the ~35 us per
+request. It would not replace the framing code: httptools has no end-of-input call (replies framed by
+the server closing), no body skip for HEAD, no limit on a reply head, trailer or chunk-size line; it
+takes RTSP/ and ICE/ status lines, refuses a repeated equal Content-Length, raises on bytes after a
+complete reply and names defects in llhttp's words. Keeping the contract above would wrap it in about as
+much code as `_Reply` is.
 """
 
 from __future__ import annotations

@@ -104,23 +104,25 @@ class Prefiller:
         self._join = join
 
     def admit(self, taken: AdmissionRound) -> None:
-        """Answer, score and prefill one round. If a forward fails, the requests of its stage that are
-        not in the running batch are finished as aborted (those that are, the caller aborts) and the
-        error is raised."""
+        """Answer, score and prefill one round. If a forward fails, the requests of its stage and of the
+        stages after it that are not in the running batch are finished as aborted (those that are, the
+        caller aborts) and the error is raised: every request the round took from the queue is answered."""
         for request in taken.unforwarded:
             self._metrics.prompt_tokens.inc(len(request.prompt_ids))
             if request.logprob_start_len is not None:
                 request.input_logprobs = [None]
             self._outputs.finish(request, {"type": "length", "length": 0})
-        for stage, requests in ((self._score, taken.scored), (self._prefill_round, taken.admitted)):
+        stages = ((self._score, taken.scored), (self._prefill_round, taken.admitted))
+        for index, (stage, requests) in enumerate(stages):
             if not requests:
                 continue
             try:
                 stage(requests)
             except Exception as exc:
-                for request in requests:
-                    reason = abort_reason(f"prefill failed: {type(exc).__name__}: {exc}")
-                    self._outputs.finish(request, reason)
+                message = f"prefill failed: {type(exc).__name__}: {exc}"
+                for _, left in stages[index:]:
+                    for request in left:
+                        self._outputs.finish(request, abort_reason(message))
                 raise
 
     def _score(self, requests: list[EngineRequest]) -> None:

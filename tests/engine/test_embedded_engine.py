@@ -883,6 +883,40 @@ async def test_a_failing_model_step_aborts_its_requests_and_the_engine_survives(
         assert response.status == 503, "a dead worker thread must fail the health check"
 
 
+async def test_a_failing_scoring_prefill_also_aborts_the_requests_admitted_with_it(
+    server: RunningServer, http: aiohttp.ClientSession
+) -> None:
+    """One admission round holds a scoring request (max_new_tokens = 0 with prompt log-probs) and a
+    generating one; when the scoring forward fails, both are answered (aborted), none is left waiting."""
+    scheduler = server.state.require_scheduler()
+    real_model = scheduler.model
+
+    class BrokenModel:
+        config = real_model.config
+
+        def __call__(self, **kwargs: Any) -> Any:
+            raise RuntimeError("boom")
+
+    status, _ = await post(http, server.url + "/pause_generation", {"mode": "abort"})
+    assert status == 200
+    url = server.url + "/generate"
+    scoring = {**gen_body([1, 2, 3], max_new_tokens=0), "logprob_start_len": 0}
+    held = [
+        asyncio.create_task(post(http, url, scoring)),
+        asyncio.create_task(post(http, url, gen_body([4, 5], max_new_tokens=3))),
+    ]
+    await wait_until(lambda: server.state.require_scheduler().num_waiting() == 2)
+    scheduler.model = BrokenModel()
+    try:
+        await post(http, server.url + "/continue_generation", {})
+        replies = await asyncio.wait_for(asyncio.gather(*held), timeout=20)
+    finally:
+        scheduler.model = real_model
+    for status, obj in replies:
+        reason = obj["meta_info"]["finish_reason"]
+        assert status == 200 and reason["type"] == "abort" and "boom" in reason["message"]
+
+
 async def test_health_is_503_until_the_model_is_loaded(model_dirs: tuple[Path, Path]) -> None:
     app = build_app(ServerConfig(model=str(model_dirs[0]), port=0))
     runner = web.AppRunner(app)

@@ -224,6 +224,67 @@ def test_the_daemon_reads_as_its_schedule() -> None:
     assert lines < 400, f"pipeline/supervisor/daemon.py has {lines} lines: move machinery out of Supervisor"
 
 
+# --- sizes: a step reads on one screen (docs/architecture.md, "Variants chosen once") ---------------------
+RUNTIME_ROOMS = frozenset({"contracts", "transport", "envs", "supervisor", "engine", "learner"})
+MODULE_LINE_LIMIT = 600
+# Data, not logic: problem sets and their reference solutions grow with the task, not with the code.
+DATA_MODULES = frozenset({"envs.code_tests.problems", "envs.code_tests.reference_solutions"})
+HUB_CLASSES = ("LearnerWorker", "Trainer", "GroupScheduler", "_EpisodeRun")
+HUB_CLASS_LINE_LIMIT = 300
+HUB_METHOD_LINE_LIMIT = 40
+
+
+def oversized_modules(modules: Mapping[str, Path], limit: int = MODULE_LINE_LIMIT) -> list[str]:
+    """Runtime modules over `limit` lines, data modules aside."""
+    found = []
+    for module, path in sorted(modules.items()):
+        if module in DATA_MODULES or room_of(module) not in RUNTIME_ROOMS:
+            continue
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            found.append(f"{module}: {lines} lines")
+    return found
+
+
+def hub_class_problems(
+    modules: Mapping[str, Path],
+    names: Iterable[str] = HUB_CLASSES,
+    class_limit: int = HUB_CLASS_LINE_LIMIT,
+    method_limit: int = HUB_METHOD_LINE_LIMIT,
+) -> list[str]:
+    """Each named class exists once, spans at most `class_limit` lines, and none of its methods more
+    than `method_limit` (decorators and docstrings included)."""
+    wanted = set(names)
+    seen: dict[str, list[str]] = {name: [] for name in wanted}
+    problems = []
+    for module, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef) or node.name not in wanted:
+                continue
+            seen[node.name].append(module)
+            span = (node.end_lineno or node.lineno) - node.lineno + 1
+            if span > class_limit:
+                problems.append(f"{module}.{node.name}: {span} lines")
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    start = min([d.lineno for d in item.decorator_list] + [item.lineno])
+                    length = (item.end_lineno or item.lineno) - start + 1
+                    if length > method_limit:
+                        problems.append(f"{module}.{node.name}.{item.name}: {length} lines")
+    problems += [
+        f"{name}: defined in {where or 'no module'}" for name, where in seen.items() if len(where) != 1
+    ]
+    return sorted(problems)
+
+
+def test_runtime_modules_stay_under_the_line_limit() -> None:
+    assert oversized_modules(discover()) == []
+
+
+def test_hub_classes_read_on_one_screen() -> None:
+    assert hub_class_problems(discover()) == []
+
+
 # --- the checks themselves catch what they must ------------------------------------------------------------
 def synthetic_tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
     for rel, text in files.items():
@@ -276,4 +337,31 @@ def test_a_part_importing_what_composes_it_and_cycles_are_reported(tmp_path: Pat
     # engines/pool.py reaches back into the supervisor package, whose daemon imports engines/.
     assert cycles(folder_graph(edges, modules)) == [
         ["pipeline.supervisor", "pipeline.supervisor.actors", "pipeline.supervisor.engines"]
+    ]
+
+
+def test_size_checks_report_long_modules_classes_and_methods(tmp_path: Path) -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(41))
+    modules = synthetic_tree(
+        tmp_path,
+        {
+            "pipeline/__init__.py": "",
+            "pipeline/supervisor/__init__.py": "",
+            "pipeline/supervisor/big.py": "x = 1\n" * 601,
+            "pipeline/tools/__init__.py": "",
+            "pipeline/tools/long_bench.py": "x = 1\n" * 900,
+            "learner/__init__.py": "",
+            "learner/hub.py": (
+                f"class Trainer:\n    def step(self):\n{body}\n\n    def ok(self):\n        pass\n"
+            ),
+            "envs/__init__.py": "",
+            "envs/code_tests/__init__.py": "",
+            "envs/code_tests/problems.py": "x = 1\n" * 2000,
+        },
+    )
+    assert oversized_modules(modules) == ["pipeline.supervisor.big: 601 lines"]
+    assert hub_class_problems(modules, names=("Trainer", "Missing"), class_limit=40) == [
+        "Missing: defined in no module",
+        "learner.hub.Trainer.step: 42 lines",
+        "learner.hub.Trainer: 46 lines",
     ]

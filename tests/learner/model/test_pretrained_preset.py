@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner import gguf_presets
+from learner.model import gguf_presets
 from learner.model.gguf_presets import (
     SOURCE_FILE,
     MissingPretrained,

@@ -1,5 +1,6 @@
-"""How one step's work spreads over the learner's processes, chosen once: `OneProcess` or `DataParallel`
-over FSDP2 ranks (learner.distributed, learner.sharding), so the step never asks which it runs on.
+"""How one step's work spreads over the learner's processes, chosen once: `OneProcessSpread` or
+`DataParallelSpread` over FSDP2 ranks (learner.distributed, learner.sharding), so the step never asks
+which it runs on.
 
 Data parallel, every rank trains a disjoint share of each mini-batch; the losses are normalised by the
 window's global counts, so the summed gradients are the one-process ones. A rank whose share is empty runs
@@ -31,7 +32,7 @@ class Spread(Protocol):
     def merged(self, stats: StepStats) -> StepStats: ...
 
 
-class OneProcess:
+class OneProcessSpread:
     stop_at_nonfinite = True
 
     def __init__(self, device: torch.device, *, fused: bool = True) -> None:
@@ -58,7 +59,7 @@ class OneProcess:
         return stats
 
 
-class DataParallel:
+class DataParallelSpread:
     fused_optimizer = False  # sharded parameters keep torch's default
     stop_at_nonfinite = False
 
@@ -91,5 +92,5 @@ class DataParallel:
 def spread_for(ranks: Ranks | None, device: torch.device) -> Spread:
     """`ranks` of one process (or none) train as one process; AdamW is fused only without any."""
     if ranks is not None and ranks.world > 1:
-        return DataParallel(ranks)
-    return OneProcess(device, fused=ranks is None)
+        return DataParallelSpread(ranks)
+    return OneProcessSpread(device, fused=ranks is None)

@@ -205,7 +205,8 @@ def _of_kind(table: str, kinds: Mapping[str, type[Section]], default: str) -> Ca
         if not isinstance(data, dict):
             return data
         data = {"kind": default, **data}
-        own = kinds.get(data["kind"])
+        kind = data["kind"]
+        own = kinds.get(kind) if isinstance(kind, str) else None
         if own is None:
             return data  # the union names the kinds it knows
         for key in data:

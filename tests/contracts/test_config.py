@@ -196,3 +196,9 @@ def test_a_key_of_another_kind_or_from_before_the_tables_is_refused_naming_it(
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("override", ["engine.kind=[1]", "transport.kind={a=1}", "engine.kind=3"])
+def test_a_kind_that_is_not_a_name_is_a_config_error(override: str) -> None:
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        load_config(None, [override])

@@ -184,6 +184,7 @@ class MoeRouting:
         (FSDP); a rank's placeholder batch is not counted."""
         if not self._measure or self._before is None:
             return
+        batch = batch.to(self.device)  # the packs stay on the CPU when the engine's log-probs are proximal
         with self._hooks.capture():
             forward(batch, False)
         after = self._hooks.captured()

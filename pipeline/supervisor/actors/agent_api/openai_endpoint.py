@@ -423,8 +423,7 @@ class OpenAIEndpoint:
         if session is not None:
             completion = await session.complete(chat)
             return completion, f"{session.episode_id}-t{session.num_turns - 1}"
-        completion = await self._service.complete(chat)
-        return completion, self._service.last_rid
+        return await self._service.complete(chat)
 
     @staticmethod
     def _headers(clamped: list[str]) -> dict[str, str]:

@@ -17,7 +17,7 @@ from pipeline.supervisor.observability import metrics
 
 
 class ServiceTurns:
-    """Answers service requests; `last_rid` is the request id of the latest one ("svc-<prefix>-<n>")."""
+    """Answers service requests, each under its own request id ("svc-<prefix>-<n>")."""
 
     def __init__(self, engine: GenerateEngine, tokenizer: ChatTokenizer, settings: RolloutSettings) -> None:
         self.engine = engine
@@ -27,10 +27,6 @@ class ServiceTurns:
         self._parser = get_parser(settings.tool_parser)
         self._prefix = secrets.token_hex(4)
         self._requests = 0
-
-    @property
-    def last_rid(self) -> str:
-        return f"svc-{self._prefix}-{self._requests}"
 
     def _prompt(self, request: ChatRequest) -> tuple[list[int], int]:
         """(the rendered prompt's ids, the tokens left for the completion); 400 when none are."""
@@ -66,11 +62,12 @@ class ServiceTurns:
             stop=request.stop,
         )
 
-    async def complete(self, request: ChatRequest) -> Completion:
+    async def complete(self, request: ChatRequest) -> tuple[Completion, str]:
+        """The completion and its request id (taken before the await: service calls run concurrently)."""
         ids, budget = self._prompt(request)
         sampling = self._sampling(request, budget)
         self._requests += 1
-        rid = self.last_rid
+        rid = f"svc-{self._prefix}-{self._requests}"
         started = time.perf_counter()
         try:
             result = await self.engine.generate(ids, sampling, rid, affinity_key=rid)
@@ -99,7 +96,7 @@ class ServiceTurns:
                 for token, lp in zip(content_ids, result.logprobs, strict=False)
             ]
         finish = "length" if result.finish_reason == "length" else "tool_calls" if calls else "stop"
-        return Completion(
+        completion = Completion(
             content=content,
             tool_calls=calls,
             call_ids=[f"call_{secrets.token_hex(8)}" for _ in calls],
@@ -110,3 +107,4 @@ class ServiceTurns:
             fingerprint=f"rollwise-v{result.weight_version}",
             stop_sequence=result.matched,
         )
+        return completion, rid

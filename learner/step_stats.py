@@ -15,6 +15,7 @@ import torch
 
 from learner.loss.gspo import MAX_LOG_RATIO
 from learner.loss.mismatch import Correction
+from learner.loss.terms import ratio
 from learner.model.moe_routing import MoeStats
 from learner.step_input import StepInput, episode_return
 
@@ -98,22 +99,18 @@ class StepStats:
         lag0, lag1, k3 = (self.mismatch[k] for k in ("lag0", "lag1plus", "k3"))
         kept = self.corrected_tokens - self.rejected_tokens
         return {
-            "mismatch_abs_mean": _ratio(lag0[0] + lag1[0], lag0[1] + lag1[1]),
-            "mismatch_abs_mean_lag0": _ratio(*lag0),
-            "mismatch_abs_mean_lag1plus": _ratio(*lag1),
-            "mismatch_k3": _ratio(*k3),
-            "is_weight_mean": _ratio(self.weight_sum, kept) if self.corrected_tokens else 1.0,
+            "mismatch_abs_mean": ratio(lag0[0] + lag1[0], lag0[1] + lag1[1]),
+            "mismatch_abs_mean_lag0": ratio(*lag0),
+            "mismatch_abs_mean_lag1plus": ratio(*lag1),
+            "mismatch_k3": ratio(*k3),
+            "is_weight_mean": ratio(self.weight_sum, kept) if self.corrected_tokens else 1.0,
             "is_weight_max": self.weight_max if self.corrected_tokens else 1.0,
-            "is_truncated_fraction": _ratio(self.truncated_tokens, kept),
-            "rejected_fraction": _ratio(self.rejected_tokens, self.corrected_tokens),
+            "is_truncated_fraction": ratio(self.truncated_tokens, kept),
+            "rejected_fraction": ratio(self.rejected_tokens, self.corrected_tokens),
         }
 
     def term_metrics(self) -> dict[str, float]:
         return {key: value for part in self.terms.values() for key, value in part.metrics().items()}
-
-
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else 0.0
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -140,7 +137,7 @@ def step_metrics(data: StepInput, stats: StepStats, elapsed: float, clock: StepC
         **stats.term_metrics(),
         **stats.mismatch_metrics(),
         **stats.moe.metrics(),
-        "overlong_fraction": _ratio(data.overlong_turns, data.turns),
+        "overlong_fraction": ratio(data.overlong_turns, data.turns),
         "entropy": _mean(stats.entropies),
         "entropy_coef": clock.entropy_coef,
         "action_prior_coef": clock.action_prior_coef,

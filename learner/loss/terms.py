@@ -107,7 +107,8 @@ def generated_token_entropy(rows: Tensor, temperature: float) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1).mean()
 
 
-def _ratio(num: float, den: float) -> float:
+def ratio(num: float, den: float) -> float:
+    """num / den, 0.0 when nothing was counted."""
     return num / den if den > 0 else 0.0
 
 
@@ -164,8 +165,8 @@ class PolicyStats:
         return out
 
     def metrics(self) -> dict[str, float]:
-        seq = {k: _ratio(v, self.sequences) for k, v in self.seq_sums.items()}
-        tok = {k: _ratio(v, self.scored_tokens) for k, v in self.token_sums.items()}
+        seq = {k: ratio(v, self.sequences) for k, v in self.seq_sums.items()}
+        tok = {k: ratio(v, self.scored_tokens) for k, v in self.token_sums.items()}
         measured = bool(self.ratio_means)
         return {
             "clip_fraction": seq.get("clip_fraction", 0.0),
@@ -205,7 +206,7 @@ class TermMean:
 
     def metrics(self) -> dict[str, float]:
         if self.weight or self.always:
-            return {self.key: _ratio(self.total, self.weight)}
+            return {self.key: ratio(self.total, self.weight)}
         return {}
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from pipeline.engine import routed_experts
+from pipeline.engine import lora_slots, routed_experts
 from pipeline.engine.engine_request import EngineRequest
 from pipeline.engine.routed_experts import Captured
 
@@ -93,8 +93,6 @@ class ModelForward:
             if any(r.adapter is not None for r in rows):
                 raise ValueError("a request names a LoRA adapter but none is loaded")
             return {}
-        from pipeline.engine.lora_slots import adapter_names
-
         names = {r.adapter for r in rows}
         if len(names) == 1 and None not in names:
             (name,) = names
@@ -102,7 +100,7 @@ class ModelForward:
                 self.model.set_adapter(name)
                 self._active_adapter = name
             return {}
-        return {"adapter_names": adapter_names([r.adapter for r in rows])}
+        return {"adapter_names": lora_slots.adapter_names([r.adapter for r in rows])}
 
     @contextlib.contextmanager
     def _routing(self, rows: list[EngineRequest]) -> Iterator[Captured | None]:
@@ -121,21 +119,15 @@ class ModelForward:
         self.model = model  # same architecture, same loader: the cache keyword stays
 
     def attach_adapter(self, name: str, config: Any, weights: dict[str, Any]) -> None:
-        from pipeline.engine.lora_slots import attach_adapter
-
-        self.model = attach_adapter(self.model, name, config, weights)
+        self.model = lora_slots.attach_adapter(self.model, name, config, weights)
         self._lora_active = True
         self._active_adapter = None
 
     def refill_adapter(self, slot: str, weights: dict[str, Any]) -> None:
-        from pipeline.engine.lora_slots import refill_adapter
-
-        refill_adapter(self.model, slot, weights)
+        lora_slots.refill_adapter(self.model, slot, weights)
 
     def detach_adapter(self, name: str) -> None:
-        from pipeline.engine.lora_slots import detach_adapter
-
-        self.model = detach_adapter(self.model, name)
+        self.model = lora_slots.detach_adapter(self.model, name)
         self._lora_active = hasattr(self.model, "peft_config")
         self._active_adapter = None
 

@@ -32,7 +32,7 @@ from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 from pipeline.contracts.tls import context_for
-from pipeline.supervisor.actors.rollout import ENGINE_LABEL
+from pipeline.supervisor.actors.episode_end import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
@@ -274,7 +274,7 @@ class Supervisor:
         self.evaluator = build_evaluator(
             self.setup,
             engine=self.engines.generator,
-            tokenizer=self.scheduler.tokenizer,
+            tokenizer=self.scheduler.recipe.tokenizer,
             progress=self.progress,
             started_at=self.started_at,
             on_result=self.trackers.log_eval if self.trackers is not None else None,

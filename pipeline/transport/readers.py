@@ -31,9 +31,10 @@ class GroupReader(Protocol):
 
 def open_spool_reader(cfg: Config, spool_dir: Path, *, after_seq: int) -> GroupReader:
     """The reader `cfg` asks for, positioned after `after_seq` (the checkpoint's consumed sequence)."""
-    t = cfg.transport  # Config refuses learner.remote.spool_url without transport.kind = "flight"
-    if cfg.learner.remote.spool_url is None or not isinstance(t, FlightTransport):
+    if cfg.learner.remote.spool_url is None:
         return SpoolReader(spool_dir, after_seq=after_seq)
+    t = cfg.transport
+    assert isinstance(t, FlightTransport), "Config refuses learner.remote.spool_url without flight"
     from pipeline.transport.flight import FlightSpoolReader
 
     return FlightSpoolReader(

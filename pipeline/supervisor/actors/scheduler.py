@@ -170,10 +170,6 @@ class GroupScheduler:
         return self._accepted
 
     @property
-    def tokenizer(self) -> ChatTokenizer:
-        return self.recipe.tokenizer
-
-    @property
     def groups_cut(self) -> int:
         return self.cuts.groups_cut
 

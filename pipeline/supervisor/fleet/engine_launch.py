@@ -124,9 +124,10 @@ def tls_flags(cfg: Config, slot: EngineSlot) -> list[str]:
     flags: list[str] = []
     if slot.scheme == "https":
         flags += ["--ssl-certfile", str(tls.cert_file), "--ssl-keyfile", str(tls.key_file)]
-    if tls.ca_file is not None and cfg.engine.kind == "embedded":
+    embedded = cfg.engine.kind == "embedded"
+    if tls.ca_file is not None and embedded:
         flags += ["--ssl-ca-certs", tls.ca_file]
-    if tls.allow_plaintext and cfg.engine.kind == "embedded":
+    if tls.allow_plaintext and embedded:
         flags.append("--allow-plaintext")
     return flags
 
@@ -139,7 +140,8 @@ def priority_scheduling_args(cfg: Config) -> list[str]:
     if not cfg.eval.enabled or cfg.eval.priority == "off" or cfg.eval.engine == "dedicated":
         return []
     e = cfg.engine
-    if isinstance(e, ManagedEngine) and "--enable-priority-scheduling" in e.extra_args:
+    assert isinstance(e, ManagedEngine), "only engines rollwise launches take launch flags"
+    if "--enable-priority-scheduling" in e.extra_args:
         return []
     return ["--enable-priority-scheduling", "--default-priority-value", "0"]
 
@@ -147,9 +149,9 @@ def priority_scheduling_args(cfg: Config) -> list[str]:
 def engine_seed(cfg: Config, slot: EngineSlot) -> int:
     """run.seed + the engine's index (engine0, engine1, ...); an engine named otherwise (the evaluation
     engine, pipeline.supervisor.fleet.eval_engine) takes the index after the planned ones."""
+    assert isinstance(cfg.engine, ManagedEngine), "only engines rollwise launches are seeded"
     index = slot.name.removeprefix("engine")
-    planned = cfg.engine.num_engines if isinstance(cfg.engine, ManagedEngine) else len(cfg.engine.urls)
-    return cfg.run.seed + (int(index) if index.isdigit() else planned)
+    return cfg.run.seed + (int(index) if index.isdigit() else cfg.engine.num_engines)
 
 
 def engine_argv(

@@ -55,8 +55,7 @@ def eval_engine_config(cfg: Config) -> Config:
     """`cfg` as the evaluation engine is launched with: eval.engine_args appended, and an embedded
     engine's own thread count (external engines have no evaluation engine: eval_schedule refuses it)."""
     e = cfg.engine
-    if not isinstance(e, ManagedEngine):
-        return cfg
+    assert isinstance(e, ManagedEngine), "resolve_eval refuses a dedicated engine beside external ones"
     update: dict[str, object] = {"extra_args": [*e.extra_args, *cfg.eval.engine_args]}
     if isinstance(e, EmbeddedEngine):
         update["threads"] = cfg.eval.engine_threads

@@ -87,7 +87,7 @@ class HttptoolsReplies:
         return self.complete
 
     def next_reply(self) -> None:
-        self.complete = False
+        self.complete, self.status, self.body, self.keep_alive = False, 0, b"", False
 
 
 def own(pieces: Sequence[bytes]) -> tuple[int, bytes, bool]:

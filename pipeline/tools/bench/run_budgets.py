@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.contracts.run_dir import log_lines
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -40,16 +42,15 @@ class LearnerBudget:
 def step_records(step_log: Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
     """The learner's step records in a run's `logs/steps.jsonl` that `keep` accepts, one per step number
     in step order (of a step a restarted learner trained twice, its last record); lines cut by a kill and
-    a missing file give nothing."""
+    a missing file give nothing; rotated copies are read first, oldest first."""
     steps: dict[int, dict[str, Any]] = {}
-    if step_log.is_file():
-        for line in step_log.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("event") == "step" and keep(record):
-                steps[int(record["step"])] = record
+    for line in log_lines(step_log):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("event") == "step" and keep(record):
+            steps[int(record["step"])] = record
     return [steps[s] for s in sorted(steps)]
 
 

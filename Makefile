@@ -57,8 +57,13 @@ system-packages:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends $$missing >/dev/null; } || \
 	  echo "warning: could not install$$missing; the tests that need them will be skipped"
 
+# pytest-xdist workers, a file per unit of work; tests/conftest.py says how they keep out of each other's
+# way. Two suit a 2-core machine (the suite's time bounds are set for it); PYTEST_WORKERS=0 runs the
+# suite in this one process.
+PYTEST_WORKERS ?= 2
+
 test: lint system-packages
-	.venv/bin/pytest -q $(PYTEST_ARGS)
+	.venv/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venv runs .mypy_cache .ruff_cache .pytest_cache

@@ -372,6 +372,7 @@ async def test_kv_kept_across_an_in_place_update_is_never_cached(
     assert next_turn["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.slow  # its fixture loads SmolLM2
 async def test_the_real_model_reuses_a_conversation_with_unchanged_outputs(
     smollm2_dir: Path, http: aiohttp.ClientSession
 ) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.learner.parity.capture_worker import FIXTURE, RESUMED, VARIANTS, capture, fingerprint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # its module fixture runs the learner
 
 REL, ABS = 1e-5, 1e-7
 

@@ -369,6 +369,7 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_a_learner_with_its_own_run_dir_trains_resumes_after_kill_9_and_shares_no_disk(
     tmp_path: Path,

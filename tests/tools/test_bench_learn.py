@@ -136,7 +136,7 @@ def test_smoke_two_seeds_of_a_tiny_daemon(tmp_path: Path, capsys: pytest.Capture
         assert "seed = 1000003" in config
         # The run's budgets: the learner's two steps, and the engines' CPU share while it ran.
         budgets = (tmp_path / f"seed{seed}" / "logs" / "budgets.txt").read_text()
-        assert budgets.startswith(f"seed {seed}: learner: 2 steps, idle ") and "engines: idle " in budgets
+        assert budgets.startswith(f"seed {seed}: learner: 2 steps (") and "engines: idle " in budgets
 
 
 def test_a_seed_that_outlives_the_sigterm_grace_is_killed_and_its_evaluations_kept(

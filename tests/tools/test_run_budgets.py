@@ -20,9 +20,10 @@ from pipeline.tools.bench.run_budgets import (
 )
 
 
-def _step(n: int, busy: float, idle: float, tokens: float, seconds: float) -> str:
+def _step(n: int, busy: float, idle: float, tokens: float, seconds: float, groups: int = 4) -> str:
     metrics = {"tokens": tokens, "step_time_s": seconds}
-    return json.dumps({"event": "step", "step": n, "busy_s": busy, "idle_s": idle, "metrics": metrics})
+    record = {"event": "step", "step": n, "groups": groups, "busy_s": busy, "idle_s": idle}
+    return json.dumps({**record, "metrics": metrics})
 
 
 def test_the_learner_budget_sums_busy_and_idle_and_leaves_the_first_step_out_of_tokens_per_s(
@@ -30,11 +31,11 @@ def test_the_learner_budget_sums_busy_and_idle_and_leaves_the_first_step_out_of_
 ) -> None:
     log = tmp_path / "steps.jsonl"
     lines = [_step(1, 10.0, 30.0, 1000, 9.0), '{"event": "sync"}', _step(2, 8.0, 1.0, 800, 8.0)]
-    lines += [_step(3, 6.0, 1.0, 900, 6.0), "{cut"]
+    lines += [_step(3, 6.0, 1.0, 900, 6.0), _step(4, 0.5, 2.0, 0, 0.0, groups=0), "{cut"]
     log.write_text("\n".join(lines))
     budget = learner_budget(log)
-    assert budget == LearnerBudget(steps=3, busy_s=24.0, idle_s=32.0, tokens_per_s=1700 / 14.0)
-    assert budget.idle_fraction == pytest.approx(32 / 56)
+    assert budget == LearnerBudget(steps=4, busy_s=24.5, idle_s=34.0, tokens_per_s=1700 / 14.0, updates=3)
+    assert budget.idle_fraction == pytest.approx(34 / 58.5)
     assert learner_budget(tmp_path / "none.jsonl") == LearnerBudget(0, 0.0, 0.0, None)
     assert LearnerBudget(0, 0.0, 0.0, None).idle_fraction == 0.0
 
@@ -66,9 +67,10 @@ def test_child_cpu_counts_only_the_marked_children_of_the_parent() -> None:
 
 
 def test_the_budget_line_names_both_idle_shares() -> None:
-    line = render_budgets(LearnerBudget(3, 90.0, 10.0, 150.0), engine_busy=0.94)
+    line = render_budgets(LearnerBudget(3, 90.0, 10.0, 150.0, updates=2), engine_busy=0.94)
     assert line == (
-        "learner: 3 steps, idle 10.0% of its time (busy 90 s, waiting 10 s), 150.0 tokens/s; "
+        "learner: 3 steps (2 updated the weights), idle 10.0% of its time (busy 90 s, waiting 10 s), "
+        "150.0 tokens/s; "
         "engines: idle 6.0% of their cores (CPU time)"
     )
     assert "engines" not in render_budgets(LearnerBudget(0, 0.0, 0.0, None), engine_busy=None)

@@ -2,7 +2,8 @@
 is the product"): how busy the learner was, how busy the engines were, and the learner's tokens/s.
 
 - Learner: from `logs/steps.jsonl`, each step's `busy_s` (from taking its first group to its step event)
-  and `idle_s` (waiting for groups before it). Idle is the share of waiting in their sum.
+  and `idle_s` (waiting for groups before it). Idle is the share of waiting in their sum. A step whose
+  groups were all dropped (no reward variance, stale) changes no weight; `updates` counts the others.
 - Engines: the CPU seconds of each embedded engine process (utime + stime from /proc/<pid>/stat, its
   threads included) over the run's wall time and its torch threads: the share of its cores it computed
   on. On a GPU engine this says nothing (the work is the GPU's); it is meant for the embedded engine.
@@ -32,6 +33,7 @@ class LearnerBudget:
     busy_s: float
     idle_s: float
     tokens_per_s: float | None
+    updates: int = 0
 
     @property
     def idle_fraction(self) -> float:
@@ -62,6 +64,7 @@ def learner_budget(step_log: Path) -> LearnerBudget:
             "idle": float(record.get("idle_s") or 0.0),
             "tokens": float((record.get("metrics") or {}).get("tokens") or 0.0),
             "seconds": float((record.get("metrics") or {}).get("step_time_s") or 0.0),
+            "trained": int(record.get("groups") or 0),
         }
         for record in step_records(step_log, lambda r: "busy_s" in r)
     ]
@@ -72,6 +75,7 @@ def learner_budget(step_log: Path) -> LearnerBudget:
         busy_s=sum(s["busy"] for s in ordered),
         idle_s=sum(s["idle"] for s in ordered),
         tokens_per_s=sum(s["tokens"] for s in timed) / seconds if seconds > 0 else None,
+        updates=sum(1 for s in ordered if s["trained"] > 0),
     )
 
 
@@ -124,7 +128,8 @@ def engine_busy_fraction(cpu_s: float, wall_s: float, threads: int, engines: int
 def render_budgets(learner: LearnerBudget, engine_busy: float | None) -> str:
     tokens = f"{learner.tokens_per_s:.1f}" if learner.tokens_per_s is not None else "n/a"
     line = (
-        f"learner: {learner.steps} steps, idle {100 * learner.idle_fraction:.1f}% of its time "
+        f"learner: {learner.steps} steps ({learner.updates} updated the weights), "
+        f"idle {100 * learner.idle_fraction:.1f}% of its time "
         f"(busy {learner.busy_s:.0f} s, waiting {learner.idle_s:.0f} s), {tokens} tokens/s"
     )
     if engine_busy is not None:

@@ -6,8 +6,7 @@ module's fixtures are built once). Two rules keep the workers from slowing each 
 - files holding a test marked `slow` are collected first, so the longest units start first and the run
   does not end on one worker's long test while the other idles;
 - each worker, and every process it starts that does not choose its own, runs torch on one thread: two
-  workers on two cores with a thread pool each spin-wait against each other (OpenMP), which made the
-  CPU-bound tests up to twice as slow.
+  workers on two cores with a thread pool each would spin-wait against each other (OpenMP).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ state of the adapter parameters only, and `model/` (the initial model) is what i
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -190,7 +191,9 @@ def apply_lora(model: Any, cfg: LoraConfig, *, seed: int = 0) -> LoraPolicy:
             f"learner.lora.target_modules: {hit} are the MoE routers of {type(model).__name__}, not linear "
             "layers; LoRA cannot adapt them"
         )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads transformers' renamed `is_gradient_checkpointing`; the warning is theirs to fix.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, peft_config(cfg), adapter_name=ADAPTER_NAME)
     return LoraPolicy(peft_model, cfg)

@@ -338,7 +338,7 @@ def test_a_run_directory_written_with_dtype_is_refused_naming_precision(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # seven variants, each a process of its own that loads torch and the model
+@pytest.mark.timeout(900)  # eight variants, each a process of its own that loads the model
 def test_learner_bench_measures_every_variant_against_fp32() -> None:
     """Each variant in its own process; on the tiny preset checkpointing and bf16 weights cut the peak.
 
@@ -347,9 +347,8 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
     checkpointing at 1.09x) stand well above the allocator's page-level noise."""
     from pipeline.tools.bench.learner_step import run
 
-    report = run(
-        ["--preset", "tiny", "--repeats", "1", "--groups", "2", "--prompt", "32", "--generated", "480"]
-    )
+    shape = ["--preset", "tiny", "--repeats", "1", "--groups", "2", "--prompt", "32", "--generated", "480"]
+    report = run([*shape, "--threads", "1"])  # a second thread would spin against the other pytest worker
     results = report["results"]
     assert list(results) == [
         "fp32", "fp32+ckpt", "bf16-mixed", "bf16-mixed+ckpt", "bf16", "fp32+lora", "bf16-mixed+lora",
@@ -361,6 +360,13 @@ def test_learner_bench_measures_every_variant_against_fp32() -> None:
     assert results["bf16"]["memory_ratio"] < 0.9
     assert results["fp32+lora"]["memory_ratio"] < 1.0  # no AdamW state or gradients of the base weights
     assert report["auto"] in ("fp32", "bf16-mixed")
+
+
+def test_a_variant_that_fails_is_named_with_its_error(tmp_path: Path) -> None:
+    from pipeline.tools.bench.learner_step import _in_forked_processes
+
+    with pytest.raises(RuntimeError, match=r"variant bf16-mixed\+lora failed: .*missing"):
+        _in_forked_processes(tmp_path / "missing", ["bf16-mixed+lora"], ["--preset", "tiny"])
 
 
 # --- regularisers ------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ The model is a preset (default `small`, ~10M parameters; `--preset smollm2-135m-
 one) built from its config; the batch is synthetic: `--groups` groups of `--group-size` one-turn episodes
 of `--prompt` prompt and `--generated` generated tokens with random ids (a group's episodes share their
 prompt, as a task's do), outcomes alternating 0/1 (every group carries signal). Per variant, in a
-process of its own: `--repeats` measured steps for the peak (after one warm-up step), then one more
-warm-up and `--repeats` timed steps (median time, highest peak).
+process of its own (forked from a server that has imported torch and transformers once):
+`--repeats` measured steps for the peak (after one warm-up step), then one more warm-up and `--repeats`
+timed steps (median time, highest peak).
 
 Peak memory: CUDA's max_memory_allocated, or on a CPU the process's high-water mark (VmHWM) above its
 level before the step, measured with glibc's mmap threshold fixed at 128 KiB: otherwise memory one step
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -37,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -192,20 +196,51 @@ def _variant_name(precision: str, checkpointing: bool, lora: bool = False, share
     return precision + "".join(name for name, on in options if on)
 
 
-def _in_own_process(model_dir: Path, name: str, argv: list[str], nproc: int = 1) -> dict[str, Any]:
+# What every variant's process imports before its step: the forkserver imports them once and forks a
+# fresh process per variant from it, so a variant's peak and time are its own and the imports (most of a
+# small preset's run) are paid once. The server never runs a torch op, so forking it is safe with OpenMP.
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "learner.trainer",
+    "learner.model.model_io",
+    "learner.model.lora",
+    "pipeline.tools.bench.learner_step",
+]
+
+
+def _variant_in_child(model_dir: Path, name: str, argv: list[str]) -> dict[str, Any]:
+    """One variant's measurement, in a process forked for it alone (see `_FORKSERVER_PRELOAD`)."""
+    args = _parser().parse_args([*argv, "--variant", name, "--model", str(model_dir)])
+    return _run_variant(args)
+
+
+def _in_forked_processes(model_dir: Path, names: list[str], argv: list[str]) -> dict[str, dict[str, Any]]:
+    """Each variant in a fresh process of its own, one after the other (`_FORKSERVER_PRELOAD`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    # By its module's name, so that it pickles the same when this module runs as __main__.
+    from pipeline.tools.bench.learner_step import _variant_in_child as measure
+
+    results: dict[str, dict[str, Any]] = {}
+    with ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1) as pool:
+        for name in names:
+            try:
+                results[name] = pool.submit(measure, model_dir, name, argv).result()
+            except BrokenProcessPool as exc:
+                raise RuntimeError(f"variant {name} failed: its process died ({exc})") from exc
+            except Exception as exc:
+                raise RuntimeError(f"variant {name} failed: {exc!r}") from exc
+    return results
+
+
+def _in_ranks(model_dir: Path, name: str, argv: list[str], nproc: int) -> dict[str, Any]:
+    """A ranked variant under torchrun, which starts its own processes."""
     env = dict(os.environ)
-    if nproc > 1:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-        ]
-        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
-    else:
-        launcher = [sys.executable]
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     cmd = [
         *launcher,
         "-m",
@@ -253,13 +288,9 @@ def run(argv: list[str]) -> dict[str, Any]:
         model_dir = init_model(Path(tmp) / "model", preset=args.preset, seed=0)
         if args.nproc > 1:
             child_argv = _without_nproc(argv)
-            results = {
-                name: _in_own_process(model_dir, name, child_argv, n) for name, n in _rank_variants(args)
-            }
+            results = {name: _in_ranks(model_dir, name, child_argv, n) for name, n in _rank_variants(args)}
         else:
-            results = {
-                _variant_name(*v): _in_own_process(model_dir, _variant_name(*v), argv) for v in VARIANTS
-            }
+            results = _in_forked_processes(model_dir, [_variant_name(*v) for v in VARIANTS], argv)
     base = next(iter(results.values()))
     for entry in results.values():
         entry["time_ratio"] = entry["seconds"] / base["seconds"]
@@ -333,6 +364,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """The measurement of `args.variant` in this process (a ranked one: this rank's part of it)."""
+    torch.set_num_threads(args.threads)
+    bound_kernel_caches()  # as the learner process does
+    ranked = _RANKED.match(args.variant)
+    if ranked is not None:
+        return _measure(Path(args.model), ranked["precision"], False, args, nproc=int(ranked["nproc"]))
+    precision, *options = args.variant.split("+")
+    return _measure(
+        Path(args.model),
+        precision,
+        "ckpt" in options,
+        args,
+        lora="lora" in options,
+        shared="unshared" not in options,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     if any(arg == "--replay" or arg.startswith("--replay=") for arg in argv):
@@ -341,25 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         return replay_main(argv)  # a run's own steps, not a synthetic batch (its module docstring)
     args = _parser().parse_args(argv)
     if args.variant is not None:
-        torch.set_num_threads(args.threads)
-        bound_kernel_caches()  # as the learner process does
-        ranked = _RANKED.match(args.variant)
-        if ranked is not None:
-            nproc = int(ranked["nproc"])
-            result = _measure(Path(args.model), ranked["precision"], False, args, nproc=nproc)
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(json.dumps(result))
-            return 0
-        precision, *options = args.variant.split("+")
-        result = _measure(
-            Path(args.model),
-            precision,
-            "ckpt" in options,
-            args,
-            lora="lora" in options,
-            shared="unshared" not in options,
-        )
-        print(json.dumps(result))
+        result = _run_variant(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return 0
     report = run([a for a in argv if a != "--json"])
     print(json.dumps(report) if args.json else format_report(report))

@@ -75,7 +75,8 @@ def test_a_hostile_network_costs_time_but_loses_nothing_and_the_run_resumes_by_i
     throttled weight link, the learner's host and then the engine's host partitioned for 30 s (the
     shortest partition the issue names; the bench's default is 35 s)."""
     args = hostile_network.parse(["--steps", "3", "--partition-s", "30"])
-    outcomes = {name: hostile_network.run_scenario(fleet, name, args) for name in hostile_network.SCENARIOS}
+    names = list(hostile_network.SCENARIOS)
+    outcomes = dict(zip(names, hostile_network.run_scenarios(fleet, names, args), strict=True))
     for outcome in outcomes.values():
         assert outcome.resume_s is not None and outcome.resume_s < 30.0, outcome
     for name in ("latency", "drops", "throttle"):  # slower, never stalled

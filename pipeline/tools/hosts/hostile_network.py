@@ -9,9 +9,11 @@ other on the same run:
 - `engine-cut`: the engine's host partitioned for `--partition-s` seconds.
 
 Each fault lasts until `--steps` learner steps happened under it (a partition: its fixed time), then the
-network is healed and the run must make `--steps` more on its own. Per fault it prints the steps under
-it, the seconds per step under it against the calm ones before it, the longest gap between two steps,
-the seconds from healing to the next step, and the messages the supervisor printed while it lasted.
+network is healed and the run must make `--steps` more on its own; those are the calm steps the next
+fault is compared with (topped up to `--steps` intervals from the first step after healing). Per fault it
+prints the steps under it, the seconds per step under it against the calm ones before it, the longest gap
+between two steps, the seconds from healing to the next step, and the messages the supervisor printed
+while it lasted.
 At the end the run stops and the soak's books must balance (nothing lost, nothing trained twice).
 Root only (ip netns). Prints one JSON object and writes it to `--out`/summary.json.
 """
@@ -78,10 +80,26 @@ def _heal(fleet: FleetOnHosts) -> None:
         fleet.net.mend(host)
 
 
-def run_scenario(fleet: FleetOnHosts, name: str, args: argparse.Namespace) -> Outcome:
-    """Calm steps, the fault, healing, steps on its own: the outcome (module docstring)."""
-    fleet.wait_steps(args.steps, timeout_s=args.step_timeout_s)
-    calm = [t for t, _ in fleet.steps()][-(args.steps + 1) :]
+def run_scenarios(fleet: FleetOnHosts, names: list[str], args: argparse.Namespace) -> list[Outcome]:
+    """The faults one after the other; the steps after one fault are the calm steps before the next."""
+    outcomes: list[Outcome] = []
+    calm_since = 0.0
+    for name in names:
+        outcome, calm_since = run_scenario(fleet, name, args, calm_since)
+        outcomes.append(outcome)
+        print(json.dumps(asdict(outcome)), file=sys.stderr, flush=True)
+    return outcomes
+
+
+def run_scenario(
+    fleet: FleetOnHosts, name: str, args: argparse.Namespace, calm_since: float = 0.0
+) -> tuple[Outcome, float]:
+    """Calm steps (those since `calm_since`, waited for when fewer than `--steps` + 1), the fault,
+    healing, steps on its own: the outcome, and the time the run resumed after it."""
+    calm = [t for t, _ in fleet.steps() if t >= calm_since]
+    if len(calm) < args.steps + 1:
+        fleet.wait_steps(args.steps + 1 - len(calm), timeout_s=args.step_timeout_s)
+    calm = [t for t, _ in fleet.steps() if t >= calm_since][-(args.steps + 1) :]
     start_fault, fixed_s = _faults(fleet, args)[name]
     began = fleet.now()
     counted = _dropped_and_reset(fleet)
@@ -100,7 +118,7 @@ def run_scenario(fleet: FleetOnHosts, name: str, args: argparse.Namespace) -> Ou
     after = [t for t, _ in fleet.steps() if t > healed]
     resumed = after[0] if after else fleet.now()
     said = [str(e.get("text")) for t, e in fleet.snapshot("message") if began <= t <= resumed]
-    return Outcome(
+    outcome = Outcome(
         name=name,
         fault_s=round(healed - began, 1),
         steps_during=len(during),
@@ -112,6 +130,7 @@ def run_scenario(fleet: FleetOnHosts, name: str, args: argparse.Namespace) -> Ou
         resets=resets,
         messages=list(dict.fromkeys(said)),
     )
+    return outcome, resumed
 
 
 def _dropped_and_reset(fleet: FleetOnHosts) -> tuple[int, int]:
@@ -125,12 +144,9 @@ def _round(x: float | None) -> float | None:
 
 def measure(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The whole bench on a fleet under `root`: outcomes, books, secrets seen on the wire."""
-    outcomes: list[Outcome] = []
     with FleetOnHosts(root, tls=not args.plaintext, seed=args.seed) as fleet:
         fleet.start()
-        for name in args.scenarios:
-            outcomes.append(run_scenario(fleet, name, args))
-            print(json.dumps(asdict(outcomes[-1])), file=sys.stderr, flush=True)
+        outcomes = run_scenarios(fleet, args.scenarios, args)
         code = fleet.stop()
         books = fleet.books()
         seen = {key: fleet.proxy.seen(secret) for key, secret in SECRETS.items()}

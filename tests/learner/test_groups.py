@@ -121,7 +121,7 @@ def test_the_version_a_checkpoint_published_is_read_in_one_place(tmp_path: Path)
 def test_every_event_survives_encode_and_decode() -> None:
     samples: list[events.LearnerEvent] = [
         events.Ready(version=2, step=5, consumed_seq=9, path="/r/weights/v2"),
-        events.Dropped(seq=4, group_id="g4", reason="stale"),
+        events.Dropped(seq=4, group_id="g4", reason="stale", tokens=12),
         events.Step(
             step=1,
             version=1,
@@ -162,6 +162,11 @@ def test_every_event_survives_encode_and_decode() -> None:
 def test_a_malformed_event_names_what_is_wrong(obj: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         events.decode(obj)
+
+
+def test_a_dropped_event_without_tokens_is_an_older_learners_and_counts_none() -> None:
+    old = events.decode({"event": "dropped", "seq": 4, "group_id": "g4", "reason": "stale"})
+    assert old == events.Dropped(seq=4, group_id="g4", reason="stale", tokens=0)
 
 
 def test_non_finite_metrics_cannot_be_encoded_and_travel_as_null() -> None:

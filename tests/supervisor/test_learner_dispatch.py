@@ -67,6 +67,32 @@ async def test_drops_before_the_scheduler_are_handed_over_and_each_spool_seq_cou
     assert admission.returned == 1 and handler.drops_unclaimed == 0
 
 
+async def test_a_dropped_groups_tokens_count_as_waste_by_cause_once(dispatch: Dispatch) -> None:
+    def wasted(cause: str) -> float:
+        return (
+            metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_wasted_total", {"cause": cause}) or 0
+        )
+
+    def no_signal() -> float:
+        return metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_no_signal_total") or 0
+
+    before = {cause: wasted(cause) for cause in ("stale", "rejected")}, no_signal()
+    handler = dispatch.handler
+    for event in (
+        events.Dropped(seq=11, group_id="g11", reason="stale", tokens=40),
+        events.Dropped(seq=11, group_id="g11", reason="stale", tokens=40),  # a restarted learner's again
+        events.Dropped(seq=12, group_id="g12", reason="invalid_tokens", tokens=7),
+        events.Dropped(seq=13, group_id="g13", reason="no_update", tokens=25),
+        events.Dropped(seq=14, group_id="f14", reason="quarantined"),
+    ):
+        await handler.handle(event)
+    assert {cause: wasted(cause) - before[0][cause] for cause in ("stale", "rejected")} == {
+        "stale": 40,
+        "rejected": 7,
+    }
+    assert no_signal() - before[1] == 25
+
+
 async def test_a_step_reaches_the_book_the_step_log_and_the_progress_stream(dispatch: Dispatch) -> None:
     handler, out = dispatch.handler, dispatch.out
     await handler.handle(_step(7))

@@ -44,6 +44,22 @@ async def test_eta_zero_trains_only_fresh_tokens_and_eta_two_stays_within_bound(
     # busier.
     assert 0.05 < sync.engine_idle_fraction < 1.0
     assert 0.0 <= overlapped.engine_idle_fraction < sync.engine_idle_fraction
+    # The books: every generated token is trained, wasted by a cause, or still unconsumed at the end
+    # (in the spool, or in groups the drain cancelled); η = 0 wastes nothing to staleness.
+    for arm in (sync, overlapped):
+        assert (
+            arm.trained_tokens > 0
+            and arm.trained_tokens + sum(arm.wasted_tokens.values()) <= arm.generated_tokens
+        )
+        assert set(arm.wasted_tokens) == {"stale", "rejected", "cut", "aborted", "failed", "lost"}
+    assert sync.wasted_tokens["stale"] == 0
+    assert (overlapped.wasted_tokens["stale"] > 0) == (overlapped.dropped_stale > 0)
+    # The learner is modelled at 0.1 s a step: it allows 36,000 steps/h; the engines' bound comes from
+    # their busy token rate; the efficiency is achieved over the lower one.
+    assert sync.bounds.learner_steps_per_hour == pytest.approx(36000.0)
+    assert sync.bounds.engine_steps_per_hour is not None and sync.bounds.engine_steps_per_hour > 0
+    assert sync.efficiency == pytest.approx(sync.steps_per_hour / sync.bounds.bound)
+    assert 0.0 < sync.efficiency < overlapped.efficiency <= 1.05  # a rate measured over a short run
 
 
 def test_main_prints_json_report(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +72,21 @@ def test_main_prints_json_report(capsys: pytest.CaptureFixture[str]) -> None:
     # A learner that never waits makes 3600 / step_s steps an hour: the most any η can reach.
     eta0 = report["results"][0]["steps_per_hour"]
     assert report["ceiling"] == pytest.approx(36000.0 / eta0)
+    for arm in report["results"]:
+        assert arm["binding"] in ("learner", "engines")
+        assert arm["efficiency"] == pytest.approx(arm["steps_per_hour"] / arm["bound_steps_per_hour"])
+        assert arm["bounds"]["learner_steps_per_hour"] == pytest.approx(36000.0)
+        assert 0.0 <= arm["waste_share"] < 1.0
+
+
+def test_the_table_names_the_binding_resource_and_the_waste_by_cause(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    main(["--seconds", "1.0", "--step-s", "0.1", "--median-tokens", "8", "--max-new-tokens", "30"])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "binds" in line)
+    assert lines[header].split()[:5] == ["eta", "binds", "bound/h", "efficiency", "wasted"]
+    for line in lines[header + 1 : header + 3]:
+        eta, binds, *_ = line.split()
+        assert eta in ("0", "2") and binds in ("learner", "engines")
+        assert "generated)" in line

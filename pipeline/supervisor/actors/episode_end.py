@@ -16,12 +16,14 @@ ENGINE_LABEL = "pool"  # the engine label of the runner's metrics: the pool hide
 
 
 class EpisodeEnded(Exception):
-    """Ends the turn loop with a finish reason."""
+    """Ends the turn loop with a finish reason; `aborted` when the engine aborted the generation and it
+    was not resubmitted (its tokens are wasted as `aborted`, pipeline.contracts.waste)."""
 
-    def __init__(self, finish_reason: str, message: str | None = None) -> None:
+    def __init__(self, finish_reason: str, message: str | None = None, *, aborted: bool = False) -> None:
         super().__init__(message or finish_reason)
         self.finish_reason = finish_reason
         self.message = message
+        self.aborted = aborted
 
 
 def engine_error_kind(exc: EngineError) -> str:
@@ -43,7 +45,7 @@ def error_kind(exc: BaseException) -> str:
 
 def engine_failure(kind: str, message: str) -> EpisodeEnded:
     metrics.ENGINE_ERRORS.labels(engine=ENGINE_LABEL, kind=kind).inc()
-    return EpisodeEnded("engine_error", message)
+    return EpisodeEnded("engine_error", message, aborted=kind == "abort")
 
 
 def env_failure(env_name: str, kind: str, finish_reason: str, message: str) -> EpisodeEnded:

@@ -14,7 +14,8 @@ class EpisodeOutcome:
     """Result of one episode: its rows (one per segment; none when reset failed) and statistics.
 
     `turn_seconds[k]` is the wall time of turn k (request to the end of the step and the buffer
-    update); `engine_seconds[k]` the part spent waiting for /generate.
+    update); `engine_seconds[k]` the part spent waiting for /generate. `aborted`: it ended because the
+    engine aborted a generation that was not resubmitted.
     """
 
     episode_id: str
@@ -30,6 +31,7 @@ class EpisodeOutcome:
     turn_seconds: list[float] = field(default_factory=list)
     engine_seconds: list[float] = field(default_factory=list)
     error: str | None = None
+    aborted: bool = False
 
     @property
     def num_turns(self) -> int:

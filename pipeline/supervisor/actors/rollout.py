@@ -422,6 +422,7 @@ async def run_episode(
     recorded = episode_metrics(env_name, record_metrics)
     recorded.started()
     error: str | None = None
+    aborted = False
     span = tracing.root_span(
         "episode", {"rollwise.episode_id": episode_id, "rollwise.env": env_name, "rollwise.task_id": task.id}
     )
@@ -442,7 +443,7 @@ async def run_episode(
                     with cut.watching(scope) if cut is not None else contextlib.nullcontext():
                         finish_reason = await episode.play(task)
             except EpisodeEnded as ended:
-                finish_reason, error = ended.finish_reason, ended.message
+                finish_reason, error, aborted = ended.finish_reason, ended.message, ended.aborted
             except TimeoutError:
                 if cut is not None and cut.fired:
                     finish_reason, error = "cut", cut.reason
@@ -476,6 +477,7 @@ async def run_episode(
         turn_seconds=episode.turn_seconds,
         engine_seconds=episode.engine_seconds,
         error=error or close_error,
+        aborted=aborted,
     )
     recorded.ended(outcome, episode.tool_calls, bool(env.spec.tools))
     return outcome

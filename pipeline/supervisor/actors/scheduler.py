@@ -29,6 +29,8 @@ Rules:
 - A group being written when drain cancels it finishes its write (the write is shielded): a group is
   either fully durable and counted, or lost before its write started; never half-written. Drain gives a
   write the storage keeps refusing the grace period, then gives it up (logged as lost).
+- Generated tokens that will never train are counted where the group ends (`waste`, waste_book): the
+  episodes that cannot train when it finishes, its trainable ones too when its write fails.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import pyarrow as pa
-
 from envs.api import EnvFactory, Task
 from pipeline.supervisor.actors.admission import AdmissionController, Stragglers
 from pipeline.supervisor.actors.chat import ChatTokenizer
@@ -53,6 +53,7 @@ from pipeline.supervisor.actors.group_writes import GroupWriter
 from pipeline.supervisor.actors.late_cut import Admitted, GroupCut, late_cuts
 from pipeline.supervisor.actors.outcomes import GroupOutcome
 from pipeline.supervisor.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
+from pipeline.supervisor.actors.waste_book import WasteBook
 from pipeline.supervisor.observability import metrics
 from pipeline.transport.spool import SpoolEntry, SpoolWriter
 
@@ -154,6 +155,7 @@ class GroupScheduler:
         self.backoff = FailureBackoff(pacing.failure_backoff_s, notify)
         self.stragglers = Stragglers(pacing.straggler_patience)
         self.cuts = late_cuts(pacing.cut_late_groups, admission, recipe.group_size, spool)
+        self.waste = WasteBook()
         # Read by the supervisor and the bench: groups lost to a runner bug or a failed write (failed) or
         # cancelled by drain before their write started; episodes of the groups finished (status line).
         self.started = self.written = self.failed = self.cancelled = 0
@@ -322,7 +324,7 @@ class GroupScheduler:
             self.backoff.note(group_id, outcome.episodes)
             self.episodes_finished += len(outcome.episodes)
             self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
-            write = asyncio.ensure_future(self._write(outcome.to_record_batch(), group_id))
+            write = asyncio.ensure_future(self._write(outcome))
             self._writes.add(write)
             write.add_done_callback(lambda fut: self._write_done(fut, group_id))
             slot_owned_by_write = True
@@ -348,11 +350,16 @@ class GroupScheduler:
         finally:
             _, started, _ = self._admitted.pop(group_id)
         self.stragglers.durations.append(time.monotonic() - started)
+        self.waste.finished(outcome)
         return outcome
 
-    async def _write(self, batch: pa.RecordBatch, group_id: str) -> SpoolEntry:
-        await self.cuts.before_write(group_id)
-        return await self.writer.write(batch, group_id)
+    async def _write(self, outcome: GroupOutcome) -> SpoolEntry:
+        try:
+            await self.cuts.before_write(outcome.group_id)
+            return await self.writer.write(outcome.to_record_batch(), outcome.group_id)
+        except BaseException:  # failed or cancelled: its trainable tokens are lost too
+            self.waste.lost(outcome)
+            raise
 
     def _write_done(self, fut: asyncio.Future[SpoolEntry], group_id: str) -> None:
         self._writes.discard(fut)

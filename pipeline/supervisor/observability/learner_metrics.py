@@ -4,6 +4,7 @@ what each event says here, so a restarted learner can never make a counter go ba
 from __future__ import annotations
 
 from pipeline.contracts import events
+from pipeline.contracts.waste import NO_SIGNAL, drop_cause
 from pipeline.supervisor.observability import metrics
 
 # Step metrics (learner.trainer) exported as gauges of the same meaning.
@@ -76,8 +77,13 @@ def record_step(event: events.Step) -> None:
     metrics.SPOOL_DEPTH_BYTES.set(event.spool_depth_bytes)
 
 
-def record_dropped(reason: str) -> None:
+def record_dropped(reason: str, tokens: int) -> None:
+    """A group the learner dropped, and its trainable rows' generated tokens by waste cause."""
     metrics.GROUPS_DROPPED.labels(reason=reason).inc()
+    if (cause := drop_cause(reason)) is not None:
+        metrics.GENERATED_TOKENS_WASTED.labels(cause=cause).inc(tokens)
+    elif reason == NO_SIGNAL:
+        metrics.GENERATED_TOKENS_NO_SIGNAL.inc(tokens)
 
 
 def record_checkpoint(event: events.CheckpointSaved) -> None:

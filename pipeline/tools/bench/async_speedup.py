@@ -19,7 +19,10 @@ Both runs use the same seeds and parameters; only η differs. Reported per η: l
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
 idle fraction (admission held work back because of staleness), mean token staleness of trained
 groups, dropped groups, and groups cut at their last chance (async.cut_late_groups; after each modelled
-step the scheduler hears the version and the groups consumed, as from the learner's step event).
+step the scheduler hears the version and the groups consumed, as from the learner's step event). Then the
+limit (pipeline.tools.bench.bounds): which resource binds, its bound in steps/hour, the efficiency
+(achieved over the bound), and the generated tokens never trained by cause (pipeline.contracts.waste:
+the modelled learner's stale drops, the scheduler's cut, failed and lost episodes).
 
 Where the speed-up ends: with η > 0 the learner is never idle once generation keeps up, so steps/hour
 cannot exceed 3600 / step_s, and the speed-up cannot exceed (the η = 0 step time) / step_s: the time
@@ -43,6 +46,7 @@ from typing import Any
 from envs.api import Action, Environment, EnvSpec, Message, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments
 from pipeline.contracts.staleness import deadline_key, is_stale
+from pipeline.contracts.waste import STALE, WASTE_CAUSES
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.rollout import RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing
@@ -50,11 +54,14 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.engines.weightsync import sync_weights
+from pipeline.supervisor.observability import metrics
+from pipeline.tools.bench.bounds import Bounds, efficiency, run_bounds, waste_share
 from pipeline.tools.fake_sglang import FakeSGLang, LatencyModel, lognormal_script
 from pipeline.transport.spool import SpoolReader, SpoolWriter
 
 GOAL_SPEEDUP = 2.0
 END_TEXT = "<|end|>"
+ENV_NAME = "bench-coin"
 
 
 class CharTokenizer:
@@ -144,6 +151,25 @@ class ModeResult:
     dropped_stale: int
     groups_cut: int
     sync_s_mean: float
+    generated_tokens: int
+    trained_tokens: int
+    wasted_tokens: dict[str, int]  # by cause (pipeline.contracts.waste)
+    bounds: Bounds
+
+    @property
+    def efficiency(self) -> float | None:
+        return efficiency(self.steps_per_hour, self.bounds)
+
+    def summary(self) -> dict[str, Any]:
+        """The result as JSON: its fields, the binding resource, the bound and the efficiency."""
+        out = asdict(self)
+        out.update(
+            binding=self.bounds.binding,
+            bound_steps_per_hour=self.bounds.bound,
+            efficiency=self.efficiency,
+            waste_share=waste_share(self.wasted_tokens, self.generated_tokens),
+        )
+        return out
 
 
 def _group_min_version(batch: Any) -> tuple[int | None, list[int]]:
@@ -175,7 +201,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             engine=pool,
             tokenizer=CharTokenizer(),
             factory=CoinEnv,
-            env_name="bench-coin",
+            env_name=ENV_NAME,
             settings=settings,
             group_size=params.group_size,
             env_options={"turns": params.turns},
@@ -193,6 +219,8 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     staleness: list[int] = []
     dropped = 0
     trained = 0
+    stale_tokens = 0
+    generated_before = _generated_tokens()
     sync_times: list[float] = []
     published = asyncio.Event()
     waiting: list[tuple[int | None, list[int], int]] = []  # read, not taken: (oldest version, versions, seq)
@@ -235,6 +263,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
                 oldest, versions, _ = waiting.pop(0)
                 if oldest is None or is_stale(oldest, version, eta):
                     dropped += 1
+                    stale_tokens += len(versions)
                     scheduler.on_dropped(1)
                     continue
                 batch_versions.extend(version - v for v in versions)
@@ -262,6 +291,9 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         await asyncio.gather(syncer, return_exceptions=True)
         await pool.close()
         await engine.stop()
+    generated = _generated_tokens() - generated_before
+    wasted = {cause: scheduler.waste.tokens[cause] for cause in WASTE_CAUSES}
+    wasted[STALE] += stale_tokens
     return ModeResult(
         eta=eta,
         wall_s=wall,
@@ -276,7 +308,24 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         dropped_stale=dropped,
         groups_cut=scheduler.groups_cut,
         sync_s_mean=sum(sync_times) / len(sync_times) if sync_times else 0.0,
+        generated_tokens=generated,
+        trained_tokens=len(staleness),
+        wasted_tokens=wasted,
+        bounds=run_bounds(
+            step_s=params.step_s,
+            generated_tokens=generated,
+            engine_busy_s=engine_busy_s,
+            batch_groups=params.batch_groups,
+            trained_tokens=len(staleness),
+            trained_groups=trained,
+        ),
     )
+
+
+def _generated_tokens() -> int:
+    """The scheduler's episodes count their tokens in the supervisor's registry (this process's)."""
+    value = metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_total", {"env": ENV_NAME})
+    return int(value or 0)
 
 
 async def run_bench(params: BenchParams, model: LatencyModel, etas: Sequence[int]) -> list[ModeResult]:
@@ -317,6 +366,18 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+def _limit_line(r: ModeResult) -> str:
+    """One arm's limit: the binding resource, its bound, the efficiency, and the waste by cause."""
+    bound, eff = r.bounds.bound, r.efficiency
+    share = waste_share(r.wasted_tokens, r.generated_tokens)
+    causes = ", ".join(f"{cause} {n}" for cause, n in r.wasted_tokens.items() if n) or "none"
+    return (
+        f"{r.eta:>4} {r.bounds.binding or '-':>8} {f'{bound:.0f}' if bound else '-':>8} "
+        f"{f'{eff:.1%}' if eff is not None else '-':>11} {f'{share:.1%}' if share is not None else '-':>7}  "
+        f"{causes} (of {r.generated_tokens} generated)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run η = 0 and η = --eta back to back; exit 0 when the speed-up reaches the goal, 1 otherwise."""
     args = _parse(argv or [])
@@ -346,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 {
                     "params": asdict(params),
                     "model": asdict(model),
-                    "results": [asdict(r) for r in results],
+                    "results": [r.summary() for r in results],
                     "speedup": speedup,
                     "ceiling": 3600.0 / params.step_s / sync.steps_per_hour if sync.steps_per_hour else None,
                     "goal": GOAL_SPEEDUP,
@@ -369,6 +430,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r.engine_idle_fraction:>12.1%} {r.actor_idle_fraction:>11.1%} {r.mean_staleness:>10.2f} "
                 f"{r.max_staleness:>4} {r.dropped_stale:>8} {r.groups_cut:>4} {r.sync_s_mean:>7.3f}"
             )
+        print(
+            f"{'eta':>4} {'binds':>8} {'bound/h':>8} {'efficiency':>11} {'wasted':>7}  tokens wasted by cause"
+        )
+        for r in results:
+            print(_limit_line(r))
         ceiling = 3600.0 / params.step_s / sync.steps_per_hour if sync.steps_per_hour else math.inf
         print(
             f"ceiling for any eta > 0 (a learner that never waits, {3600.0 / params.step_s:.0f} steps/h): "

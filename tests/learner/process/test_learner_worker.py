@@ -270,11 +270,12 @@ def test_worker_trains_publishes_checkpoints_and_drops(
     w.wait_for(event_is("dropped", seq=7))
     w.wait_for(event_is("dropped", seq=6))
     # in seq order: the learner reads ahead, and reports a quarantined file when its read reaches it
-    dropped = sorted((e["seq"], e["group_id"], e["reason"]) for e in w.of("dropped"))
+    # each with its trainable rows' generated tokens (3 per member; a quarantined file's are unknown)
+    dropped = sorted((e["seq"], e["group_id"], e["reason"], e["tokens"]) for e in w.of("dropped"))
     assert dropped == [
-        (5, "old", "stale"),
-        (6, "lonely", "too_few_members"),
-        (7, spool_name(7), "quarantined"),
+        (5, "old", "stale", 6),
+        (6, "lonely", "too_few_members", 3),
+        (7, spool_name(7), "quarantined", 0),
     ]
     [quarantined] = w.of("quarantined")
     assert (quarantined["seq"], quarantined["kind"]) == (7, "unreadable")
@@ -286,9 +287,9 @@ def test_worker_trains_publishes_checkpoints_and_drops(
     step3 = w.wait_for(event_is("step", step=3))
     assert (step3["version"], step3["group_ids"], step3["consumed_seq"]) == (2, ["flat-a", "flat-b"], 9)
     assert step3["groups"] == 0  # trained into no weights: announced as dropped instead
-    assert [(e["group_id"], e["reason"]) for e in w.of("dropped")][-2:] == [
-        ("flat-a", "no_update"),
-        ("flat-b", "no_update"),
+    assert [(e["group_id"], e["reason"], e["tokens"]) for e in w.of("dropped")][-2:] == [
+        ("flat-a", "no_update", 6),
+        ("flat-b", "no_update", 6),
     ]
     assert len(w.of("published")) == 2
 

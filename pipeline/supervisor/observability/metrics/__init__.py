@@ -7,7 +7,7 @@ backwards and there is no shared multiprocess directory to clean up. The engine 
 exports its own /metrics as a separate target.
 
 Naming: rollwise_<area>_<what>_<unit>, base units, `_total` counters (prometheus_client appends it),
-low-cardinality labels only: env, reason, kind, status, engine, component, phase.
+low-cardinality labels only: env, reason, cause, kind, status, engine, component, phase.
 """
 
 from __future__ import annotations

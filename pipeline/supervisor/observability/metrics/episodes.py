@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipeline.contracts.schema import FINISH_REASONS
+from pipeline.contracts.waste import WASTE_CAUSES
 from pipeline.supervisor.observability.metrics.registry import (
     LATENCY_BUCKETS,
     REGISTRY,
@@ -238,6 +239,20 @@ GROUPS_ACCEPTED = Counter("rollwise_groups_accepted", "Groups the learner traine
 GROUPS_DROPPED = Counter(
     "rollwise_groups_dropped", "Groups not trained on, by reason.", ["reason"], registry=REGISTRY
 )
+GENERATED_TOKENS_WASTED = Counter(
+    "rollwise_generated_tokens_wasted",
+    "Generated tokens that will never be trained, by cause (pipeline/contracts/waste.py): stale, rejected "
+    "by the learner's triage, cut late, aborted and not resumed, failed episodes, groups lost before "
+    "their write. Over rollwise_generated_tokens: the share of generation thrown away.",
+    ["cause"],
+    registry=REGISTRY,
+)
+GENERATED_TOKENS_NO_SIGNAL = Counter(
+    "rollwise_generated_tokens_no_signal",
+    "Of the trained tokens (rollwise_trained_token_staleness_versions_count), those of steps that changed "
+    "no weight (every advantage zero): trained in name only, not waste of the pipeline.",
+    registry=REGISTRY,
+)
 TOKEN_STALENESS = CountedHistogram(
     "rollwise_trained_token_staleness_versions",
     "Policy version minus the version that generated a token.",
@@ -330,6 +345,8 @@ def init_episode_label_values(
             ENGINE_ERRORS.labels(engine=engine, kind=kind)
     for reason in DROP_REASONS:
         GROUPS_DROPPED.labels(reason=reason)
+    for cause in WASTE_CAUSES:
+        GENERATED_TOKENS_WASTED.labels(cause=cause)
     for kind in QUARANTINE_KINDS:
         SPOOL_QUARANTINED.labels(reason=kind)
     for route in OPENAI_ROUTES:

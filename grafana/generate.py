@@ -187,13 +187,16 @@ def overview() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
-                    "In-flight episodes and queued groups",
-                    "rollwise_episodes_in_flight, and rollwise_groups_queued: groups staleness admission "
-                    "allows but that wait for a free actor slot (> 0: rollout is the bottleneck).",
+                    "In-flight episodes, queued groups, concurrency limit",
+                    "rollwise_episodes_in_flight; rollwise_groups_queued: groups staleness admission "
+                    "allows but that wait for a free actor slot (> 0: rollout is the bottleneck); "
+                    "rollwise_admission_concurrency_limit: the groups that may run at once (adaptive: it "
+                    "falls while the engines queue requests).",
                     "short",
                     (
                         q(f"sum(rollwise_episodes_in_flight{{{SEL}}})", "episodes in flight"),
                         q(f"sum(rollwise_groups_queued{{{SEL}}})", "groups queued"),
+                        q(f"max(rollwise_admission_concurrency_limit{{{SEL}}})", "concurrency limit"),
                     ),
                 ),
                 PanelSpec(
@@ -220,6 +223,24 @@ def overview() -> DashboardSpec:
                     "the version that generated the token.",
                     "short",
                     quantiles("rollwise_trained_token_staleness_versions", SEL, qs=(0.5, 0.9, 1.0)),
+                ),
+                PanelSpec(
+                    "Where staleness accrues: in flight and in the queue (mean)",
+                    "Of a trained token's staleness, the versions that passed before its group was written "
+                    "(rollwise_trained_token_staleness_in_flight_versions: long groups) and while it waited "
+                    "in the spool (..._in_queue_versions: a learner behind the actors).",
+                    "short",
+                    tuple(
+                        q(
+                            f"sum(rate({metric}_sum{{{SEL}}}[{RI}])) / "
+                            f"sum(rate({metric}_count{{{SEL}}}[{RI}]))",
+                            label,
+                        )
+                        for metric, label in (
+                            ("rollwise_trained_token_staleness_in_flight_versions", "in flight"),
+                            ("rollwise_trained_token_staleness_in_queue_versions", "in the queue"),
+                        )
+                    ),
                 ),
                 PanelSpec(
                     "Idle fractions",

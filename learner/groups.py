@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.contracts.schema import EpisodeSegment, RejectedRow
-from pipeline.contracts.staleness import is_stale
+from pipeline.contracts.staleness import is_stale, split_staleness
 
 MIN_GROUP_MEMBERS = 2
 
@@ -86,6 +86,23 @@ def triage_group(
         rejected=list(rejected),
         untrainable_rows=sum(1 for row in rows if not row.trainable),
     )
+
+
+def token_staleness_split(
+    groups: Sequence[tuple[TrainGroup, int | None]], learner_version: int
+) -> tuple[collections.Counter[int], collections.Counter[int]]:
+    """Generated tokens of the groups' rows (each group with the version it was written at, or None) by
+    the versions that passed before their group was written, and after (split_staleness)."""
+    in_flight: collections.Counter[int] = collections.Counter()
+    in_queue: collections.Counter[int] = collections.Counter()
+    for group, written in groups:
+        for row in group.rows:
+            for version, mask in zip(row.versions, row.loss_mask, strict=True):
+                if mask:
+                    flight, queue = split_staleness(version, written, learner_version)
+                    in_flight[flight] += 1
+                    in_queue[queue] += 1
+    return in_flight, in_queue
 
 
 def token_staleness(groups: Sequence[TrainGroup], learner_version: int) -> collections.Counter[int]:

@@ -16,7 +16,7 @@ import time
 from typing import Protocol
 
 from learner.distributed import Command
-from learner.groups import token_staleness
+from learner.groups import token_staleness, token_staleness_split
 from learner.process.checkpointer import choose_checkpointer
 from learner.process.group import Group, OneProcess
 from learner.process.intake import Pending, open_intake
@@ -26,6 +26,7 @@ from learner.process.storage import DurableWriter, EventSink
 from pipeline.contracts import events, tracing
 from pipeline.contracts.config import Config
 from pipeline.contracts.run_dir import DROPPED_GROUPS_KEY, PUBLISHED_VERSION_KEY, RunDir, is_published_dir
+from pipeline.contracts.staleness import written_at
 
 log = logging.getLogger("rollwise.learner")
 
@@ -178,6 +179,8 @@ class LearnerWorker:
         self, pending: Pending, metrics: dict[str, float], version_before: int, updated: bool, busy_s: float
     ) -> events.Step:
         groups = [group for _, group in pending.items]
+        written = [(group, written_at(item.batch.schema.metadata)) for item, group in pending.items]
+        in_flight, in_queue = token_staleness_split(written, version_before)
         depth_groups, depth_bytes = self.intake.depth()
         return events.Step(
             step=self.trainer.steps,
@@ -193,6 +196,8 @@ class LearnerWorker:
             spool_read_s=self.intake.reader.take_read_seconds(),
             spool_depth_groups=depth_groups,
             spool_depth_bytes=depth_bytes,
+            staleness_in_flight=dict(sorted(in_flight.items())),
+            staleness_in_queue=dict(sorted(in_queue.items())),
         )
 
     def write_trace(self, version_before: int) -> None:

@@ -92,7 +92,26 @@ class EnvConfig(Section):
 
 
 class RolloutConfig(Section):
-    max_concurrent_groups: int = Field(16, ge=1, description="Upper bound on groups running at once.")
+    max_concurrent_groups: int = Field(
+        16,
+        ge=1,
+        description=(
+            "Upper bound on groups running at once (scaled with the fleet's capacity when engines join "
+            "or leave); with concurrency = adaptive the limit stays below it while the engines queue."
+        ),
+    )
+    concurrency: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description=(
+            "adaptive: the limit on groups in flight follows the engines' queues (/get_load), halved "
+            "after two readings with requests waiting, raised by one after a reading without, between "
+            "learner.batch_groups and max_concurrent_groups (pipeline/supervisor/actors/concurrency.py); "
+            "fixed: always max_concurrent_groups."
+        ),
+    )
+    concurrency_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between the adaptive controller's readings of the engines' load."
+    )
 
 
 class ServedCheckConfig(Section):

@@ -52,8 +52,10 @@ class Dropped:
 class Step:
     """One optimizer step of B groups. `groups` = groups whose rows are in the new weights (0 when the
     step changed no weight: those groups were announced as dropped, reason no_update). `staleness` =
-    generated tokens trained, by how many versions behind the learner they were. `metrics` = the
-    trainer's step metrics, None where a value was not finite (a skipped update)."""
+    generated tokens trained, by how many versions behind the learner they were; `staleness_in_flight`
+    and `staleness_in_queue` the same tokens by the part of that spent before their group was written
+    and after (pipeline.contracts.staleness.split_staleness; empty from an older learner). `metrics` =
+    the trainer's step metrics, None where a value was not finite (a skipped update)."""
 
     name: ClassVar[str] = "step"
     step: int
@@ -69,6 +71,8 @@ class Step:
     spool_depth_groups: int
     spool_depth_bytes: int
     consumed_after: list[int] = field(default_factory=list)
+    staleness_in_flight: dict[int, int] = field(default_factory=dict)
+    staleness_in_queue: dict[int, int] = field(default_factory=dict)
 
     def metric(self, key: str) -> float | None:
         return self.metrics.get(key)

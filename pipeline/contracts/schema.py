@@ -25,6 +25,8 @@ from operator import not_
 
 import pyarrow as pa
 
+from pipeline.contracts.staleness import WRITTEN_AT_KEY
+
 SCHEMA_VERSION = "1"
 SCHEMA_VERSION_KEY = b"rollwise.schema_version"
 
@@ -290,6 +292,14 @@ def _first_token_violation(ep: EpisodeSegment) -> str | None:
         if t < ep.prompt_len and turn != -1:
             return f"turn_index[{t}]={turn} inside the prompt (must be -1)"
     return None
+
+
+def stamp_written_at(batch: pa.RecordBatch, learner_version: int) -> pa.RecordBatch:
+    """The group's batch with the learner version its writer had last heard of (optional metadata,
+    pipeline.contracts.staleness.WRITTEN_AT_KEY): where its tokens' staleness accrued is then known."""
+    metadata = dict(batch.schema.metadata or {})
+    metadata[WRITTEN_AT_KEY] = str(learner_version).encode()
+    return batch.replace_schema_metadata(metadata)
 
 
 def segments_to_batch(episodes: Sequence[EpisodeSegment]) -> pa.RecordBatch:

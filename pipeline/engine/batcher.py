@@ -116,6 +116,11 @@ class ContinuousBatcher:
     def kv_epoch(self) -> int:
         return self._reuse.epoch
 
+    @property
+    def running_batch(self) -> RunningBatch | None:
+        """The batch being decoded now (None between batches); read-only for other threads."""
+        return self._batch
+
     def num_running(self) -> int:
         batch = self._batch
         return batch.size if batch is not None else 0

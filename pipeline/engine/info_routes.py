@@ -1,9 +1,10 @@
-"""What the engine reports about itself: /health, /health_generate, model and server info, the weight
-version and Prometheus /metrics."""
+"""What the engine reports about itself: /health, /health_generate, model and server info, its load
+(/get_load), the weight version and Prometheus /metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
@@ -92,6 +93,25 @@ async def server_info(request: web.Request) -> web.Response:
             "version": "rollwise-embedded",
         }
     )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    """SGLang's /get_load: per DP rank (one here) the requests held, running and queued (`num_reqs`
+    counts both), those waiting in the queue, and the tokens of the running batch (prompt and output:
+    what its KV cache holds). Read without locking, as the worker thread's plain lists stand."""
+    scheduler = state_of(request).require_scheduler()
+    batch = scheduler.running_batch
+    rows = list(batch.rows) if batch is not None else []
+    waiting = scheduler.num_waiting()
+    entry = {
+        "dp_rank": 0,
+        "num_reqs": len(rows) + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": sum(len(row.prompt_ids) + len(row.output_ids) for row in rows),
+        "num_pending_tokens": 0,
+        "ts_tic": time.time(),
+    }
+    return json_reply([entry])
 
 
 def prefix_cache_info(scheduler: ContinuousBatcher) -> dict[str, Any]:

@@ -15,7 +15,7 @@ SGLang's JSON shapes, key order and status codes:
   /update_weight_version, /pause_generation {abort|retract|in_place}, /continue_generation,
   /abort_request, /flush_cache, /load_lora_adapter, /unload_lora_adapter (pipeline.engine.lora_slots).
 - Info: /health (503 until loaded and warmed), /health_generate, /get_model_info, /model_info,
-  /get_server_info, /server_info, /get_weight_version, /metrics (with --enable-metrics).
+  /get_server_info, /server_info, /get_load, /get_weight_version, /metrics (with --enable-metrics).
 - Limits: a prompt as long as the context is a 400; a generation that reaches it finishes with
   `{"type": "length", ...}`. The door is pipeline.contracts.http_guard (413, 408, 400 for bad JSON,
   `--max-new-tokens-cap`, `--max-batch`, `--idle-timeout-s`); beyond loopback `--api-key` (or
@@ -50,6 +50,7 @@ from pipeline.engine.engine_metrics import EngineMetrics
 from pipeline.engine.engine_state import STATE, EngineState
 from pipeline.engine.generate_route import generate
 from pipeline.engine.info_routes import (
+    get_load,
     get_weight_version,
     health,
     health_generate,
@@ -99,6 +100,7 @@ def build_app(config: ServerConfig) -> web.Application:
         web.get("/model_info", model_info),
         web.get("/get_server_info", server_info),
         web.get("/server_info", server_info),
+        web.get("/get_load", get_load),
         web.get("/get_weight_version", get_weight_version),
     ]
     if config.enable_metrics:

@@ -32,6 +32,7 @@ from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
 from pipeline.contracts.tls import context_for
+from pipeline.supervisor.actors.concurrency import ConcurrencyLimit
 from pipeline.supervisor.actors.episode_end import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
@@ -61,6 +62,7 @@ from pipeline.supervisor.status_report import StatusReport
 from pipeline.supervisor.wiring import (
     RunSetup,
     bare_run_config,
+    build_concurrency,
     build_evaluator,
     build_scheduler,
     close_env,
@@ -84,6 +86,7 @@ class Supervisor:
         self.stopping = asyncio.Event()  # set once: stop admitting, drain, stop children, exit
         self.fatal: str | None = None  # why the run cannot go on (then exit code 1)
         self.scheduler: GroupScheduler | None = None
+        self.concurrency: ConcurrencyLimit | None = None  # set with the scheduler
         self.evaluator: Evaluator | None = None  # held-out evaluation ([eval]); None when off
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.lineage.version, fail=self.fail
@@ -190,6 +193,7 @@ class Supervisor:
                     unavailable_s = cfg.engine.unavailable_timeout_s
                     background += [
                         self.watch(scheduler.run(self.stopping), "scheduler"),
+                        self.watch(self.concurrency_limit().run(self.stopping), "concurrency"),
                         self.watch(self.engines.guard_availability(unavailable_s), "engine guard"),
                         self.watch(self.status.run(), "status"),
                         self.watch(measure_loop_lag(self.stopping), "loop-lag"),
@@ -226,7 +230,7 @@ class Supervisor:
         if self.scheduler is None or self.initial_capacity <= 0:
             return
         groups = scaled_concurrency(self.cfg.rollout.max_concurrent_groups, self.initial_capacity, capacity)
-        self.scheduler.set_max_concurrent(groups)
+        self.concurrency_limit().set_ceiling(groups)
         log.info("fleet capacity %d: up to %d groups at once", capacity, groups)
 
     async def start_children(self) -> events.Ready:
@@ -262,9 +266,16 @@ class Supervisor:
             engines_up=lambda: self.engines.pool.serving > 0,
         )
         self.engines.pool.add_listener(self.scheduler.on_engines_changed)
+        self.concurrency = build_concurrency(self.cfg, self.engines, self.scheduler)
         self.learner_events.attach(self.scheduler)
         self.initial_capacity = self.membership.capacity
         return self.scheduler
+
+    def concurrency_limit(self) -> ConcurrencyLimit:
+        """The limit on groups in flight (pipeline.supervisor.actors.concurrency), built with the
+        scheduler."""
+        assert self.concurrency is not None
+        return self.concurrency
 
     def start_evaluator(self) -> None:
         """Held-out evaluation on the training engines or a dedicated one (pipeline.supervisor.eval_schedule,

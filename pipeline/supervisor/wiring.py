@@ -50,6 +50,8 @@ from pipeline.transport.spool import SpoolWriter, spool_depth
 
 if TYPE_CHECKING:
     from pipeline.supervisor.actors.agent_api.openai_endpoint import OpenAIEndpoint
+    from pipeline.supervisor.actors.concurrency import ConcurrencyLimit
+    from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 
 log = logging.getLogger("rollwise.supervisor")
 
@@ -323,6 +325,15 @@ def rollout_settings(cfg: Config, model_dir: Path | None = None) -> RolloutSetti
         retry_aborted=cfg.async_.weight_sync_mode == "abort",
         routed_experts=routing,
     )
+
+
+def build_concurrency(cfg: Config, fleet: EngineFleet, scheduler: GroupScheduler) -> ConcurrencyLimit:
+    """The limit on groups in flight `rollout.concurrency` chooses, over the fleet's engines, applied to
+    `scheduler` (pipeline.supervisor.actors.concurrency)."""
+    from pipeline.supervisor.actors.concurrency import concurrency_limit
+
+    rollout, apply = cfg.rollout, scheduler.set_max_concurrent
+    return concurrency_limit(rollout, cfg.learner.batch_groups, fleet.pool, fleet.capacity, apply)
 
 
 def build_scheduler(

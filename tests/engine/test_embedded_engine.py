@@ -111,6 +111,14 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
+async def get_load(http: aiohttp.ClientSession, server: RunningServer) -> dict[str, Any]:
+    """The one DP rank's entry of /get_load."""
+    async with http.get(server.url + "/get_load") as response:
+        [entry] = await response.json()
+    assert entry["dp_rank"] == 0
+    return dict(entry)
+
+
 async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
     async with http.post(url, json=body) as response:
         text = await response.text()
@@ -692,11 +700,15 @@ async def test_pause_retract_recomputes_kv_with_new_weights(
     body = {**gen_body(prompt, max_new_tokens=200, temperature=0.9, sampling_seed=5), "rid": "rt"}
     task = asyncio.create_task(post(http, url, body))
     await wait_until(lambda: tokens_so_far(server, "rt") >= 3)
+    running = await get_load(http, server)  # running: its prompt and its tokens so far are in the KV
+    assert (running["num_reqs"], running["num_waiting_reqs"]) == (1, 0) and running["num_tokens"] >= 4 + 3
     status, _ = await post(http, server.url + "/pause_generation", {"mode": "retract"})
     assert status == 200
     async with http.get(server.url + "/get_server_info") as response:
         internal = (await response.json())["internal_states"][0]
     assert internal["num_running_reqs"] == 0 and internal["num_queue_reqs"] == 1
+    retracted = await get_load(http, server)  # SGLang's /get_load: num_reqs counts the queue too
+    assert (retracted["num_reqs"], retracted["num_waiting_reqs"], retracted["num_tokens"]) == (1, 1, 0)
     update = {"model_path": str(model_dirs[1]), "weight_version": "1"}
     status, _ = await post(http, server.url + "/update_weights_from_disk", update)
     assert status == 200
@@ -801,6 +813,8 @@ async def test_health_info_and_flush(server: RunningServer, http: aiohttp.Client
     async with http.get(server.url + "/get_server_info") as response:
         info = await response.json()
     assert info["max_running_requests"] == 64 and info["internal_states"][0]["num_running_reqs"] == 0
+    idle = await get_load(http, server)
+    assert (idle["num_reqs"], idle["num_waiting_reqs"], idle["num_tokens"]) == (0, 0, 0)
     for method in ("GET", "POST"):
         async with http.request(method, server.url + "/flush_cache") as response:
             assert response.status == 200 and response.content_type == "text/plain"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.groups import TrainGroup, token_staleness, triage_group
+from learner.groups import TrainGroup, token_staleness, token_staleness_split, triage_group
 from pipeline.contracts import events
 from pipeline.contracts.run_dir import (
     RunDir,
@@ -17,6 +17,7 @@ from pipeline.contracts.run_dir import (
     published_version,
 )
 from pipeline.contracts.schema import EpisodeSegment, RejectedRow
+from pipeline.contracts.staleness import WRITTEN_AT_KEY, split_staleness, written_at
 from tests.helpers.train_groups import one_turn_row
 
 
@@ -59,6 +60,27 @@ def test_a_trainable_group_keeps_its_episodes_segments_and_counts_the_rest() -> 
     assert [[r.segment for r in segments] for segments in group.episodes] == [[0, 1], [0]]
     assert [r.episode_id for r in group.first_segments] == ["g-0", "g-1"]
     assert (group.untrainable_rows, group.rejected) == (1, [bad])
+
+
+def test_staleness_splits_at_the_version_the_group_was_written() -> None:
+    assert split_staleness(3, 5, 6) == (2, 1)
+    assert split_staleness(3, None, 6) == (0, 3)  # an older spool file: all of it waiting
+    assert split_staleness(3, 1, 6) == (0, 3)  # heard late: never before the token itself
+    assert split_staleness(3, 9, 6) == (3, 0)  # a restart redoes versions: never after the training
+    assert [written_at(m) for m in (None, {}, {WRITTEN_AT_KEY: b"7"}, {WRITTEN_AT_KEY: b"x"})] == [
+        None,
+        None,
+        7,
+        None,
+    ]
+    group = triage_group("g", [row(0, 1), row(1, 3)], learner_version=4, max_staleness=5)
+    assert isinstance(group, TrainGroup)
+    in_flight, in_queue = token_staleness_split([(group, 2), (group, None)], learner_version=4)
+    # written at 2: row 0's tokens (v1) 1 in flight + 2 queued, row 1's (v3) 0 + 1; unknown: all queued
+    assert dict(in_flight) == {1: 3, 0: 9} and dict(in_queue) == {2: 3, 1: 6, 3: 3}
+    assert (
+        sum(in_flight.values()) == sum(in_queue.values()) == sum(token_staleness([group, group], 4).values())
+    )
 
 
 def test_token_staleness_counts_generated_tokens_of_trained_rows() -> None:
@@ -135,6 +157,8 @@ def test_every_event_survives_encode_and_decode() -> None:
             spool_read_s=0.01,
             spool_depth_groups=3,
             spool_depth_bytes=100,
+            staleness_in_flight={0: 5, 1: 2},
+            staleness_in_queue={0: 1, 1: 6},
         ),
         events.Published(version=1, path="/r/weights/v1"),
         events.CheckpointSaved(step=1, path="/r/checkpoints/step1", consumed_seq=2, seconds=0.5),

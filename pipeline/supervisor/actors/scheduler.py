@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from envs.api import EnvFactory, Task
+from pipeline.contracts.schema import stamp_written_at
 from pipeline.supervisor.actors.admission import AdmissionController, Stragglers
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.failure_backoff import FailureBackoff
@@ -137,7 +138,7 @@ class GroupScheduler:
         self.recipe = recipe
         self.admission = admission
         self._tasks = tasks
-        self.version = resume.version
+        self.version = self.learner_version = resume.version  # served; the learner's, as last heard
         self._accepted = resume.accepted
         self._running = 0
         self.run_prefix = run_prefix or uuid.uuid4().hex[:8]
@@ -238,6 +239,7 @@ class GroupScheduler:
         """The learner finished a step: it is at `version` and has consumed `consumed_groups` spool groups
         (its step event's watermark plus the seqs consumed beyond it). Cuts the groups this leaves at
         their last chance (late_cut)."""
+        self.learner_version = version
         self.cuts.on_learner_step(version, consumed_groups)
         self.cuts.check(self._admitted, len(self._writes))
 
@@ -356,7 +358,8 @@ class GroupScheduler:
     async def _write(self, outcome: GroupOutcome) -> SpoolEntry:
         try:
             await self.cuts.before_write(outcome.group_id)
-            return await self.writer.write(outcome.to_record_batch(), outcome.group_id)
+            batch = stamp_written_at(outcome.to_record_batch(), self.learner_version)
+            return await self.writer.write(batch, outcome.group_id)
         except BaseException:  # failed or cancelled: its trainable tokens are lost too
             self.waste.lost(outcome)
             raise

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import pydantic_core
 
+from pipeline.supervisor.engines.engine_load import EngineLoad, parse_load
 from pipeline.supervisor.engines.http1 import ConnectFailed, ConnectionLost, Http1Pool
 from pipeline.supervisor.engines.protocol import (
     EngineError,
@@ -479,19 +480,14 @@ class EngineClient:
         await self._call("POST", "/abort_request", body)
 
     async def load(self) -> int:
-        """Requests the engine holds now, running and queued, summed over its DP ranks: SGLang's
-        `/get_load` (a list of `{dp_rank, num_reqs, num_waiting_reqs, num_tokens, ...}`, num_reqs
-        counting both). Never through sglang-router (it 404s /get_load): ask each engine."""
+        """Requests the engine holds now, running and queued, summed over its DP ranks."""
+        return (await self.load_detail()).requests
+
+    async def load_detail(self) -> EngineLoad:
+        """SGLang's `/get_load`, summed over the DP ranks (engine_load). Never through sglang-router (it
+        404s /get_load): ask each engine."""
         reply = await self._call("GET", "/get_load")
-        loads = _decode_json(reply, self.base_url + "/get_load")
-        if isinstance(loads, dict):  # one rank answered as an object by some versions
-            loads = [loads]
-        if not isinstance(loads, list) or not all(isinstance(x, dict) for x in loads):
-            raise EngineProtocolError(f"/get_load replied {loads!r}, expected a list of objects")
-        try:
-            return sum(int(entry["num_reqs"]) for entry in loads)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineProtocolError(f"/get_load entry without an integer num_reqs: {loads!r}") from exc
+        return parse_load(_decode_json(reply, self.base_url + "/get_load"))
 
     async def server_info(self) -> dict[str, Any]:
         """`/server_info` (2026 SGLang), falling back to `/get_server_info`: the server's arguments

@@ -73,6 +73,10 @@ def record_step(event: events.Step) -> None:
     metrics.GROUPS_ACCEPTED.inc(event.groups)
     for staleness, tokens in event.staleness.items():
         metrics.TOKEN_STALENESS.observe_many(float(staleness), tokens)
+    for staleness, tokens in event.staleness_in_flight.items():
+        metrics.TOKEN_STALENESS_IN_FLIGHT.observe_many(float(staleness), tokens)
+    for staleness, tokens in event.staleness_in_queue.items():
+        metrics.TOKEN_STALENESS_IN_QUEUE.observe_many(float(staleness), tokens)
     metrics.SPOOL_DEPTH_GROUPS.set(event.spool_depth_groups)
     metrics.SPOOL_DEPTH_BYTES.set(event.spool_depth_bytes)
 

@@ -14,6 +14,7 @@ import pytest
 
 from envs.api import Action, Environment, StepResult, Task
 from pipeline.contracts.schema import batch_to_segments, segments_to_batch
+from pipeline.contracts.staleness import written_at
 from pipeline.supervisor.actors import late_cut
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.failure_backoff import FailureStreak
@@ -112,6 +113,7 @@ async def test_eta_zero_admits_exactly_one_batch_per_version(pool: EnginePool, t
     await until(lambda: sched.written == 2 and sched.running == 0)
     await _settle()
     assert (sched.started, sched.accepted, sched.capacity()) == (2, 2, 0)
+    sched.on_learner_step(1, 2)
     sched.on_version(1)
     await until(lambda: sched.written == 4)
     await _settle()
@@ -120,6 +122,8 @@ async def test_eta_zero_admits_exactly_one_batch_per_version(pool: EnginePool, t
     await runner
     items = SpoolReader(tmp_path, after_seq=0).poll()
     assert [i.seq for i in items] == [1, 2, 3, 4]
+    # each written with the learner version last heard: where its tokens' staleness accrues is known
+    assert [written_at(i.batch.schema.metadata) for i in items] == [0, 0, 1, 1]
     assert sorted(i.group_id for i in items) == [f"test-g{k:06d}" for k in range(1, 5)]
     for item in items:
         episodes, rejected = batch_to_segments(item.batch)
@@ -272,6 +276,7 @@ async def test_engine_errors_are_written_as_untrainable_rows(
     [item] = SpoolReader(tmp_path, after_seq=0).poll()
     episodes, _ = batch_to_segments(item.batch)
     assert sorted(e.finish_reason for e in episodes) == ["engine_error", "engine_error"]
+    assert sched.waste.tokens["failed"] == sum(e.num_generated for e in episodes)
 
 
 async def test_run_returns_when_the_task_stream_ends(pool: EnginePool, tmp_path: Path) -> None:
@@ -417,6 +422,7 @@ async def test_failed_write_loses_the_group_and_frees_its_slot(pool: EnginePool,
     assert sched.written == 0
     assert sched.accepted == 0
     assert sched.running == 0
+    assert sched.waste.tokens["lost"] > 0  # its trainable episodes' tokens, counted once per lost group
 
 
 async def test_failing_groups_back_off_admission_instead_of_spinning(

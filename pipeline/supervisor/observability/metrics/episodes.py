@@ -91,6 +91,12 @@ GROUPS_QUEUED = Gauge(
     "(rollout.max_concurrent_groups); > 0 means rollout capacity, not the learner, is the bottleneck.",
     registry=REGISTRY,
 )
+ADMISSION_CONCURRENCY_LIMIT = Gauge(
+    "rollwise_admission_concurrency_limit",
+    "Groups that may run at once now: rollout.max_concurrent_groups with rollout.concurrency = fixed, "
+    "else the adaptive limit that follows the engines' queues (pipeline/supervisor/actors/concurrency.py).",
+    registry=REGISTRY,
+)
 ADMISSION_FLOOR_LAG = Gauge(
     "rollwise_admission_floor_lag_versions",
     "How many versions below the served one admission budgets from, to protect a group still running "
@@ -256,6 +262,20 @@ GENERATED_TOKENS_NO_SIGNAL = Counter(
 TOKEN_STALENESS = CountedHistogram(
     "rollwise_trained_token_staleness_versions",
     "Policy version minus the version that generated a token.",
+    buckets=STALENESS_BUCKETS,
+    registry=REGISTRY,
+)
+TOKEN_STALENESS_IN_FLIGHT = CountedHistogram(
+    "rollwise_trained_token_staleness_in_flight_versions",
+    "Of a trained token's staleness, the versions that passed before its group was written (generation "
+    "and the episode's other turns: long groups).",
+    buckets=STALENESS_BUCKETS,
+    registry=REGISTRY,
+)
+TOKEN_STALENESS_IN_QUEUE = CountedHistogram(
+    "rollwise_trained_token_staleness_in_queue_versions",
+    "Of a trained token's staleness, the versions that passed while its group waited in the spool to be "
+    "trained (a learner behind the actors).",
     buckets=STALENESS_BUCKETS,
     registry=REGISTRY,
 )

@@ -178,12 +178,22 @@ def test_flaky_environment_costs_only_its_episodes(
     run = DaemonRun(run_dir, overrides, max_steps=4)
     daemons.append(run)
     run.wait_steps(3, timeout_s=120)
-    failed = run.metric("rollwise_episodes_total", {"reason": "env_error"}) + run.metric(
-        "rollwise_episodes_total", {"reason": "timeout"}
+    text = run.scrape()  # one scrape: the counters below are read at one moment
+    failed = run.metric("rollwise_episodes_total", {"reason": "env_error"}, text=text) + run.metric(
+        "rollwise_episodes_total", {"reason": "timeout"}, text=text
     )
-    total = run.metric("rollwise_episodes_total")
+    total = run.metric("rollwise_episodes_total", text=text)
     assert failed >= 1
     assert failed / total < 0.6  # 10% of steps, up to 5 steps an episode: most episodes survive
+    # The books of generated tokens: each failed episode's are wasted (it generated before its step
+    # failed), none twice; what is neither trained nor wasted is in groups still running or waiting.
+    generated = run.metric("rollwise_generated_tokens_total", text=text)
+    trained = run.metric("rollwise_trained_token_staleness_versions_count", text=text)
+    wasted = run.metric("rollwise_generated_tokens_wasted_total", text=text)
+    assert run.metric("rollwise_generated_tokens_wasted_total", {"cause": "failed"}, text=text) > 0
+    # running (4), in the learner's step (2), in the spool
+    pending_groups = 4 + 2 + run.metric("rollwise_spool_depth_groups", text=text)
+    assert 0 <= generated - trained - wasted <= pending_groups * 4 * 5 * 4  # G episodes, 5 turns, 4 tokens
     assert run.wait(timeout_s=60) == 0, run.tail()
     assert run.steps()[-1] == 4
 

@@ -101,44 +101,35 @@ def test_the_book_counts_a_finished_groups_untrainable_episodes_and_a_lost_group
     }
 
 
-def test_the_learner_binds_when_its_step_is_slower_than_the_engines_can_feed_it() -> None:
-    # engines: 1,000 tokens in 2 busy seconds = 500 tokens/s; a trained group holds 100 tokens, B = 4,
-    # so a step needs 400 tokens = 0.8 s of engine time: 4,500 steps/h. The learner: 1 s steps, 3,600/h.
-    bounds = run_bounds(
-        step_s=1.0,
+def _bounds(step_s: float, trained_groups: int = 8) -> Bounds:
+    """Engines that generated 1,000 tokens in 2 busy seconds (500 tokens/s); B = 4; 100 tokens trained
+    per group."""
+    return run_bounds(
+        step_s=step_s,
         generated_tokens=1000,
         engine_busy_s=2.0,
         batch_groups=4,
-        trained_tokens=800,
-        trained_groups=8,
+        trained_tokens=100 * trained_groups,
+        trained_groups=trained_groups,
     )
+
+
+def test_the_learner_binds_when_its_step_is_slower_than_the_engines_can_feed_it() -> None:
+    # A step needs 400 tokens = 0.8 s of engine time: 4,500 steps/h. The learner: 1 s steps, 3,600/h.
+    bounds = _bounds(step_s=1.0)
     assert bounds == Bounds(learner_steps_per_hour=3600.0, engine_steps_per_hour=4500.0)
     assert (bounds.binding, bounds.bound) == ("learner", 3600.0)
     assert efficiency(2700.0, bounds) == 0.75
 
 
 def test_the_engines_bind_when_a_step_needs_more_generation_than_the_learners_step() -> None:
-    bounds = run_bounds(
-        step_s=0.25,
-        generated_tokens=1000,
-        engine_busy_s=2.0,
-        batch_groups=4,
-        trained_tokens=800,
-        trained_groups=8,
-    )
+    bounds = _bounds(step_s=0.25)  # the learner could make 14,400 steps/h
     assert (bounds.binding, bounds.bound) == ("engines", 4500.0)
     assert efficiency(4500.0, bounds) == 1.0
 
 
 def test_a_bound_that_cannot_be_known_is_left_out() -> None:
-    nothing_trained = run_bounds(
-        step_s=0.5,
-        generated_tokens=100,
-        engine_busy_s=1.0,
-        batch_groups=4,
-        trained_tokens=0,
-        trained_groups=0,
-    )
+    nothing_trained = _bounds(step_s=0.5, trained_groups=0)
     assert nothing_trained == Bounds(7200.0, None)
     assert (nothing_trained.binding, nothing_trained.bound) == ("learner", 7200.0)
     unknown = Bounds(None, None)

@@ -166,8 +166,10 @@ class EngineFleet:
         )
 
     async def rejoin(self, client: EngineClient) -> None:
-        """An ejected engine answers /health again: load the served version into it before the pool
-        gives it work (EngineError: not now; the pool keeps probing)."""
+        """An ejected engine answers /health again: load the served version into it and release it before
+        the pool gives it work (EngineError: not now; the pool keeps probing). Released: a weight sync
+        that paused it and then lost it (a partition between pause and continue) left it paused, and a
+        paused engine queues every request until each times out, over and over."""
         async with self.sync_lock:
             version = self.served_version()
             serving = await self.serves_version(client)
@@ -184,6 +186,7 @@ class EngineFleet:
                 # The pool keeps an engine it cannot load ejected and probes it again; any other error
                 # would end its probing for good.
                 raise EngineError(f"its fetcher could not fetch version {version}: {exc}") from exc
+            await client.continue_generation()
             metrics.POLICY_VERSION_SERVED.labels(engine=client.base_url).set(version)
 
     async def guard_availability(self, timeout_s: float) -> None:

@@ -142,3 +142,19 @@ async def test_an_engine_whose_weights_cannot_be_fetched_yet_stays_ejected_and_i
     await fake.restart()
     await until(lambda: engines.pool.serving == 1)
     assert tries == [3, 3, 3] and fake.weight_version == "3" and failures == []
+
+
+async def test_an_engine_a_sync_left_paused_is_released_before_it_gets_work(
+    fleet: tuple[EngineFleet, list[str]], fake: FakeSGLang
+) -> None:
+    # bench hosts' engine partition: a sync paused the engine, then could not reach it to continue it;
+    # back, it answered /health but queued every request until it timed out, ejected again and again.
+    engines, failures = fleet
+    [client] = engines.clients
+    await client.pause_generation("in_place")
+    stuck = asyncio.create_task(client.generate([1, 2], SamplingParams(max_new_tokens=3), "stuck"))
+    await asyncio.sleep(0.2)
+    assert not stuck.done()  # paused: it waits (SGLang holds new requests at the tokenizer while paused)
+    await engines.rejoin(client)
+    result = await asyncio.wait_for(stuck, 5.0)
+    assert len(result.output_ids) == 3 and failures == []

@@ -56,6 +56,10 @@ class Status:
     spool_depth_groups: int
     groups_running: int | None = None  # admitted, not yet written (the scheduler's view)
     groups_accepted: int | None = None  # the staleness control's accepted count
+    generated_tokens: int | None = None  # since the daemon started (rollwise_generated_tokens_total)
+    wasted_tokens: dict[str, int] | None = (
+        None  # of those, never trained, by cause (pipeline.contracts.waste)
+    )
 
 
 def status_between(

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.learner_dispatch import StepBook
+from pipeline.supervisor.observability.learner_metrics import token_books
 from pipeline.supervisor.progress import Progress, Totals, status_between
 
 STATUS_INTERVAL_S = 5.0
@@ -66,5 +67,7 @@ class StatusReport:
         sched = self.scheduler()
         if sched is not None:
             status = dataclasses.replace(status, groups_running=sched.running, groups_accepted=sched.accepted)
+        generated, wasted = token_books()
+        status = dataclasses.replace(status, generated_tokens=generated, wasted_tokens=wasted)
         self.progress.on_status(status)
         return now

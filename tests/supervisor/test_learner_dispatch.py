@@ -175,3 +175,13 @@ async def test_an_unreachable_spool_is_a_progress_message_while_it_lasts(dispatc
     await dispatch.handler.handle(events.Unreachable(what="spool", blocked=False, message="answers again"))
     said = [json.loads(line)["text"] for line in dispatch.out.getvalue().splitlines()]
     assert said == ["learner: the spool service grpc://b:1 is unreachable", "learner: answers again"]
+
+
+def test_the_status_line_reads_the_generated_and_wasted_counters() -> None:
+    from pipeline.supervisor.observability.learner_metrics import token_books
+
+    generated, wasted = token_books()
+    metrics.GENERATED_TOKENS.labels(env="books-env").inc(50)
+    metrics.GENERATED_TOKENS_WASTED.labels(cause="cut").inc(7)
+    after, wasted_after = token_books()
+    assert after - generated == 50 and wasted_after["cut"] - wasted.get("cut", 0) == 7

@@ -17,6 +17,7 @@ from pipeline.tools.bench.run_budgets import (
     engine_busy_fraction,
     learner_budget,
     render_budgets,
+    run_limit,
 )
 
 
@@ -74,3 +75,29 @@ def test_the_budget_line_names_both_idle_shares() -> None:
         "engines: idle 6.0% of their cores (CPU time)"
     )
     assert "engines" not in render_budgets(LearnerBudget(0, 0.0, 0.0, None), engine_busy=None)
+
+
+def test_the_limit_comes_from_the_steps_the_engines_and_the_last_status(tmp_path: Path) -> None:
+    steps = tmp_path / "steps.jsonl"
+    records = [
+        {
+            "event": "step",
+            "step": n,
+            "busy_s": busy,
+            "group_ids": ["a", "b"],
+            "staleness": {"0": 200, "1": 100},
+        }
+        for n, busy in ((1, 1.0), (2, 2.0), (3, 2.0))
+    ]
+    steps.write_text("\n".join(json.dumps(r) for r in records))
+    progress = tmp_path / "seed0.jsonl"
+    status = {"event": "status", "generated_tokens": 1000, "wasted_tokens": {"stale": 120, "cut": 0}}
+    progress.write_text(json.dumps({**status, "generated_tokens": 10}) + "\n" + json.dumps(status) + "\n{cut")
+    # learner: a 2 s median step after the first, 1,800 steps/h; engines: 1,000 tokens in 4 busy s is
+    # 250 tokens/s, 2 groups of 150 tokens a step, 3,000 steps/h; 3 steps in 10 s: 1,080 steps/h
+    line = run_limit(steps, progress, wall_s=10.0, engine_busy_s=4.0, batch_groups=2)
+    assert line == (
+        "limit: bound by the learner at 1800 steps/h, achieved 1080 (efficiency 60%); "
+        "12.0% of 1000 generated tokens never trained (stale 120)"
+    )
+    assert run_limit(steps, tmp_path / "none.jsonl", wall_s=10.0, engine_busy_s=4.0, batch_groups=2) is None

@@ -90,6 +90,20 @@ def record_dropped(reason: str, tokens: int) -> None:
         metrics.GENERATED_TOKENS_NO_SIGNAL.inc(tokens)
 
 
+def token_books() -> tuple[int, dict[str, int]]:
+    """The generated tokens so far (every env) and those never trained, by cause, from the counters."""
+    generated = sum(
+        s.value for m in metrics.GENERATED_TOKENS.collect() for s in m.samples if s.name.endswith("_total")
+    )
+    wasted = {
+        s.labels["cause"]: int(s.value)
+        for m in metrics.GENERATED_TOKENS_WASTED.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+    return int(generated), wasted
+
+
 def record_checkpoint(event: events.CheckpointSaved) -> None:
     metrics.CHECKPOINT_DURATION.observe(event.seconds)
 

@@ -3,8 +3,8 @@
 Two resources can bind an asynchronous run: the learner, which cannot step faster than its own step
 time, and the engines, which cannot generate the tokens a step trains faster than their busy token rate.
 The bound is the lower of the two; the efficiency is the steps per hour achieved over it. Pure functions,
-used by `rollwise bench async` (a modelled learner, the SGLang fake); a real run's logs hold the same
-inputs but for the generated tokens, which only the daemon's /metrics counts today.
+shared by `rollwise bench async` (a modelled learner, the SGLang fake) and `rollwise bench learn` (a
+real run's logs: pipeline.tools.bench.run_budgets.run_limit).
 
 The engines' rate is their generated tokens over the seconds they were busy (at least one request in
 flight): at the concurrency the run admitted. An engine that could batch more than it was given reads

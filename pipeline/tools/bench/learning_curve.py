@@ -57,7 +57,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.tools.bench.run_budgets import ChildCpu, engine_busy_fraction, learner_budget, render_budgets
+from pipeline.tools.bench.run_budgets import (
+    ChildCpu,
+    engine_busy_fraction,
+    learner_budget,
+    render_budgets,
+    run_limit,
+)
 
 # Two-sided 95% quantiles of Student's t, t(0.975, df), for df = 1..30; beyond, the values at 40, 60, 120.
 _T975 = (
@@ -481,7 +487,7 @@ def report_budgets(run_dir: Path, seed: int, engines: ChildCpu, *, wall_s: float
     from pipeline.contracts.config import EmbeddedEngine, ManagedEngine, load_config
 
     learner = learner_budget(run_dir / "logs" / "steps.jsonl")
-    busy = None
+    busy, limit = None, None
     resolved = run_dir / "config.toml"
     if resolved.is_file() and engines.seconds:
         cfg = load_config(resolved)
@@ -489,7 +495,14 @@ def report_budgets(run_dir: Path, seed: int, engines: ChildCpu, *, wall_s: float
         threads = (e.threads if isinstance(e, EmbeddedEngine) else None) or 1
         count = e.num_engines if isinstance(e, ManagedEngine) else 1
         busy = engine_busy_fraction(engines.total_s, wall_s, threads, count)
-    line = f"seed {seed}: {render_budgets(learner, busy)}"
+        limit = run_limit(
+            run_dir / "logs" / "steps.jsonl",
+            run_dir.parent / f"{run_dir.name}.jsonl",  # the daemon's progress (run_seed)
+            wall_s=wall_s,
+            engine_busy_s=engines.total_s / (threads * count),
+            batch_groups=cfg.learner.batch_groups,
+        )
+    line = f"seed {seed}: {render_budgets(learner, busy)}" + (f"; {limit}" if limit else "")
     print(line, file=sys.stderr, flush=True)
     if (run_dir / "logs").is_dir():
         (run_dir / "logs" / "budgets.txt").write_text(line + "\n")

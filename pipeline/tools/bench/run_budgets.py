@@ -8,6 +8,9 @@ is the product"): how busy the learner was, how busy the engines were, and the l
   threads included) over the run's wall time and its torch threads: the share of its cores it computed
   on. On a GPU engine this says nothing (the work is the GPU's); it is meant for the embedded engine.
 - Tokens/s: the learner's own figure (`tokens_per_s` of its steps), over every step but the first.
+- The limit (`run_limit`, pipeline.tools.bench.bounds): which resource binds and at how many steps/h, the
+  efficiency, and the generated tokens never trained, from the steps, the engines' CPU seconds over their
+  threads (their busy seconds) and the daemon's last status line (its generated and wasted tokens).
 
 `ChildCpu` samples the daemon's children by PID while the run goes on (a child that restarts is a new
 PID; its seconds are added), so the engines' figure covers the whole run.
@@ -17,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.contracts.run_dir import log_lines
+from pipeline.tools.bench.bounds import efficiency, run_bounds, waste_share
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -123,6 +128,51 @@ def engine_busy_fraction(cpu_s: float, wall_s: float, threads: int, engines: int
     """Share of the engines' cores they computed on: CPU seconds over wall seconds x threads x engines."""
     capacity = wall_s * max(threads, 1) * max(engines, 1)
     return min(1.0, cpu_s / capacity) if capacity > 0 else 0.0
+
+
+def last_status(progress_log: Path) -> dict[str, Any] | None:
+    """The last `status` event of a daemon's JSON progress log (None if it printed none)."""
+    found = None
+    for line in log_lines(progress_log):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "status":
+            found = record
+    return found
+
+
+def run_limit(
+    step_log: Path, progress_log: Path, *, wall_s: float, engine_busy_s: float, batch_groups: int
+) -> str | None:
+    """The run's limit (pipeline.tools.bench.bounds) from its logs: the learner's median busy step, the
+    tokens each group trained held, the engines' busy seconds and the generated and wasted tokens of the
+    daemon's last status line. None when the run printed no status with them or trained nothing."""
+    status = last_status(progress_log)
+    steps = step_records(step_log, lambda r: "busy_s" in r)
+    if status is None or status.get("generated_tokens") is None or not steps or wall_s <= 0:
+        return None
+    generated, wasted = int(status["generated_tokens"]), dict(status.get("wasted_tokens") or {})
+    timed = steps[1:] or steps  # the first step pays the learner's warm-up
+    bounds = run_bounds(
+        step_s=statistics.median(float(r["busy_s"]) for r in timed),
+        generated_tokens=generated,
+        engine_busy_s=engine_busy_s,
+        batch_groups=batch_groups,
+        trained_tokens=sum(sum(int(n) for n in (r.get("staleness") or {}).values()) for r in steps),
+        trained_groups=sum(len(r.get("group_ids") or []) for r in steps),
+    )
+    achieved = len(steps) * 3600.0 / wall_s
+    eff, share = efficiency(achieved, bounds), waste_share(wasted, generated)
+    causes = ", ".join(f"{cause} {n}" for cause, n in wasted.items() if n) or "none"
+    return (
+        f"limit: bound by the {bounds.binding or 'n/a'} at "
+        f"{f'{bounds.bound:.0f}' if bounds.bound else 'n/a'} steps/h, achieved {achieved:.0f} "
+        f"(efficiency {f'{eff:.0%}' if eff is not None else 'n/a'}); "
+        f"{f'{share:.1%}' if share is not None else 'n/a'} of {generated} generated tokens never trained "
+        f"({causes})"
+    )
 
 
 def render_budgets(learner: LearnerBudget, engine_busy: float | None) -> str:

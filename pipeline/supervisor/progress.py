@@ -57,9 +57,8 @@ class Status:
     groups_running: int | None = None  # admitted, not yet written (the scheduler's view)
     groups_accepted: int | None = None  # the staleness control's accepted count
     generated_tokens: int | None = None  # since the daemon started (rollwise_generated_tokens_total)
-    wasted_tokens: dict[str, int] | None = (
-        None  # of those, never trained, by cause (pipeline.contracts.waste)
-    )
+    # Of those, the ones never trained, by cause (pipeline.contracts.waste).
+    wasted_tokens: dict[str, int] | None = None
 
 
 def status_between(

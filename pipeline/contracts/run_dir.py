@@ -132,6 +132,20 @@ def log_lines(path: Path) -> list[str]:
     return lines
 
 
+def log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines log (and its rotated copies) whose "event" is `event`, oldest
+    first; a line cut by a crash, or one that is not an object, is skipped."""
+    found = []
+    for line in log_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            found.append(record)
+    return found
+
+
 # The context length of rollwise's presets (learner.model.model_init builds them with it): known before the
 # preset exists, so the config check can use it.
 PRESET_CONTEXT_TOKENS = 1024

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from envs.api import EnvFactory, Environment
 from envs.task_split import TaskSplitError, eval_tasks
 from pipeline.contracts.config import Config, ConfigError
-from pipeline.contracts.run_dir import log_lines
+from pipeline.contracts.run_dir import log_events
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.heldout import EvalPlan, Mode, ModeResult, PriorityEngine, run_evaluation
 from pipeline.supervisor.actors.rollout import RolloutSettings
@@ -529,12 +529,4 @@ def append_line(path: Path, row: dict[str, Any]) -> None:
 
 def read_eval_log(path: Path) -> list[dict[str, Any]]:
     """The evaluation rows of a run, oldest first (lines cut by a crash are skipped)."""
-    rows = []
-    for line in log_lines(path):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("event") == "eval":
-            rows.append(row)
-    return rows
+    return log_events(path, "eval")

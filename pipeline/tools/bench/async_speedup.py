@@ -54,14 +54,13 @@ from pipeline.supervisor.engines.client import EngineClient
 from pipeline.supervisor.engines.pool import EnginePool
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.engines.weightsync import sync_weights
-from pipeline.supervisor.observability import metrics
+from pipeline.supervisor.observability.learner_metrics import token_books
 from pipeline.tools.bench.bounds import Bounds, efficiency, run_bounds, waste_share
 from pipeline.tools.fake_sglang import FakeSGLang, LatencyModel, lognormal_script
 from pipeline.transport.spool import SpoolReader, SpoolWriter
 
 GOAL_SPEEDUP = 2.0
 END_TEXT = "<|end|>"
-ENV_NAME = "bench-coin"
 
 
 class CharTokenizer:
@@ -201,7 +200,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             engine=pool,
             tokenizer=CharTokenizer(),
             factory=CoinEnv,
-            env_name=ENV_NAME,
+            env_name="bench-coin",
             settings=settings,
             group_size=params.group_size,
             env_options={"turns": params.turns},
@@ -220,7 +219,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     dropped = 0
     trained = 0
     stale_tokens = 0
-    generated_before = _generated_tokens()
+    generated_before, _ = token_books()  # the scheduler's episodes count into this process's registry
     sync_times: list[float] = []
     published = asyncio.Event()
     waiting: list[tuple[int | None, list[int], int]] = []  # read, not taken: (oldest version, versions, seq)
@@ -291,7 +290,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         await asyncio.gather(syncer, return_exceptions=True)
         await pool.close()
         await engine.stop()
-    generated = _generated_tokens() - generated_before
+    generated = token_books()[0] - generated_before
     wasted = {cause: scheduler.waste.tokens[cause] for cause in WASTE_CAUSES}
     wasted[STALE] += stale_tokens
     return ModeResult(
@@ -320,12 +319,6 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             trained_groups=trained,
         ),
     )
-
-
-def _generated_tokens() -> int:
-    """The scheduler's episodes count their tokens in the supervisor's registry (this process's)."""
-    value = metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_total", {"env": ENV_NAME})
-    return int(value or 0)
 
 
 async def run_bench(params: BenchParams, model: LatencyModel, etas: Sequence[int]) -> list[ModeResult]:

@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -229,9 +228,7 @@ def _in_forked_processes(model_dir: Path, names: list[str], argv: list[str]) -> 
         for name in names:
             try:
                 results[name] = pool.submit(measure, model_dir, name, argv).result()
-            except BrokenProcessPool as exc:
-                raise RuntimeError(f"variant {name} failed: its process died ({exc})") from exc
-            except Exception as exc:
+            except Exception as exc:  # its own error, or BrokenProcessPool when its process died
                 raise RuntimeError(f"variant {name} failed: {exc!r}") from exc
     return results
 

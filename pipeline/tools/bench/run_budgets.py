@@ -18,7 +18,6 @@ PID; its seconds are added), so the engines' figure covers the whole run.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.contracts.run_dir import log_lines
+from pipeline.contracts.run_dir import log_events
 from pipeline.tools.bench.bounds import efficiency, run_bounds, waste_share
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -51,12 +50,8 @@ def step_records(step_log: Path, keep: Callable[[dict[str, Any]], bool]) -> list
     in step order (of a step a restarted learner trained twice, its last record); lines cut by a kill and
     a missing file give nothing; rotated copies are read first, oldest first."""
     steps: dict[int, dict[str, Any]] = {}
-    for line in log_lines(step_log):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("event") == "step" and keep(record):
+    for record in log_events(step_log, "step"):
+        if keep(record):
             steps[int(record["step"])] = record
     return [steps[s] for s in sorted(steps)]
 
@@ -132,15 +127,8 @@ def engine_busy_fraction(cpu_s: float, wall_s: float, threads: int, engines: int
 
 def last_status(progress_log: Path) -> dict[str, Any] | None:
     """The last `status` event of a daemon's JSON progress log (None if it printed none)."""
-    found = None
-    for line in log_lines(progress_log):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("event") == "status":
-            found = record
-    return found
+    statuses = log_events(progress_log, "status")
+    return statuses[-1] if statuses else None
 
 
 def run_limit(

@@ -16,7 +16,6 @@ one id at a time with the run's tokenizer; the page inserts every string as text
 from __future__ import annotations
 
 import collections
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from learner.trace import trace_files
-from pipeline.contracts.run_dir import RunDir, log_lines
+from pipeline.contracts.run_dir import RunDir, log_events
 from pipeline.contracts.schema import TRAJECTORY_SCHEMA, EpisodeSegment, batch_to_segments
 from pipeline.transport.spool import QUARANTINE_DIR, parse_seq, read_group_file
 
@@ -174,13 +173,7 @@ class RunView:
         """group_id -> (learner step, learner version before the step), and the newest version."""
         trained: dict[str, tuple[int, int]] = {}
         newest = None
-        for line in log_lines(self.run.step_log):
-            try:
-                step = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(step, dict) or step.get("event") != "step":
-                continue
+        for step in log_events(self.run.step_log, "step"):
             version = int(step.get("version", 0))
             before = version - (1 if step.get("groups", 0) else 0)
             newest = version

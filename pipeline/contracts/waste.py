@@ -3,8 +3,10 @@
 A generated token is wasted at exactly one place and counted there once, in tokens:
 - the learner, for the trainable rows of a group it drops (`drop_cause` of the drop reason);
 - the supervisor, for the episodes a finished group carries that cannot train (`episode_cause` of the
-  finish reason: a cut, an abort that was not resumed, a failure), and for the trainable episodes of a
-  group whose write failed (`LOST`).
+  finish reason: a cut, an abort that was not resumed, a failure), for every token of a group it dropped
+  in flight because the learner had passed its oldest token's deadline (`STALE`: it is never written, so
+  the learner never sees it), and for the trainable episodes of a group whose write failed, or what a
+  group cancelled by a shutdown had generated (`LOST`).
 
 So the trainable rows' tokens are the learner's to count and the others the supervisor's, and no token
 is counted by both. A group that updated no weight (every advantage zero, drop reason `no_update`) was

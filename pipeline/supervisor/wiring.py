@@ -375,7 +375,10 @@ def build_scheduler(
             agent_endpoint=agent_endpoint,
         ),
         admission=AdmissionController(
-            cfg.learner.batch_groups, cfg.async_.max_staleness, cfg.rollout.max_concurrent_groups
+            cfg.learner.batch_groups,
+            cfg.async_.max_staleness,
+            cfg.rollout.max_concurrent_groups,
+            max_groups=None if cfg.run.max_steps is None else cfg.run.max_steps * cfg.learner.batch_groups,
         ),
         spool=spool,
         tasks=tasks,

@@ -8,6 +8,7 @@ import pytest
 
 from pipeline.contracts.schema import FINISH_REASONS
 from pipeline.contracts.waste import WASTE_CAUSES, drop_cause, episode_cause, trainable_tokens
+from pipeline.supervisor.actors.late_cut import GroupCut
 from pipeline.supervisor.actors.outcomes import EpisodeOutcome, GroupOutcome
 from pipeline.supervisor.actors.waste_book import WasteBook
 from pipeline.supervisor.observability import metrics
@@ -99,6 +100,20 @@ def test_the_book_counts_a_finished_groups_untrainable_episodes_and_a_lost_group
         "failed": 11,
         "lost": 78,
     }
+
+
+def test_a_group_dropped_in_flight_is_stale_waste_whole_and_an_unfinished_one_counts_its_notes() -> None:
+    group = GroupOutcome("g", "t", "test-env", [_episode("stop", 30), _episode("cut", 11)])
+    book = WasteBook()
+    book.finished(group, doomed=True)  # never written: every token is stale, the cut episode's too
+    assert dict(book.tokens) == {"stale": 41}
+    cancelled, doomed = GroupCut(2), GroupCut(2)
+    cancelled.note(7, [3] * 7)
+    doomed.note(4, [2, 2, 3, 3])
+    doomed.doom("stale")
+    book.unfinished(cancelled)  # cancelled by a shutdown before its outcome existed
+    book.unfinished(doomed)
+    assert dict(book.tokens) == {"stale": 45, "lost": 7}
 
 
 def _bounds(step_s: float, trained_groups: int = 8) -> Bounds:

@@ -80,3 +80,21 @@ class GroupWriter:
             log.error("%s", text)
             self.notify(text)
         return True
+
+
+async def finish_writes(
+    writes: list[asyncio.Future[SpoolEntry]], grace_s: float, blocked: Callable[[], bool]
+) -> None:
+    """Wait for pending writes at shutdown; those the storage still refuses after `grace_s` (`blocked()`
+    true then) are given up, and their groups lost."""
+    _, stuck = await asyncio.wait(writes, timeout=grace_s)
+    if stuck and blocked():
+        for write in stuck:
+            write.cancel()
+        log.error(
+            "%d finished group(s) lost at shutdown: the spool refused their writes for the whole grace "
+            "period (%.0f s)",
+            len(stuck),
+            grace_s,
+        )
+    await asyncio.gather(*writes, return_exceptions=True)

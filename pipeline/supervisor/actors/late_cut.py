@@ -97,14 +97,35 @@ class GroupCut:
 
     The group runner counts each episode that finishes (`finished`), and marks the group `uncuttable`
     when one of its episodes is an agent function's (which a cut cannot stop: its agent holds the
-    conversation). `unfinished` is then what a cut would stop: 0 for such a group."""
+    conversation). `unfinished` is then what a cut would stop: 0 for such a group.
+
+    Each engine answer of a token-in/token-out episode is noted (`note`): the tokens generated so far
+    (`generated`, what a group cancelled before its outcome exists counts as waste) and the oldest version
+    among them (`oldest_version`, from which the scheduler knows when the group can no longer be trained:
+    in_flight_drops). A group `doomed` that way is cut like a late one, and never written."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.finished = 0
         self.uncuttable = False
         self.reason: str | None = None
+        self.generated = 0
+        self.oldest_version: int | None = None
+        self.doomed = False
         self._scopes: set[asyncio.Timeout] = set()
+
+    def note(self, tokens: int, versions: Sequence[int]) -> None:
+        """One engine answer: `tokens` more generated, at `versions` (one per token)."""
+        self.generated += tokens
+        if versions:
+            oldest = min(versions)
+            if self.oldest_version is None or oldest < self.oldest_version:
+                self.oldest_version = oldest
+
+    def doom(self, reason: str) -> None:
+        """The group can no longer be trained: stop its episodes (as `fire`) and mark it not to be written."""
+        self.doomed = True
+        self.fire(reason)
 
     @property
     def fired(self) -> bool:

@@ -155,8 +155,10 @@ class _EpisodeRun:
         metrics: EpisodeMetrics,
         trace: Spans = UNTRACED,
         affinity_key: str | None = None,
+        group: GroupCut | None = None,
     ) -> None:
         self.engine = engine
+        self.group = group or GroupCut(1)  # its group's shared handle: each answer is noted there
         self.affinity_key = affinity_key or episode_id
         self.tokenizer = tokenizer
         self.env = env
@@ -343,6 +345,7 @@ class _EpisodeRun:
         chat.add_generated(result.output_ids, result.logprobs, versions, turn)
         self.routing.record(chat, result)
         self.generated_tokens += n
+        self.group.note(n, versions)
         self.metrics.generated(n, result.prompt_tokens, result.cached_tokens)
         return result, elapsed
 
@@ -437,6 +440,7 @@ async def run_episode(
                 metrics=recorded,
                 trace=episode_trace(current),
                 affinity_key=group_id,
+                group=cut,
             )
             try:
                 async with asyncio.timeout(env.spec.episode_timeout_s) as scope:

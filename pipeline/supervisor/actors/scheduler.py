@@ -29,8 +29,11 @@ Rules:
 - A group being written when drain cancels it finishes its write (the write is shielded): a group is
   either fully durable and counted, or lost before its write started; never half-written. Drain gives a
   write the storage keeps refusing the grace period, then gives it up (logged as lost).
+- A running group the learner can no longer train (it holds a token older than the learner's version
+  less η) is stopped at the step event that dooms it and never written (in_flight_drops).
 - Generated tokens that will never train are counted where the group ends (`waste`, waste_book): the
-  episodes that cannot train when it finishes, its trainable ones too when its write fails.
+  episodes that cannot train when it finishes, all of it when it was dropped in flight, its trainable
+  ones too when its write fails, what it had generated when drain cancels it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from pipeline.contracts.schema import stamp_written_at
 from pipeline.supervisor.actors.admission import AdmissionController, Stragglers
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.failure_backoff import FailureBackoff
-from pipeline.supervisor.actors.group_writes import GroupWriter
+from pipeline.supervisor.actors.group_writes import GroupWriter, finish_writes
+from pipeline.supervisor.actors.in_flight_drops import drop_doomed
 from pipeline.supervisor.actors.late_cut import Admitted, GroupCut, late_cuts
 from pipeline.supervisor.actors.outcomes import GroupOutcome
 from pipeline.supervisor.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
@@ -157,9 +161,9 @@ class GroupScheduler:
         self.stragglers = Stragglers(pacing.straggler_patience)
         self.cuts = late_cuts(pacing.cut_late_groups, admission, recipe.group_size, spool)
         self.waste = WasteBook()
-        # Read by the supervisor and the bench: groups lost to a runner bug or a failed write (failed) or
-        # cancelled by drain before their write started; episodes of the groups finished (status line).
-        self.started = self.written = self.failed = self.cancelled = 0
+        # Read by the supervisor and the bench: groups failed (a runner bug, a failed write), cancelled by
+        # drain before their write, dropped in flight (in_flight_drops); episodes finished (status line).
+        self.started = self.written = self.failed = self.cancelled = self.dropped_in_flight = 0
         self.episodes_finished = self.episodes_succeeded = 0
         self.actor_idle_s = 0.0
 
@@ -238,8 +242,9 @@ class GroupScheduler:
     def on_learner_step(self, version: int, consumed_groups: int) -> None:
         """The learner finished a step: it is at `version` and has consumed `consumed_groups` spool groups
         (its step event's watermark plus the seqs consumed beyond it). Cuts the groups this leaves at
-        their last chance (late_cut)."""
+        their last chance (late_cut), after stopping those it can no longer train (in_flight_drops)."""
         self.learner_version = version
+        self.dropped_in_flight += drop_doomed(self._admitted, version, self.admission.max_staleness)
         self.cuts.on_learner_step(version, consumed_groups)
         self.cuts.check(self._admitted, len(self._writes))
 
@@ -320,9 +325,12 @@ class GroupScheduler:
         return True
 
     async def _run_group(self, task: Task, group_id: str) -> None:
+        handle = self._admitted[group_id].cut
         slot_owned_by_write = False
         try:
             outcome = await self._play_group(task, group_id)
+            if handle.doomed:
+                return  # never written: the learner could only drop it (in_flight_drops)
             self.backoff.note(group_id, outcome.episodes)
             self.episodes_finished += len(outcome.episodes)
             self.episodes_succeeded += sum(1 for ep in outcome.episodes if ep.success)
@@ -335,10 +343,12 @@ class GroupScheduler:
         except asyncio.CancelledError:
             if not slot_owned_by_write:
                 self.cancelled += 1
+                self.waste.unfinished(handle)
             raise
         except Exception:
             if not slot_owned_by_write:  # write failures are reported by _write_done
                 self.failed += 1
+                self.waste.unfinished(handle)
                 log.exception("group %s failed before it could be written; its episodes are lost", group_id)
         finally:
             if not slot_owned_by_write:
@@ -350,9 +360,9 @@ class GroupScheduler:
         try:
             outcome = await self.recipe.play(task, group_id, self._admitted[group_id].cut)
         finally:
-            _, started, _ = self._admitted.pop(group_id)
+            _, started, handle = self._admitted.pop(group_id)
         self.stragglers.durations.append(time.monotonic() - started)
-        self.waste.finished(outcome)
+        self.waste.finished(outcome, doomed=handle.doomed)
         return outcome
 
     async def _write(self, outcome: GroupOutcome) -> SpoolEntry:
@@ -399,22 +409,7 @@ class GroupScheduler:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         if self._writes:
-            await self._finish_writes(grace_s)
+            await finish_writes(list(self._writes), grace_s, lambda: self.storage_blocked)
         if self.recipe.agent_endpoint is not None:
             await self.recipe.agent_endpoint.close()
         return self.written - written_before, self.cancelled - cancelled_before
-
-    async def _finish_writes(self, grace_s: float) -> None:
-        """Wait for the pending writes; one the storage keeps refusing gets the grace, then is given up."""
-        writes = list(self._writes)
-        _, stuck = await asyncio.wait(writes, timeout=grace_s)
-        if stuck and self.storage_blocked:
-            for w in stuck:
-                w.cancel()
-            log.error(
-                "%d finished group(s) lost at shutdown: the spool refused their writes for the whole "
-                "grace period (%.0f s)",
-                len(stuck),
-                grace_s,
-            )
-        await asyncio.gather(*writes, return_exceptions=True)

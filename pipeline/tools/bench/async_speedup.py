@@ -18,8 +18,10 @@ What is real and what is modelled:
 Both runs use the same seeds and parameters; only η differs. Reported per η: learner steps/hour,
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
 idle fraction (admission held work back because of staleness), mean token staleness of trained
-groups, dropped groups, and groups cut at their last chance (async.cut_late_groups; after each modelled
-step the scheduler hears the version and the groups consumed, as from the learner's step event). Then the
+groups, groups dropped as stale (by the modelled learner, or in flight by the scheduler once the
+learner passed their bound: in_flight_drops), and groups cut at their last chance
+(async.cut_late_groups; after each modelled step the scheduler hears the version and the groups
+consumed, as from the learner's step event). Then the
 limit (pipeline.tools.bench.bounds): which resource binds, its bound in steps/hour, the efficiency
 (achieved over the bound), and the generated tokens never trained by cause (pipeline.contracts.waste:
 the modelled learner's stale drops, the scheduler's cut, failed and lost episodes).
@@ -283,6 +285,10 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     finally:
         wall = time.monotonic() - started
         engine_busy_s = engine.busy_seconds()
+        # The books at the end of the measured window: what the bench's own stop cancels (the groups
+        # still running) is neither trained nor waste of the steady state, only unfinished.
+        generated = token_books()[0] - generated_before
+        wasted = {cause: scheduler.waste.tokens[cause] for cause in WASTE_CAUSES}
         syncer.cancel()
         stop.set()
         await scheduler.drain(0.0)
@@ -290,8 +296,6 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         await asyncio.gather(syncer, return_exceptions=True)
         await pool.close()
         await engine.stop()
-    generated = token_books()[0] - generated_before
-    wasted = {cause: scheduler.waste.tokens[cause] for cause in WASTE_CAUSES}
     wasted[STALE] += stale_tokens
     return ModeResult(
         eta=eta,
@@ -304,7 +308,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
         max_staleness=max(staleness) if staleness else 0,
         trained_groups=trained,
-        dropped_stale=dropped,
+        dropped_stale=dropped + scheduler.dropped_in_flight,
         groups_cut=scheduler.groups_cut,
         sync_s_mean=sum(sync_times) / len(sync_times) if sync_times else 0.0,
         generated_tokens=generated,

@@ -168,3 +168,18 @@ def test_the_floor_lowers_the_budget_only_below_the_served_version() -> None:
     assert adm.staleness_room(3, accepted=10, running=4, floor=1) == 2
     assert adm.staleness_room(3, accepted=10, running=4, floor=5) == 10  # never above v
     assert adm.held_by_staleness(3, accepted=12, running=4, floor=1)
+
+
+def test_the_run_end_caps_the_staleness_budget() -> None:
+    """run.max_steps · B = 10 groups: (η + v + 1)·B = 16 would allow 12 more; the run's end allows 6."""
+    adm = AdmissionController(batch_groups=4, max_staleness=2, max_concurrent=20, max_groups=10)
+    assert adm.staleness_room(version=1, accepted=3, running=1) == 6
+    assert adm.capacity(version=1, accepted=9, running=1) == 0
+    assert adm.held_by_staleness(version=1, accepted=9, running=1)
+    unbounded = AdmissionController(batch_groups=4, max_staleness=2, max_concurrent=20)
+    assert unbounded.staleness_room(version=1, accepted=3, running=1) == 12
+
+
+def test_a_negative_run_end_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_groups must be >= 0, got -1"):
+        AdmissionController(batch_groups=1, max_staleness=0, max_concurrent=1, max_groups=-1)

@@ -69,6 +69,7 @@ def make_scheduler(
     storage_retry_s: tuple[float, float] = (0.5, 10.0),
     notify: Callable[[str], None] | None = None,
     straggler_patience: float = 0.0,
+    max_groups: int | None = None,
 ) -> GroupScheduler:
     return GroupScheduler(
         recipe=GroupRecipe(
@@ -80,7 +81,9 @@ def make_scheduler(
             group_size=group_size,
             env_options={"turns": 2},
         ),
-        admission=AdmissionController(batch_groups=batch, max_staleness=eta, max_concurrent=max_concurrent),
+        admission=AdmissionController(
+            batch_groups=batch, max_staleness=eta, max_concurrent=max_concurrent, max_groups=max_groups
+        ),
         spool=spool if spool is not None else SpoolWriter(spool_dir),
         tasks=tasks if tasks is not None else _tasks(),
         run_prefix="test",
@@ -609,6 +612,51 @@ class _SecondEpisodeHangs(CoinEnv):
             await type(self).closing.wait()
 
 
+def _generated() -> float:
+    return metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_total", {"env": "bench-coin"}) or 0.0
+
+
+def _written_tokens(spool_dir: Path) -> int:
+    """Generated tokens of every row written to the spool."""
+    items = SpoolReader(spool_dir, after_seq=0).poll()
+    return sum(row.num_generated for item in items for row in batch_to_segments(item.batch)[0])
+
+
+async def test_a_group_cancelled_at_drain_counts_what_it_generated_as_lost(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    generated_before = _generated()
+    sched = _a_group_left_behind(tmp_path, pool, cut=0.0)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 3 and sched.running == 1)
+    stop.set()
+    await runner
+    assert await sched.drain(0.0) == (0, 1)
+    # the hung group: three finished episodes and the first turn of the hung one, none of it written
+    assert sched.waste.tokens["lost"] > 0
+    assert _generated() - generated_before == _written_tokens(tmp_path) + sched.waste.tokens["lost"]
+
+
+async def test_admission_stops_at_the_groups_the_run_trains_and_replaces_a_drop(
+    pool: EnginePool, tmp_path: Path
+) -> None:
+    """run.max_steps · B = 3 groups: staleness would allow 6 (η = 2, B = 2), the run's end allows 3; a
+    group the learner drops is replaced, so the last step still gets its groups."""
+    sched = make_scheduler(pool, tmp_path, batch=2, eta=2, max_groups=3)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(sched.run(stop))
+    await until(lambda: sched.written == 3 and sched.running == 0)
+    await _settle()
+    assert (sched.started, sched.capacity(), sched.queued) == (3, 0, 0)
+    sched.on_dropped(1)
+    await until(lambda: sched.written == 4)
+    await _settle()
+    assert sched.started == 4
+    stop.set()
+    await runner
+
+
 def _episodes_cut() -> float:
     value = metrics.REGISTRY.get_sample_value(
         "rollwise_episodes_total", {"env": "bench-coin", "reason": "cut"}
@@ -735,6 +783,7 @@ def test_a_cut_share_outside_zero_to_one_is_refused(pool: EnginePool, tmp_path: 
 async def test_no_group_is_cut_with_cutting_off_or_a_share_below_one_episode(
     pool: EnginePool, tmp_path: Path, share: float
 ) -> None:
+    generated_before = _generated()
     sched = _a_group_left_behind(tmp_path, pool, cut=share)
     stop = asyncio.Event()
     runner = asyncio.create_task(sched.run(stop))
@@ -743,9 +792,15 @@ async def test_no_group_is_cut_with_cutting_off_or_a_share_below_one_episode(
     sched.on_version(1)
     sched.release.set()  # type: ignore[attr-defined]
     await until(lambda: sched.written == 5)
+    assert (sched.groups_cut, sched.running) == (0, 1)  # at its last chance, not cut
     sched.on_learner_step(2, 2)
     await _settle()
-    assert (sched.groups_cut, sched.running) == (0, 1)  # the hung group runs on, stale by now
+    # Stale now: dropped in flight (in_flight_drops), not cut, not written, its tokens stale waste.
+    assert (sched.groups_cut, sched.dropped_in_flight) == (0, 1)
+    assert sched.waste.tokens["stale"] > 0
     stop.set()
     await runner
-    assert await sched.drain(0.0) == (0, 1)
+    await sched.drain(0.0)
+    # Every generated token is in a written row or counted as waste: stale (the dropped group), lost
+    # (groups admitted after it and cancelled by the drain).
+    assert _generated() - generated_before == _written_tokens(tmp_path) + sum(sched.waste.tokens.values())

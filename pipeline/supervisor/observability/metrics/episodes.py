@@ -243,7 +243,11 @@ GROUPS_CUT = Counter(
 GROUPS_WRITTEN = Counter("rollwise_groups_written", "Groups fsync'd to the spool.", registry=REGISTRY)
 GROUPS_ACCEPTED = Counter("rollwise_groups_accepted", "Groups the learner trained on.", registry=REGISTRY)
 GROUPS_DROPPED = Counter(
-    "rollwise_groups_dropped", "Groups not trained on, by reason.", ["reason"], registry=REGISTRY
+    "rollwise_groups_dropped",
+    "Groups not trained on, by reason: the learner's drops, and stale_in_flight for the groups the "
+    "supervisor stopped while they ran because the learner had passed their staleness bound (never written).",
+    ["reason"],
+    registry=REGISTRY,
 )
 GENERATED_TOKENS_WASTED = Counter(
     "rollwise_generated_tokens_wasted",
@@ -308,7 +312,15 @@ SPOOL_QUARANTINED = Counter(
 # Finish reasons are the trajectory contract's (FINISH_REASONS).
 ENGINE_ERROR_KINDS = ("protocol", "http", "unavailable", "abort", "error")
 ENV_ERROR_KINDS = ("error", "timeout", "invalid", "close", "agent", "refused", "judge")
-DROP_REASONS = ("stale", "too_few_members", "quarantined", "invalid_tokens", "no_update", "routing_mismatch")
+DROP_REASONS = (
+    "stale",
+    "stale_in_flight",
+    "too_few_members",
+    "quarantined",
+    "invalid_tokens",
+    "no_update",
+    "routing_mismatch",
+)
 QUARANTINE_KINDS = ("unreadable", "empty", "format", "schema")
 OPENAI_ROUTES = ("episode", "service")
 OPENAI_STATUSES = ("ok", "rejected", "engine_error")

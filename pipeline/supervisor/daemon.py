@@ -207,6 +207,7 @@ class Supervisor:
                 # A running evaluation may end meanwhile (the engines stay up until the learner is done).
                 scoring = [self.evaluator.finish(grace)] if self.evaluator is not None else []
                 await asyncio.gather(self.learner.stop(grace), *drain, *scoring)
+                self.status.final()
             finally:
                 if self.evaluator is not None:
                     await self.evaluator.stop()

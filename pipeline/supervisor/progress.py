@@ -57,8 +57,10 @@ class Status:
     groups_running: int | None = None  # admitted, not yet written (the scheduler's view)
     groups_accepted: int | None = None  # the staleness control's accepted count
     generated_tokens: int | None = None  # since the daemon started (rollwise_generated_tokens_total)
-    # Of those, the ones never trained, by cause (pipeline.contracts.waste).
+    # Of those, the ones never trained, by cause (pipeline.contracts.waste), and those of groups trained in
+    # name only (their step changed no weight: rollwise_generated_tokens_no_signal_total).
     wasted_tokens: dict[str, int] | None = None
+    no_signal_tokens: int | None = None
 
 
 def status_between(

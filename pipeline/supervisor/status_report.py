@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.learner_dispatch import StepBook
+from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.learner_metrics import token_books
 from pipeline.supervisor.progress import Progress, Totals, status_between
 
@@ -34,6 +35,7 @@ class StatusReport:
         self.scheduler = scheduler  # None until the children are ready
         self.started_at = started_at
         self.interval_s = interval_s
+        self._since: Totals | None = None  # where the next interval starts; None before run()
 
     def totals(self) -> Totals:
         sched = self.scheduler()
@@ -47,10 +49,16 @@ class StatusReport:
         )
 
     async def run(self) -> None:
-        totals = self.totals()
+        self._since = self.totals()
         while True:
             await asyncio.sleep(self.interval_s)
-            totals = self.report(since=totals)
+            self._since = self.report(since=self._since)
+
+    def final(self) -> None:
+        """One more status at shutdown, after the drain: the run's last books, where every generated token
+        is trained, waste by cause, or (a group the spool still holds) waiting for the next start."""
+        if self._since is not None:
+            self._since = self.report(since=self._since)
 
     def report(self, since: Totals) -> Totals:
         """Show the status of the interval since `since`; returns the totals the next interval starts from."""
@@ -68,6 +76,9 @@ class StatusReport:
         if sched is not None:
             status = dataclasses.replace(status, groups_running=sched.running, groups_accepted=sched.accepted)
         generated, wasted = token_books()
-        status = dataclasses.replace(status, generated_tokens=generated, wasted_tokens=wasted)
+        no_signal = int(metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_no_signal_total") or 0)
+        status = dataclasses.replace(
+            status, generated_tokens=generated, wasted_tokens=wasted, no_signal_tokens=no_signal
+        )
         self.progress.on_status(status)
         return now

@@ -110,3 +110,82 @@ class Stragglers:
                 until = started + patience_s
                 expires = until if expires is None else min(expires, until)
         return floor, expires
+
+
+def predicts_trainable(
+    *,
+    served_version: int,
+    learner_version: int,
+    max_staleness: int,
+    pace_s: float,
+    since_step_s: float,
+    duration_s: float,
+) -> bool:
+    """Whether a group started now on `served_version`, lasting `duration_s`, is written before the
+    learner takes the batch of version served_version + η, the last that can train it. The learner, at
+    `learner_version` and `since_step_s` into the step that trains it, takes that batch when the steps of
+    versions learner_version .. served_version + η − 1 are done: in max(0, pace − since) + (served + η −
+    1 − learner)·pace seconds (a learner slower than its pace is taken to end its step now: the forecast
+    never waits on a late step). A learner already at served + η has taken that batch: False."""
+    steps_after_this = served_version + max_staleness - 1 - learner_version
+    if steps_after_this < 0:
+        return False
+    return duration_s <= max(0.0, pace_s - since_step_s) + steps_after_this * pace_s
+
+
+class Forecast:
+    """Admission that predicts (docs/design/asynchrony_at_the_limit.md): a group is started only when a
+    group of the `quantile` of recent durations would be written in time (`predicts_trainable`) at the
+    learner's pace, an average of the intervals between its step events over the versions they advanced.
+    It holds nothing while the learner's next batch is not yet covered by the groups waiting and running
+    (the learner waits for those, so they cannot be overtaken into staleness and refusing them would stall
+    it), nor before the pace and durations are known; `quantile` 0 turns it off."""
+
+    def __init__(
+        self, quantile: float, batch_groups: int, max_staleness: int, smoothing: float = 0.3
+    ) -> None:
+        if not 0 <= quantile < 1:
+            raise ValueError(f"forecast quantile must be in [0, 1), got {quantile}")
+        self.quantile = quantile
+        self.batch_groups = batch_groups
+        self.max_staleness = max_staleness
+        self.smoothing = smoothing
+        self.pace_s: float | None = None
+        self._last: tuple[int, float] | None = None  # (version, monotonic time) of the last step event
+
+    def on_step(self, version: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is not None and version > self._last[0]:
+            interval = (now - self._last[1]) / (version - self._last[0])
+            s = self.smoothing
+            self.pace_s = interval if self.pace_s is None else (1 - s) * self.pace_s + s * interval
+        self._last = (version, now)
+
+    def allows(
+        self,
+        served_version: int,
+        waiting: int,
+        running: int,
+        durations: Iterable[float],
+        now: float | None = None,
+    ) -> bool:
+        """True when a group may start now (class docstring); `waiting` = groups written and not consumed,
+        `running` = groups started and not written, `durations` = the last groups' durations."""
+        if not self.quantile or self.pace_s is None or self._last is None:
+            return True
+        if waiting + running < self.batch_groups:
+            return True
+        ordered = sorted(durations)
+        if not ordered:
+            return True
+        duration = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        learner_version, stepped_at = self._last
+        now = time.monotonic() if now is None else now
+        return predicts_trainable(
+            served_version=served_version,
+            learner_version=learner_version,
+            max_staleness=self.max_staleness,
+            pace_s=self.pace_s,
+            since_step_s=now - stepped_at,
+            duration_s=duration,
+        )

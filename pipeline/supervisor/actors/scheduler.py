@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 from envs.api import EnvFactory, Task
 from pipeline.contracts.schema import stamp_written_at
-from pipeline.supervisor.actors.admission import AdmissionController, Forecast, Stragglers
+from pipeline.supervisor.actors.admission import AdmissionController, Stragglers
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.failure_backoff import FailureBackoff
 from pipeline.supervisor.actors.group_writes import GroupWriter, finish_writes
@@ -115,14 +115,12 @@ class Pacing:
     """How admission paces itself: (first, longest) pause after a wholly failed group (failure_backoff)
     and between refused spool writes (group_writes); `straggler_patience` in median group durations
     (admission.Stragglers, 0 = none protected); `cut_late_groups` the largest share of a group's episodes
-    a cut may stop (late_cut, 0 = never cut); `forecast_quantile` the group duration admission's forecast
-    must fit before the learner's pace (admission.Forecast, 0 = no forecast)."""
+    a cut may stop (late_cut, 0 = never cut)."""
 
     failure_backoff_s: tuple[float, float] = (0.05, 2.0)
     storage_retry_s: tuple[float, float] = (0.5, 10.0)
     straggler_patience: float = 0.0
     cut_late_groups: float = 0.25
-    forecast_quantile: float = 0.0
 
 
 class GroupScheduler:
@@ -155,12 +153,12 @@ class GroupScheduler:
         self._admitted: dict[str, Admitted] = {}  # running group -> its admission
         self._group_tasks: set[asyncio.Task[None]] = set()
         self._writes: set[asyncio.Future[SpoolEntry]] = set()
-        self.engines_up = engines_up or (lambda: True)  # False: admission waits for on_engines_changed
+        # False while no engine can serve: admission waits; `on_engines_changed` wakes it.
+        self.engines_up = engines_up or (lambda: True)
         notify = notify or (lambda text: None)
         self.writer = GroupWriter(spool, pacing.storage_retry_s, notify, on_writable=self._wake.set)
         self.backoff = FailureBackoff(pacing.failure_backoff_s, notify)
         self.stragglers = Stragglers(pacing.straggler_patience)
-        self.forecast = Forecast(pacing.forecast_quantile, admission.batch_groups, admission.max_staleness)
         self.cuts = late_cuts(pacing.cut_late_groups, admission, recipe.group_size, spool)
         self.waste = WasteBook()
         # Read by the supervisor and the bench: groups failed (a runner bug, a failed write), cancelled by
@@ -203,13 +201,7 @@ class GroupScheduler:
             return 0  # every episode would end engine_error at once
         if self._paused_by:
             return 0
-        room = self.admission.capacity(self.version, self._accepted, self._running, self.floor()[0])
-        waiting = (
-            self._accepted - self.learner_version * self.admission.batch_groups
-        )  # accepted = v·B + depth
-        if room and not self.forecast.allows(self.version, waiting, self._running, self.stragglers.durations):
-            return 0  # a group started now is predicted to go stale before it is written
-        return room
+        return self.admission.capacity(self.version, self._accepted, self._running, self.floor()[0])
 
     def floor(self, now: float | None = None) -> tuple[int | None, float | None]:
         """admission.Stragglers.floor of the running groups."""
@@ -252,8 +244,6 @@ class GroupScheduler:
         (its step event's watermark plus the seqs consumed beyond it). Cuts the groups this leaves at
         their last chance (late_cut), after stopping those it can no longer train (in_flight_drops)."""
         self.learner_version = version
-        self.forecast.on_step(version)
-        self._wake.set()  # the forecast's pace moved
         self.dropped_in_flight += drop_doomed(self._admitted, version, self.admission.max_staleness)
         self.cuts.on_learner_step(version, consumed_groups)
         self.cuts.check(self._admitted, len(self._writes))

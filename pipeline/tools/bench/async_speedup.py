@@ -135,7 +135,6 @@ class BenchParams:
     sigma: float = 1.0
     straggler_patience: float = 0.0  # async.straggler_patience (0 = no straggler protection)
     cut_late_groups: float = 0.25  # async.cut_late_groups (0 = never cut)
-    forecast_quantile: float = 0.0  # async.forecast_quantile (0 = no forecast)
 
 
 @dataclass
@@ -211,11 +210,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         admission=admission,
         spool=SpoolWriter(spool_dir),
         tasks=env.tasks(params.seed),
-        pacing=Pacing(
-            straggler_patience=params.straggler_patience,
-            cut_late_groups=params.cut_late_groups,
-            forecast_quantile=params.forecast_quantile,
-        ),
+        pacing=Pacing(straggler_patience=params.straggler_patience, cut_late_groups=params.cut_late_groups),
     )
     reader = SpoolReader(spool_dir, after_seq=0)
     stop = asyncio.Event()
@@ -364,12 +359,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         default=d.cut_late_groups,
         help="async.cut_late_groups: largest share of a group's episodes a cut may stop (0 = never cut)",
     )
-    p.add_argument(
-        "--forecast-quantile",
-        type=float,
-        default=d.forecast_quantile,
-        help="async.forecast_quantile: the group duration quantile admission's forecast must fit (0 = off)",
-    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p.parse_args(list(argv))
 
@@ -402,7 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sigma=args.sigma,
         straggler_patience=args.straggler_patience,
         cut_late_groups=args.cut_late_groups,
-        forecast_quantile=args.forecast_quantile,
     )
     model = LatencyModel(
         per_token_s=args.per_token_ms / 1e3, prefill_s=args.prefill_ms / 1e3, load_s=args.load_ms / 1e3

@@ -56,6 +56,7 @@ class Status:
     spool_depth_groups: int
     groups_running: int | None = None  # admitted, not yet written (the scheduler's view)
     groups_accepted: int | None = None  # the staleness control's accepted count
+    groups_dropped_in_flight: int | None = None  # since the daemon started (in_flight_drops)
     generated_tokens: int | None = None  # since the daemon started (rollwise_generated_tokens_total)
     # Of those, the ones never trained, by cause (pipeline.contracts.waste), and those of groups trained in
     # name only (their step changed no weight: rollwise_generated_tokens_no_signal_total).

@@ -74,7 +74,12 @@ class StatusReport:
         )
         sched = self.scheduler()
         if sched is not None:
-            status = dataclasses.replace(status, groups_running=sched.running, groups_accepted=sched.accepted)
+            status = dataclasses.replace(
+                status,
+                groups_running=sched.running,
+                groups_accepted=sched.accepted,
+                groups_dropped_in_flight=sched.dropped_in_flight,
+            )
         generated, wasted = token_books()
         no_signal = int(metrics.REGISTRY.get_sample_value("rollwise_generated_tokens_no_signal_total") or 0)
         status = dataclasses.replace(

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.contracts.run_dir import RunDir, append_consumed
 from pipeline.tools.bench.chaos import KillPlan
-from pipeline.tools.bench.soak import longest_stalls
+from pipeline.tools.bench.soak import longest_stalls, stale_share
 from pipeline.tools.bench.soak_books import reconcile
 from pipeline.tools.bench.soak_resources import daemon_processes, growth, sample_process
 from pipeline.transport.spool import spool_name
@@ -224,3 +224,14 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
     assert sum(p["rss_anon"] > 0 for p in samples) > len(samples) / 2
     assert (out / "soak.png").stat().st_size > 10_000
     assert "BALANCED" in proc.stdout
+    in_flight = summary["groups_dropped_in_flight"]
+    assert in_flight >= 0
+    assert summary["stale_share"] == stale_share(
+        books["dropped"].get("stale", 0), in_flight, books["written"]
+    )
+    assert "dropped in flight" in proc.stdout
+
+
+def test_the_stale_share_counts_groups_dropped_in_flight_among_the_groups_ended() -> None:
+    assert stale_share(dropped_stale=3, dropped_in_flight=2, written=98) == 5 / 100
+    assert stale_share(dropped_stale=0, dropped_in_flight=0, written=0) is None

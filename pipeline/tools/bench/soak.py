@@ -76,6 +76,7 @@ class Daemon:
         self.started_at = time.monotonic()
         self.steps: list[tuple[float, int]] = []  # (monotonic time, learner step)
         self.metrics_url: str | None = None
+        self.dropped_in_flight = 0  # groups stopped running as stale, from its last status line
         self._reader = threading.Thread(target=self._read, name="soak-daemon-stdout", daemon=True)
         self._reader.start()
 
@@ -93,6 +94,8 @@ class Daemon:
             kind = event.get("event") if isinstance(event, dict) else None
             if kind == "step":
                 self.steps.append((time.monotonic(), int(event["step"])))
+            elif kind == "status":
+                self.dropped_in_flight = int(event.get("groups_dropped_in_flight") or 0)
             elif kind == "message" and "metrics on " in str(event.get("text", "")):
                 self.metrics_url = str(event["text"]).split("metrics on ", 1)[1].strip()
 
@@ -152,6 +155,7 @@ class Soak:
         self._resources: IO[str] = open(opts.out / "resources.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.daemon: Daemon | None = None
         self._expected_exit = False
+        self.dropped_in_flight = 0  # over the lives that ended (a killed life's last status: up to 5 s old)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -197,6 +201,7 @@ class Soak:
         assert daemon is not None
         code = daemon.close(timeout_s=5)
         self.steps.extend((t - self.t0, s) for t, s in daemon.steps)
+        self.dropped_in_flight += daemon.dropped_in_flight
         killed = code == -signal.SIGKILL and self._expected_exit
         if not killed:
             self.unexpected_exits.append(f"supervisor pid {daemon.pid} exited with code {code}")
@@ -292,6 +297,7 @@ class Soak:
         daemon.proc.send_signal(signal.SIGTERM)
         code = daemon.close(timeout_s=180)
         self.steps.extend((t - self.t0, s) for t, s in daemon.steps)
+        self.dropped_in_flight += daemon.dropped_in_flight
         self._note(kind="exit", target="supervisor", pid=daemon.pid, code=code, killed=False, final=True)
         self._events.close()
         self._resources.close()
@@ -386,6 +392,10 @@ def summarise(soak: Soak, books: Books, final_code: int) -> dict[str, Any]:
         "unexpected_exits": soak.unexpected_exits,
         "final_exit_code": final_code,
         "books": books.as_dict(),
+        # Groups stopped while running because the learner had passed their bound: never written, so
+        # outside the books; with the written groups dropped stale, the stale share of all groups ended.
+        "groups_dropped_in_flight": soak.dropped_in_flight,
+        "stale_share": stale_share(books.dropped.get("stale", 0), soak.dropped_in_flight, books.written),
         "stalls": stalls,
         "rss": by_role,
         "goals": {
@@ -454,6 +464,13 @@ def plot(soak: Soak, out: Path) -> int:
     return render(panels, out, title=title, xlabel="minutes")
 
 
+def stale_share(dropped_stale: int, dropped_in_flight: int, written: int) -> float | None:
+    """Groups lost to staleness (dropped when written, or in flight) over the groups that ended (written,
+    or dropped in flight); None before any did."""
+    ended = written + dropped_in_flight
+    return (dropped_stale + dropped_in_flight) / ended if ended else None
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     books = summary["books"]
     steps = summary["learner_steps"]
@@ -467,6 +484,12 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"quarantined {books['quarantined']} + pending {books['pending']}; trained twice: "
         f"{len(books['trained_twice'])}; "
         + ("BALANCED" if books["ok"] else "NOT BALANCED: " + "; ".join(books["problems"]))
+    )
+    share = summary["stale_share"]
+    print(
+        f"  stale: {books['dropped'].get('stale', 0)} dropped when written + "
+        f"{summary['groups_dropped_in_flight']} dropped in flight"
+        + ("" if share is None else f" = {100 * share:.2f}% of the groups ended")
     )
     for role, r in summary["rss"].items():
         growth_text = "n/a" if r["worst_rss_growth"] is None else f"{100 * r['worst_rss_growth']:+.1f}%"

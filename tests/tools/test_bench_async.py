@@ -77,6 +77,8 @@ def test_main_prints_json_report(capsys: pytest.CaptureFixture[str]) -> None:
         assert arm["efficiency"] == pytest.approx(arm["steps_per_hour"] / arm["bound_steps_per_hour"])
         assert arm["bounds"]["learner_steps_per_hour"] == pytest.approx(36000.0)
         assert 0.0 <= arm["waste_share"] < 1.0
+        # What the engine delivered: at least about the latency model's 2 ms a token (a busy host adds).
+        assert 0.001 < arm["delivered_per_token_s"] < 0.01
 
 
 def test_the_table_names_the_binding_resource_and_the_waste_by_cause(

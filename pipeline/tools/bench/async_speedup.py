@@ -12,8 +12,9 @@ What is real and what is modelled:
   version and goes on with its next step while the supervisor syncs the engines (pause -> update with
   `load_s` of sleep -> continue), one sync at a time, skipping a version a newer one overtook, and
   tells admission the served version when a sync completes: as the daemon does (learner.process
-  publishes and trains on; pipeline.supervisor.lineage syncs); it reads up to 2·B groups ahead and takes
-  them earliest staleness deadline first, as learner.process does; groups older than v − η are dropped.
+  publishes and trains on; pipeline.supervisor.lineage syncs); it reads up to 2·B groups ahead (their
+  trainable rows: a cut episode's are the scheduler's waste) and takes them earliest staleness deadline
+  first, as learner.process does; groups older than v − η are dropped.
 
 Both runs use the same seeds and parameters; only η differs. Reported per η: learner steps/hour,
 learner idle fraction (waiting for B groups), engine idle fraction (no request in the server), actor
@@ -24,7 +25,14 @@ learner passed their bound: in_flight_drops), and groups cut at their last chanc
 consumed, as from the learner's step event). Then the
 limit (pipeline.tools.bench.bounds): which resource binds, its bound in steps/hour, the efficiency
 (achieved over the bound), and the generated tokens never trained by cause (pipeline.contracts.waste:
-the modelled learner's stale drops, the scheduler's cut, failed and lost episodes).
+the modelled learner's stale drops, the scheduler's cut, failed and lost episodes). Last, the engine as it
+delivered (pipeline.tools.bench.delivered_latency: seconds per token and per request, syncs): on a busy
+host the fake is slower than its latency model, and `--model` given these figures predicts the run.
+
+`--model` runs nothing: it prints the staleness model's prediction (pipeline.tools.bench.staleness_model,
+a discrete-event model of this bench in simulated time) for the same parameters and each η from 0 to
+--eta, pooled over --runs simulated runs, in about a second; `--write-ms` is the model's only parameter
+the bench has no flag for (the bench's spool writes take what they take).
 
 Where the speed-up ends: with η > 0 the learner is never idle once generation keeps up, so steps/hour
 cannot exceed 3600 / step_s, and the speed-up cannot exceed (the η = 0 step time) / step_s: the time
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -58,6 +67,8 @@ from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.engines.weightsync import sync_weights
 from pipeline.supervisor.observability.learner_metrics import token_books
 from pipeline.tools.bench.bounds import Bounds, efficiency, run_bounds, waste_share
+from pipeline.tools.bench.delivered_latency import TimedEngine, fit_latency
+from pipeline.tools.bench.staleness_model import TABLE_HEADER, Workload, predict, summary, table_line
 from pipeline.tools.fake_sglang import FakeSGLang, LatencyModel, lognormal_script
 from pipeline.transport.spool import SpoolReader, SpoolWriter
 
@@ -156,6 +167,9 @@ class ModeResult:
     trained_tokens: int
     wasted_tokens: dict[str, int]  # by cause (pipeline.contracts.waste)
     bounds: Bounds
+    # What the engine delivered (pipeline.tools.bench.delivered_latency); None without the requests to tell
+    delivered_prefill_s: float | None
+    delivered_per_token_s: float | None
 
     @property
     def efficiency(self) -> float | None:
@@ -174,9 +188,12 @@ class ModeResult:
 
 
 def _group_min_version(batch: Any) -> tuple[int | None, list[int]]:
-    """Oldest version among the group's generated tokens, and every generated token's version."""
-    episodes, _ = batch_to_segments(batch)
-    versions = [v for ep in episodes for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m]
+    """Oldest version among the group's trainable generated tokens, and each one's version: the rows
+    learner.process reads (a cut episode's rows are the scheduler's waste, never trained or dropped)."""
+    rows, _ = batch_to_segments(batch)
+    versions = [
+        v for row in rows if row.trainable for v, m in zip(row.versions, row.loss_mask, strict=True) if m
+    ]
     return (min(versions) if versions else None), versions
 
 
@@ -190,6 +207,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     )
     url = await engine.start()
     pool = EnginePool([EngineClient(url, retries=0, request_timeout_s=60.0)])
+    timed = TimedEngine(pool)
     spool_dir = workdir / f"spool-eta{eta}"
     admission = AdmissionController(params.batch_groups, eta, params.max_concurrent)
     settings = RolloutSettings(
@@ -199,7 +217,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     env = CoinEnv(params.turns)
     scheduler = GroupScheduler(
         recipe=GroupRecipe(
-            engine=pool,
+            engine=timed,
             tokenizer=CharTokenizer(),
             factory=CoinEnv,
             env_name="bench-coin",
@@ -223,6 +241,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
     stale_tokens = 0
     generated_before, _ = token_books()  # the scheduler's episodes count into this process's registry
     sync_times: list[float] = []
+    sync_spans: list[tuple[float, float]] = []  # the engine paused within each
     published = asyncio.Event()
     waiting: list[tuple[int | None, list[int], int]] = []  # read, not taken: (oldest version, versions, seq)
 
@@ -236,7 +255,9 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             if target <= served:
                 continue
             weights = workdir / f"weights-eta{eta}" / f"v{target}"
+            sync_from = time.monotonic()
             timings = await sync_weights(pool, model_path=str(weights), version=target, mode="in_place")
+            sync_spans.append((sync_from, time.monotonic()))
             sync_times.append(timings.total_s)
             served = target
             scheduler.on_version(served)
@@ -297,6 +318,7 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
         await pool.close()
         await engine.stop()
     wasted[STALE] += stale_tokens
+    delivered = fit_latency(timed.requests, sync_spans)
     return ModeResult(
         eta=eta,
         wall_s=wall,
@@ -322,6 +344,8 @@ async def run_mode(eta: int, params: BenchParams, model: LatencyModel, workdir: 
             trained_tokens=len(staleness),
             trained_groups=trained,
         ),
+        delivered_prefill_s=delivered[0] if delivered else None,
+        delivered_per_token_s=delivered[1] if delivered else None,
     )
 
 
@@ -360,6 +384,18 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         help="async.cut_late_groups: largest share of a group's episodes a cut may stop (0 = never cut)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--model",
+        action="store_true",
+        help="print the staleness model's prediction for eta = 0 .. --eta instead of running the bench",
+    )
+    p.add_argument("--runs", type=int, default=10, help="--model: simulated runs of --seconds each, pooled")
+    p.add_argument(
+        "--write-ms",
+        type=float,
+        default=0.0,
+        help="--model: from a group's end until the learner can read it (spool write and poll)",
+    )
     return p.parse_args(list(argv))
 
 
@@ -375,8 +411,59 @@ def _limit_line(r: ModeResult) -> str:
     )
 
 
+def print_model(args: argparse.Namespace, params: BenchParams, model: LatencyModel) -> None:
+    """--model: the staleness model's prediction for the bench's parameters, η = 0 .. --eta."""
+    base = Workload(
+        batch_groups=params.batch_groups,
+        group_size=params.group_size,
+        turns=params.turns,
+        max_new_tokens=params.max_new_tokens,
+        max_concurrent=params.max_concurrent,
+        step_s=params.step_s,
+        per_token_s=model.per_token_s,
+        prefill_s=model.prefill_s,
+        chunk_tokens=model.chunk_tokens,
+        load_s=model.load_s,
+        write_s=args.write_ms / 1e3,
+        median_tokens=params.median_tokens,
+        sigma=params.sigma,
+        straggler_patience=params.straggler_patience,
+        cut_late_groups=params.cut_late_groups,
+        seconds=params.seconds,
+        seed=params.seed,
+    )
+    rows = [
+        (eta, predict(dataclasses.replace(base, max_staleness=eta), args.runs)) for eta in range(args.eta + 1)
+    ]
+    if args.json:
+        predictions = [{"eta": eta, **summary(p)} for eta, p in rows]
+        print(json.dumps({"workload": asdict(base), "runs": args.runs, "predictions": predictions}))
+        return
+    print(
+        f"model: B={base.batch_groups} G={base.group_size} turns={base.turns} step={base.step_s}s "
+        f"tokens~lognormal(median {base.median_tokens:g}, sigma {base.sigma:g}) <= {base.max_new_tokens}, "
+        f"{base.per_token_s * 1e3:g} ms/token + {base.prefill_s * 1e3:g} ms prefill, "
+        f"load {base.load_s * 1e3:g} ms, write {base.write_s * 1e3:g} ms; "
+        f"{args.runs} runs of {base.seconds:g} s pooled"
+    )
+    print(TABLE_HEADER)
+    for eta, p in rows:
+        print(table_line(eta, p))
+
+
+def _delivered_line(r: ModeResult) -> str:
+    """One arm's engine as it delivered (delivered_latency): `--model --per-token-ms T --prefill-ms R
+    --load-ms S` predicts this run rather than the one the latency model asks for."""
+    token, request = r.delivered_per_token_s, r.delivered_prefill_s
+    return (
+        f"{r.eta:>4} {f'{token * 1e3:.2f}' if token is not None else '-':>9} "
+        f"{f'{request * 1e3:.1f}' if request is not None else '-':>11} {r.sync_s_mean * 1e3:>8.1f}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run η = 0 and η = --eta back to back; exit 0 when the speed-up reaches the goal, 1 otherwise."""
+    """Run η = 0 and η = --eta back to back; exit 0 when the speed-up reaches the goal, 1 otherwise.
+    With --model, print the model's prediction instead and exit 0."""
     args = _parse(argv or [])
     params = BenchParams(
         seconds=args.seconds,
@@ -395,6 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = LatencyModel(
         per_token_s=args.per_token_ms / 1e3, prefill_s=args.prefill_ms / 1e3, load_s=args.load_ms / 1e3
     )
+    if args.model:
+        print_model(args, params, model)
+        return 0
     results = asyncio.run(run_bench(params, model, [0, args.eta]))
     sync, overlapped = results
     speedup = overlapped.steps_per_hour / sync.steps_per_hour if sync.steps_per_hour else math.inf
@@ -432,6 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for r in results:
             print(_limit_line(r))
+        print(f"{'eta':>4} {'ms/token':>9} {'ms/request':>11} {'sync ms':>8}  as the engine delivered them")
+        for r in results:
+            print(_delivered_line(r))
         ceiling = 3600.0 / params.step_s / sync.steps_per_hour if sync.steps_per_hour else math.inf
         print(
             f"ceiling for any eta > 0 (a learner that never waits, {3600.0 / params.step_s:.0f} steps/h): "

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.tools.bench.async_speedup import main
 from pipeline.tools.bench.staleness_model import (
+    Simulation,
     Workload,
     pooled,
     predict,
@@ -164,3 +165,21 @@ def test_bench_async_model_json_carries_the_workload(capsys: pytest.CaptureFixtu
     assert report["workload"]["step_s"] == pytest.approx(0.35)
     assert [p["eta"] for p in report["predictions"]] == [0, 1, 2]
     assert report["predictions"][0]["mean_staleness"] == 0.0
+
+
+def test_a_running_group_past_the_bound_is_dropped_in_flight_unwritten() -> None:
+    """As the scheduler does at a step event (in_flight_drops): a running group holding a token older than
+    the learner's version − η stops, is never written, and all its tokens are stale."""
+    sim = Simulation(dataclasses.replace(SINGLE, max_staleness=1, turns=2, max_concurrent=2))
+    sim._start_group()
+    sim._start_group()
+    doomed, fresh = sim.admitted.values()
+    doomed.episodes[0].versions.update({0: 30})  # a finished first turn at version 0
+    doomed.episodes[0].generated = 30
+    fresh.episodes[0].versions.update({1: 20})
+    fresh.episodes[0].generated = 20
+    sim.learner_version = 2
+    sim._drop_doomed()
+    assert list(sim.admitted.values()) == [fresh]
+    assert (sim.running, sim.dropped_in_flight, sim.stale_tokens, sim.written) == (1, 1, 30, 0)
+    assert doomed.episodes[0].request is None and doomed.episodes[0].done

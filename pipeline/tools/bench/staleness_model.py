@@ -22,7 +22,9 @@ learner's drop and its earliest-deadline-first order (pipeline.contracts.stalene
 - the learner takes B groups, earliest deadline first among those it has read (it reads the spool up to
   2·B ahead at the start of each batch and again whenever it holds fewer than it still needs), drops
   those whose oldest token is older than its version − η, trains for `step_s`, publishes, and tells
-  the scheduler its version and the groups it consumed (the late cut's input);
+  the scheduler its version and the groups it consumed: the scheduler then stops the running groups
+  already holding a token older than that version − η, unwritten (in_flight_drops, counted with the
+  learner's drops), and makes its late cuts;
 - a run lasts `seconds`: the learner stops collecting then, and a step under way ends first; tokens
   count as generated when their turn ends (a turn a cut stops counts nowhere), as the bench's books do.
 
@@ -100,7 +102,7 @@ class Prediction:
     engine_busy_s: float
     staleness_sum: int  # over the trained tokens: learner version − token version
     trained_groups: int
-    dropped_groups: int
+    dropped_groups: int  # by the learner, and in flight by the scheduler
     groups_cut: int
     generated_tokens: int
     trained_tokens: int
@@ -287,7 +289,7 @@ class Simulation:
         self.syncing = False
         self.finished = False
         # books
-        self.steps = self.trained = self.dropped = self.cut_groups = 0
+        self.steps = self.trained = self.dropped = self.dropped_in_flight = self.cut_groups = 0
         self.idle_s = 0.0
         self.staleness_sum = self.generated = self.trained_tokens = self.stale_tokens = self.cut_tokens = 0
 
@@ -308,7 +310,7 @@ class Simulation:
             engine_busy_s=self.busy_s + (self.now - self._busy_from if self.registered else 0.0),
             staleness_sum=self.staleness_sum,
             trained_groups=self.trained,
-            dropped_groups=self.dropped,
+            dropped_groups=self.dropped + self.dropped_in_flight,
             groups_cut=self.cut_groups,
             generated_tokens=self.generated,
             trained_tokens=self.trained_tokens,
@@ -421,6 +423,27 @@ class Simulation:
         """Its running episodes end where they stand: a turn under way is lost, finished turns are cut
         waste; the group is written with the episodes that finished."""
         self.cut_groups += 1
+        self.cut_tokens += self._stop_episodes(group)
+        self._group_ended(group)
+
+    def _drop_doomed(self) -> None:
+        """The running groups holding a token older than the learner's version − η stop, unwritten; all
+        their tokens are stale (in_flight_drops)."""
+        for group in list(self.admitted.values()):
+            oldest = min((v for e in group.episodes for v in e.versions), default=None)
+            if oldest is None or not is_stale(oldest, self.learner_version, self.w.max_staleness):
+                continue
+            self._stop_episodes(group)
+            del self.admitted[group.gid]
+            self.stragglers.durations.append(self.now - group.started)
+            self.running -= 1
+            self.dropped_in_flight += 1
+            self.stale_tokens += sum(e.generated for e in group.episodes)
+
+    def _stop_episodes(self, group: _Group) -> int:
+        """End the group's running episodes where they stand (a turn under way is lost); returns the
+        tokens of their finished turns."""
+        stopped = 0
         for episode in group.episodes:
             if episode.done:
                 continue
@@ -437,8 +460,8 @@ class Simulation:
             episode.request = None
             episode.done = True
             episode.cut = True
-            self.cut_tokens += episode.generated
-        self._group_ended(group)
+            stopped += episode.generated
+        return stopped
 
     # ------------------------------------------------------------------ the scheduler
     def _start_group(self) -> None:
@@ -532,7 +555,9 @@ class Simulation:
             return
         self._sync()
         self.learner_heard = (self.learner_version, self.trained + self.dropped)
+        self._drop_doomed()
         self._check_cuts()
+        self._admit()
         self.collecting, self.refresh, self.collect_from = True, True, self.now
         self._collect()
 

@@ -384,7 +384,9 @@ def test_status_report_reads_the_book_and_the_scheduler_once_it_exists() -> None
     )
     start = report.totals()
     after_first = report.report(since=start)  # before the children are ready: no scheduler yet
-    scheduler = SimpleNamespace(episodes_finished=10, episodes_succeeded=4, running=2, accepted=7)
+    scheduler = SimpleNamespace(
+        episodes_finished=10, episodes_succeeded=4, running=2, accepted=7, dropped_in_flight=1
+    )
     book.staleness_sum, book.staleness_tokens = 36.0, 63  # 3 more tokens, 2 versions behind each
     report.report(since=after_first)
     first, second = (json.loads(line) for line in out.getvalue().splitlines())
@@ -393,6 +395,28 @@ def test_status_report_reads_the_book_and_the_scheduler_once_it_exists() -> None
     assert (second["episodes"], second["success_rate"], second["reward_mean"]) == (10, 0.4, None)
     assert second["staleness_mean"] == 2.0
     assert (second["groups_running"], second["groups_accepted"], second["spool_depth_groups"]) == (2, 7, 2)
+    assert (first["groups_dropped_in_flight"], second["groups_dropped_in_flight"]) == (None, 1)
+
+
+def test_the_final_status_reports_once_more_after_run_and_never_before() -> None:
+    out = io.StringIO()
+    book = StepBook(step=1, last_step_time_s=0.5, staleness_sum=0.0, staleness_tokens=0, spool_depth_groups=0)
+    report = StatusReport(JsonProgress(out), book, version=lambda: 1, scheduler=lambda: None, started_at=0.0)
+    report.final()  # the daemon stopped before its status loop started: nothing to report from
+    assert out.getvalue() == ""
+
+    async def one_interval() -> None:
+        report.interval_s = 0.01
+        loop = asyncio.create_task(report.run())
+        await asyncio.sleep(0.05)
+        loop.cancel()
+
+    asyncio.run(one_interval())
+    lines = len(out.getvalue().splitlines())
+    report.final()
+    assert len(out.getvalue().splitlines()) == lines + 1
+    last = json.loads(out.getvalue().splitlines()[-1])
+    assert last["event"] == "status" and last["no_signal_tokens"] is not None
 
 
 def test_json_progress_writes_one_object_per_line() -> None:

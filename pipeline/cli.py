@@ -108,6 +108,7 @@ _DELEGATES: dict[tuple[str, ...], tuple[str, str, str]] = {
         "render key metrics of a run to PNG (no Grafana needed)",
     ),
     ("eval",): ("pipeline.tools.offline_eval", "main", "score a published version on held-out tasks"),
+    ("doctor",): ("pipeline.tools.doctor", "main", "what is wrong with a run, ranked, with the evidence"),
     ("inspect",): ("pipeline.tools.inspect.web", "main", "browse a run's trajectories token by token"),
     ("bench", "learn"): (
         "pipeline.tools.bench.learning_curve",

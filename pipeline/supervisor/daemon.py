@@ -35,7 +35,6 @@ from pipeline.contracts.tls import context_for
 from pipeline.supervisor.actors.concurrency import ConcurrencyLimit
 from pipeline.supervisor.actors.episode_end import ENGINE_LABEL
 from pipeline.supervisor.actors.scheduler import GroupScheduler
-from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_schedule import Evaluator
 from pipeline.supervisor.fleet.engine_fleet import EngineFleet
 from pipeline.supervisor.fleet.fleet_membership import FleetMembership, scaled_concurrency
@@ -49,6 +48,7 @@ from pipeline.supervisor.log_rotation import keep_logs_small
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.loop_lag import measure_loop_lag
 from pipeline.supervisor.observability.observers import start_observers, stop_observers
+from pipeline.supervisor.observability.run_health.advisor import doctor_json
 from pipeline.supervisor.observability.service_health import watch_run_dir
 from pipeline.supervisor.observability.trackers import build_trackers
 from pipeline.supervisor.progress import (
@@ -65,6 +65,7 @@ from pipeline.supervisor.wiring import (
     build_concurrency,
     build_evaluator,
     build_scheduler,
+    build_served_check,
     close_env,
     ensure_initial_model,
     load_tokenizer,
@@ -91,23 +92,11 @@ class Supervisor:
         self.engines = EngineFleet(
             cfg, self.run_dir, self.stopping, served_version=lambda: self.lineage.version, fail=self.fail
         )
-        check = cfg.async_.served_check
-        served_check = (
-            ServedPolicyCheck(
-                self.engines.pool,
-                tolerance=tolerance_for(cfg),
-                max_failures=check.max_failures,
-                fail=self.fail,
-                names={slot.url: slot.name for slot in self.engines.slots},
-            )
-            if check.enabled
-            else None
-        )
         self.lineage = Lineage(
             cfg,
             self.run_dir,
             self.engines,
-            served_check,
+            build_served_check(cfg, self.engines, self.fail),
             self.progress,
             stopping=self.stopping,
             fail=self.fail,
@@ -128,13 +117,13 @@ class Supervisor:
             fail=self.fail,
             config=config_message(cfg) if cfg.learner.remote.run_dir is not None else None,
         )
-        tls = cfg.tls.files()
         self.endpoints = HttpEndpoints(
             cfg.metrics.host,
             cfg.metrics.port,
             self.not_ready,
             api_key=reveal(cfg.metrics.api_key),
-            ssl_context=context_for(cfg.metrics.host, tls),
+            ssl_context=context_for(cfg.metrics.host, cfg.tls.files()),
+            doctor=lambda: doctor_json(self.run_dir.root),
         )
         # Elastic fleet, weights over HTTP and Arrow Flight (docs/scale_out.md, "A fleet across machines").
         self.membership = FleetMembership(
@@ -150,6 +139,7 @@ class Supervisor:
             version=lambda: self.lineage.version,
             scheduler=lambda: self.scheduler,
             started_at=self.started_at,
+            run_dir=self.run_dir,
         )
 
     async def run(self) -> int:

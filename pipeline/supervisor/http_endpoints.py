@@ -1,4 +1,5 @@
-"""The supervisor's HTTP endpoint: /metrics (Prometheus), /healthz (liveness), /readyz (readiness).
+"""The supervisor's HTTP endpoint: /metrics (Prometheus), /healthz (liveness), /readyz (readiness),
+/doctor (the run-health advisor's findings as JSON: pipeline.tools.doctor).
 
 /healthz answers 200 while the event loop turns (a wedged loop cannot answer at all). /readyz answers
 200 once the learner reported ready and every engine answered /health, else 503 with the reasons, so
@@ -12,6 +13,7 @@ are closed after DoorLimits.idle_timeout_s.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -37,7 +39,9 @@ ReadinessProbe = Callable[[], list[str]]
 """Returns what is not ready yet (empty list = ready)."""
 
 
-def make_app(not_ready: ReadinessProbe, api_key: str | None = None) -> web.Application:
+def make_app(
+    not_ready: ReadinessProbe, api_key: str | None = None, doctor: Callable[[], str] | None = None
+) -> web.Application:
     async def metrics_handler(request: web.Request) -> web.Response:
         body = generate_latest(REGISTRY)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -58,6 +62,13 @@ def make_app(not_ready: ReadinessProbe, api_key: str | None = None) -> web.Appli
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    if doctor is not None:
+        # The checks read the run's logs (files of a few MB at most): a thread keeps the loop turning.
+        async def doctor_handler(request: web.Request) -> web.Response:
+            body = await asyncio.to_thread(doctor)
+            return web.Response(text=body + "\n", content_type="application/json")
+
+        app.router.add_get("/doctor", doctor_handler)
     return app
 
 
@@ -72,13 +83,14 @@ class HttpEndpoints:
         *,
         api_key: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        doctor: Callable[[], str] | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.api_key = api_key
         self.ssl_context = ssl_context  # TLS (pipeline.contracts.tls.context_for), None = plain
         self._runner = web.AppRunner(
-            make_app(not_ready, api_key), access_log=None, **runner_options(DoorLimits())
+            make_app(not_ready, api_key, doctor), access_log=None, **runner_options(DoorLimits())
         )
 
     async def start(self) -> None:

@@ -7,19 +7,18 @@ storage faults and quarantined files become metrics and messages, and `finished`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from pipeline.contracts import events, tracing
-from pipeline.contracts.durable import RefusedWrites
 from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.lineage import Lineage
 from pipeline.supervisor.observability import learner_metrics, metrics
 from pipeline.supervisor.progress import Progress
+from pipeline.supervisor.run_logs import JsonLinesLog
 
 log = logging.getLogger("rollwise.supervisor")
 
@@ -67,37 +66,20 @@ class StepBook:
 
 class StepLog:
     """logs/steps.jsonl, the run's own learning curve (`rollwise report --run-dir` reads it without
-    Prometheus). A full or read-only run directory costs lines of it (counted), never the learner's
-    events."""
+    Prometheus); run_logs says what a refused write costs."""
 
     def __init__(self, run_dir: RunDir) -> None:
+        self.lines = JsonLinesLog(run_dir.step_log, "step_log")
         self.path = run_dir.step_log
-        self.refusals = RefusedWrites(run_dir.logs)
-        self.file: IO[str] | None = None
 
     def open(self) -> None:
-        self.file = self.path.open("a", encoding="utf-8")
+        self.lines.open()
 
     def append(self, event: events.Step) -> None:
-        if self.file is None:
-            raise RuntimeError(f"{self.path} is not open")
-        try:
-            self.file.write(events.encode(event) + "\n")
-            self.file.flush()
-        except OSError as exc:
-            refusal = self.refusals.refused(exc)
-            kind = refusal.kind if refusal is not None else "other"
-            metrics.STORAGE_ERRORS.labels(component="step_log", kind=kind).inc()
-            if refusal is None or refusal.first:
-                log.error("cannot append to %s (%s: %s); step lines are lost meanwhile", self.path, kind, exc)
-        else:
-            if self.refusals.wrote() is not None:
-                log.warning("%s takes writes again", self.path)
+        self.lines.append(events.encode(event))
 
     def close(self) -> None:
-        if self.file is not None:
-            with contextlib.suppress(OSError):  # its last lines may not fit on a full disk
-                self.file.close()
+        self.lines.close()
 
 
 def step_line(event: events.Step) -> dict[str, Any]:

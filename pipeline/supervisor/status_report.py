@@ -1,21 +1,27 @@
 """The daemon's periodic status (`{"event": "status", ...}` or the live view's footer): the running totals
 of the scheduler and the learner's step book, turned into the last interval's rates by
-`progress.status_between`."""
+`progress.status_between`. With a run directory each status is also appended to logs/status.jsonl and
+the metrics snapshot logs/metrics.prom is replaced (run_logs)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
+from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.actors.scheduler import GroupScheduler
 from pipeline.supervisor.learner_dispatch import StepBook
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.learner_metrics import token_books
 from pipeline.supervisor.progress import Progress, Totals, status_between
+from pipeline.supervisor.run_logs import JsonLinesLog, write_metrics_snapshot
 
 STATUS_INTERVAL_S = 5.0
+STATUS_LOG, METRICS_SNAPSHOT = "status.jsonl", "metrics.prom"
 
 
 class StatusReport:
@@ -28,6 +34,7 @@ class StatusReport:
         scheduler: Callable[[], GroupScheduler | None],
         started_at: float,
         interval_s: float = STATUS_INTERVAL_S,
+        run_dir: RunDir | None = None,
     ) -> None:
         self.progress = progress
         self.book = book
@@ -36,6 +43,8 @@ class StatusReport:
         self.started_at = started_at
         self.interval_s = interval_s
         self._since: Totals | None = None  # where the next interval starts; None before run()
+        self.log = None if run_dir is None else JsonLinesLog(run_dir.logs / STATUS_LOG, "status_log")
+        self.snapshot = None if run_dir is None else run_dir.logs / METRICS_SNAPSHOT
 
     def totals(self) -> Totals:
         sched = self.scheduler()
@@ -50,15 +59,26 @@ class StatusReport:
 
     async def run(self) -> None:
         self._since = self.totals()
-        while True:
-            await asyncio.sleep(self.interval_s)
-            self._since = self.report(since=self._since)
+        if self.log is not None:
+            self.log.open()
+        try:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                self._since = self.report(since=self._since)
+        finally:
+            if self.log is not None:
+                self.log.close()  # final() reopens it for its one line
 
     def final(self) -> None:
         """One more status at shutdown, after the drain: the run's last books, where every generated token
         is trained, waste by cause, or (a group the spool still holds) waiting for the next start."""
-        if self._since is not None:
-            self._since = self.report(since=self._since)
+        if self._since is None:
+            return
+        if self.log is not None and self.log.file is None:
+            self.log.open()
+        self._since = self.report(since=self._since)
+        if self.log is not None:
+            self.log.close()
 
     def report(self, since: Totals) -> Totals:
         """Show the status of the interval since `since`; returns the totals the next interval starts from."""
@@ -86,4 +106,8 @@ class StatusReport:
             status, generated_tokens=generated, wasted_tokens=wasted, no_signal_tokens=no_signal
         )
         self.progress.on_status(status)
+        if self.log is not None and self.log.file is not None:
+            self.log.append(json.dumps({"event": "status", "time": round(time.time(), 3), **asdict(status)}))
+        if self.snapshot is not None:
+            write_metrics_snapshot(self.snapshot)
         return now

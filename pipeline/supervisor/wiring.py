@@ -35,6 +35,7 @@ from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
 from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing, ResumePoint
 from pipeline.supervisor.engines.protocol import SamplingParams
+from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_cadence import describe_cadence
 from pipeline.supervisor.eval_schedule import (
     AdmissionHold,
@@ -324,6 +325,22 @@ def rollout_settings(cfg: Config, model_dir: Path | None = None) -> RolloutSetti
         # tokens already generated keep their old version and the rest comes from the new weights.
         retry_aborted=cfg.async_.weight_sync_mode == "abort",
         routed_experts=routing,
+    )
+
+
+def build_served_check(
+    cfg: Config, fleet: EngineFleet, fail: Callable[[str], None]
+) -> ServedPolicyCheck | None:
+    """The served-policy check of each synced version (`async.served_check`), None when it is off."""
+    check = cfg.async_.served_check
+    if not check.enabled:
+        return None
+    return ServedPolicyCheck(
+        fleet.pool,
+        tolerance=tolerance_for(cfg),
+        max_failures=check.max_failures,
+        fail=fail,
+        names={slot.url: slot.name for slot in fleet.slots},
     )
 
 

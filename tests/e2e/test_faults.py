@@ -22,6 +22,9 @@ import pytest
 
 from envs.api import Action, EnvError, StepResult
 from envs.guess_number import GuessNumberEnv
+from pipeline.supervisor.observability.run_health.findings import ranked
+from pipeline.supervisor.observability.run_health.health_checks import examine
+from pipeline.supervisor.observability.run_health.run_view import load
 from pipeline.transport.spool import read_group_file
 from tests.e2e.test_run_e2e import REPO, TINY, DaemonRun, checkpoint_state, daemons, tiny_model
 
@@ -177,7 +180,8 @@ def test_flaky_environment_costs_only_its_episodes_and_a_stopped_learner_stops_a
     """A flaky environment costs its episodes only. Then the learner is frozen (SIGSTOP) for a while:
     admission stops at the staleness bound instead of generating on (no runaway, no livelock), and once it
     thaws the run ends at run.max_steps with every trained token within max_staleness and the books of
-    generated tokens balanced to the token: trained, wasted by cause, or updating no weight."""
+    generated tokens balanced to the token: trained, wasted by cause, or updating no weight. The
+    advisor's rules (`rollwise doctor`) then name the environment first."""
     overrides = [*TINY, _model_override(tiny_model), "env.name='tests.e2e.test_faults:FlakyEnv'"]
     run = DaemonRun(run_dir, overrides, max_steps=6)
     daemons.append(run)
@@ -210,10 +214,12 @@ def test_flaky_environment_costs_only_its_episodes_and_a_stopped_learner_stops_a
     last = run.snapshot("status")[-1]  # the status after the drain (StatusReport.final)
     wasted = last["wasted_tokens"]
     assert wasted["failed"] > 0
-    assert last["generated_tokens"] == trained + sum(wasted.values()) + last["no_signal_tokens"], (
-        last,
-        trained,
-    )
+    books = trained + sum(wasted.values()) + last["no_signal_tokens"]
+    assert last["generated_tokens"] == books, (last, trained)
+    # The advisor, from what the stopped daemon left (its logs and its last metrics snapshot), names the
+    # broken environment first.
+    found = ranked(examine(load(run_dir)))
+    assert found and found[0].check == "env_failing", found
 
 
 @pytest.mark.integration

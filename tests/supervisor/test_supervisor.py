@@ -25,7 +25,9 @@ from pipeline.supervisor.http_endpoints import HttpEndpoints
 from pipeline.supervisor.learner_dispatch import StepBook, step_line
 from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.learner_metrics import record_step
+from pipeline.supervisor.observability.run_health.advisor import doctor_json
 from pipeline.supervisor.progress import JsonProgress, Totals, status_between
+from pipeline.supervisor.run_logs import write_metrics_snapshot
 from pipeline.supervisor.status_report import StatusReport
 from pipeline.supervisor.wiring import initial_accepted, resolve_config
 
@@ -350,6 +352,29 @@ async def test_http_endpoints_serve_metrics_health_and_readiness() -> None:
         await endpoints.stop()
 
 
+async def test_the_doctor_route_serves_the_advisors_findings_of_the_run(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    step = {"event": "step", "step": 1, "version": 1, "idle_s": 0.0, "busy_s": 1.0, "metrics": {}}
+    run.step_log.write_text("".join(json.dumps({**step, "step": k}) + "\n" for k in range(1, 30)))
+    endpoints = HttpEndpoints("127.0.0.1", 0, list, doctor=lambda: doctor_json(run.root))
+    await endpoints.start()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(endpoints.url + "/doctor") as r:
+            assert r.status == 200 and r.content_type == "application/json"
+            report = json.loads(await r.text())
+    finally:
+        await endpoints.stop()
+    assert report["source"] == str(run.root) and isinstance(report["findings"], list)
+    plain = HttpEndpoints("127.0.0.1", 0, list)  # without an advisor the route is not there
+    await plain.start()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(plain.url + "/doctor") as r:
+            assert r.status == 404
+    finally:
+        await plain.stop()
+
+
 def test_status_reports_interval_rates_from_counter_deltas() -> None:
     before = Totals(at=10.0, episodes=100, successes=20, staleness_sum=0.0, staleness_count=0)
     after = Totals(
@@ -417,6 +442,45 @@ def test_the_final_status_reports_once_more_after_run_and_never_before() -> None
     assert len(out.getvalue().splitlines()) == lines + 1
     last = json.loads(out.getvalue().splitlines()[-1])
     assert last["event"] == "status" and last["no_signal_tokens"] is not None
+
+
+def test_with_a_run_directory_each_status_is_logged_and_the_metrics_kept(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    book = StepBook(step=2, last_step_time_s=0.5, staleness_sum=0.0, staleness_tokens=0, spool_depth_groups=0)
+    report = StatusReport(
+        JsonProgress(io.StringIO()),
+        book,
+        version=lambda: 2,
+        scheduler=lambda: None,
+        started_at=0.0,
+        run_dir=run,
+    )
+
+    async def two_intervals() -> None:
+        report.interval_s = 0.02
+        loop = asyncio.create_task(report.run())
+        await asyncio.sleep(0.07)
+        loop.cancel()
+
+    asyncio.run(two_intervals())
+    report.final()
+    lines = [json.loads(line) for line in (run.logs / "status.jsonl").read_text().splitlines()]
+    assert len(lines) >= 3 and {line["event"] for line in lines} == {"status"}
+    assert lines[-1]["policy_version"] == 2
+    snapshot = (run.logs / "metrics.prom").read_text()
+    assert "rollwise_generated_tokens_no_signal_total" in snapshot
+    assert not (run.logs / "metrics.prom.partial").exists()
+
+
+def test_a_metrics_snapshot_the_storage_refuses_is_counted_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    labels = {"component": "metrics_snapshot", "kind": "other"}
+    before = metrics.REGISTRY.get_sample_value("rollwise_storage_errors_total", labels) or 0.0
+    assert not write_metrics_snapshot(tmp_path / "gone" / "metrics.prom")  # its directory is missing
+    assert metrics.REGISTRY.get_sample_value("rollwise_storage_errors_total", labels) == before + 1
+    assert write_metrics_snapshot(tmp_path / "metrics.prom")
+    assert "# TYPE rollwise_storage_errors_total counter" in (tmp_path / "metrics.prom").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.prom"]
 
 
 def test_json_progress_writes_one_object_per_line() -> None:

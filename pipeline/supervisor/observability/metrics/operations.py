@@ -18,8 +18,8 @@ ENGINE_ABORTS = Counter(
 STORAGE_ERRORS = Counter(
     "rollwise_storage_errors",
     "Durable writes that failed because the run directory is full or read-only, by component (spool, "
-    "checkpoint, weights, step_log) and kind (ENOSPC, EROFS, EDQUOT, EIO: also an I/O failure the "
-    "writing library did not name, other).",
+    "checkpoint, weights, step_log, status_log, metrics_snapshot) and kind (ENOSPC, EROFS, EDQUOT, EIO: "
+    "also an I/O failure the writing library did not name, other).",
     ["component", "kind"],
     registry=REGISTRY,
 )
@@ -35,7 +35,7 @@ SUPERVISOR_TASKS = Gauge(
     registry=REGISTRY,
 )
 ABORT_REASONS = ("cancelled", "timeout")
-STORAGE_COMPONENTS = ("spool", "checkpoint", "weights", "step_log")
+STORAGE_COMPONENTS = ("spool", "checkpoint", "weights", "step_log", "status_log", "metrics_snapshot")
 STORAGE_ERROR_KINDS = ("ENOSPC", "EROFS", "EDQUOT", "EIO", "other")
 
 

@@ -231,7 +231,8 @@ class LateCuts(Cutter):
             running,
             learner_version=learner_version,
             waiting_groups=waiting,
-            writing_groups=writes + len(admitted) - len(running),  # the cut ones close their episodes
+            # the cut ones close their episodes and will be written; a doomed one never is (in_flight_drops)
+            writing_groups=writes + sum(1 for e in admitted.values() if e.cut.fired and not e.cut.doomed),
             batch_groups=self.batch_groups,
             max_staleness=self.max_staleness,
             group_size=self.group_size,

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from pipeline.supervisor.actors.late_cut import GroupCut, RunningGroup, groups_to_cut
+from pipeline.supervisor.actors.admission import AdmissionController
+from pipeline.supervisor.actors.late_cut import Admitted, GroupCut, RunningGroup, groups_to_cut, late_cuts
 
 
 def _cut(
@@ -143,3 +146,21 @@ def test_what_a_cut_would_stop_is_the_episodes_not_finished_and_nothing_in_an_ag
     assert cut.unfinished == 3
     cut.uncuttable = True  # an agent function's episode: a cut cannot stop it
     assert cut.unfinished == 0
+
+
+@pytest.mark.parametrize(("doomed", "cut"), [(False, ["g0"]), (True, [])])
+def test_a_group_dropped_in_flight_is_not_counted_as_about_to_be_written(
+    doomed: bool, cut: list[str]
+) -> None:
+    """A cut group still closing its episodes will land in the batch; one dropped in flight never will
+    (in_flight_drops), so it must not make the batch look complete."""
+    spool: Any = SimpleNamespace(next_seq=3)  # seqs 1 and 2 written, none consumed: 2 groups waiting
+    cuts = late_cuts(0.25, AdmissionController(batch_groups=4, max_staleness=1, max_concurrent=9), 16, spool)
+    closing = GroupCut(16)
+    (closing.doom if doomed else closing.fire)("stopped")
+    late, other = GroupCut(16), GroupCut(16)
+    late.finished, other.finished = 15, 7  # g0: one episode left at its last chance; g1 runs on
+    admitted = {"g0": Admitted(0, 0.0, late), "g1": Admitted(1, 0.0, other), "g2": Admitted(0, 0.0, closing)}
+    cuts.on_learner_step(1, 0)
+    cuts.check(admitted, writes=0)
+    assert [g for g, e in admitted.items() if e.cut.fired and e.cut is not closing] == cut

@@ -35,13 +35,25 @@ class JsonLinesLog:
         self.component = component
         self.refusals = RefusedWrites(path.parent)
         self.file: IO[str] | None = None
+        self.wanted = False  # open() was called: a file refused then is retried, not a caller's mistake
 
-    def open(self) -> None:
-        self.file = self.path.open("a", encoding="utf-8")
+    def open(self) -> bool:
+        """Open for appending; False when the storage refuses (counted; each `append` tries again)."""
+        self.wanted = True
+        try:
+            self.file = self.path.open("a", encoding="utf-8")
+        except OSError as exc:
+            self._refused(exc)
+            return False
+        return True
 
     def append(self, line: str) -> None:
         if self.file is None:
-            raise RuntimeError(f"{self.path} is not open")
+            if not self.wanted:
+                raise RuntimeError(f"{self.path} is not open")
+            if not self.open():
+                return  # still refused: this line is lost, counted
+        assert self.file is not None
         try:
             self.file.write(line + "\n")
             self.file.flush()
@@ -63,6 +75,7 @@ class JsonLinesLog:
             with contextlib.suppress(OSError):  # its last lines may not fit on a full disk
                 self.file.close()
             self.file = None
+        self.wanted = False
 
 
 def write_metrics_snapshot(path: Path) -> bool:

@@ -74,7 +74,7 @@ class StatusReport:
         is trained, waste by cause, or (a group the spool still holds) waiting for the next start."""
         if self._since is None:
             return
-        if self.log is not None and self.log.file is None:
+        if self.log is not None:
             self.log.open()
         self._since = self.report(since=self._since)
         if self.log is not None:
@@ -106,7 +106,7 @@ class StatusReport:
             status, generated_tokens=generated, wasted_tokens=wasted, no_signal_tokens=no_signal
         )
         self.progress.on_status(status)
-        if self.log is not None and self.log.file is not None:
+        if self.log is not None and self.log.wanted:
             self.log.append(json.dumps({"event": "status", "time": round(time.time(), 3), **asdict(status)}))
         if self.snapshot is not None:
             write_metrics_snapshot(self.snapshot)

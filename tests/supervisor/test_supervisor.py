@@ -27,7 +27,7 @@ from pipeline.supervisor.observability import metrics
 from pipeline.supervisor.observability.learner_metrics import record_step
 from pipeline.supervisor.observability.run_health.advisor import doctor_json
 from pipeline.supervisor.progress import JsonProgress, Totals, status_between
-from pipeline.supervisor.run_logs import write_metrics_snapshot
+from pipeline.supervisor.run_logs import JsonLinesLog, write_metrics_snapshot
 from pipeline.supervisor.status_report import StatusReport
 from pipeline.supervisor.wiring import initial_accepted, resolve_config
 
@@ -457,16 +457,21 @@ def test_with_a_run_directory_each_status_is_logged_and_the_metrics_kept(tmp_pat
         run_dir=run,
     )
 
+    status_log = run.logs / "status.jsonl"
+
     async def two_intervals() -> None:
-        report.interval_s = 0.02
+        report.interval_s = 0.01
         loop = asyncio.create_task(report.run())
-        await asyncio.sleep(0.07)
+        async with asyncio.timeout(10):
+            while not status_log.exists() or len(status_log.read_text().splitlines()) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
         loop.cancel()
 
     asyncio.run(two_intervals())
+    written = len(status_log.read_text().splitlines())
     report.final()
-    lines = [json.loads(line) for line in (run.logs / "status.jsonl").read_text().splitlines()]
-    assert len(lines) >= 3 and {line["event"] for line in lines} == {"status"}
+    lines = [json.loads(line) for line in status_log.read_text().splitlines()]
+    assert len(lines) == written + 1 and {line["event"] for line in lines} == {"status"}
     assert lines[-1]["policy_version"] == 2
     snapshot = (run.logs / "metrics.prom").read_text()
     assert "rollwise_generated_tokens_no_signal_total" in snapshot
@@ -481,6 +486,21 @@ def test_a_metrics_snapshot_the_storage_refuses_is_counted_and_leaves_no_partial
     assert write_metrics_snapshot(tmp_path / "metrics.prom")
     assert "# TYPE rollwise_storage_errors_total counter" in (tmp_path / "metrics.prom").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.prom"]
+
+
+def test_a_log_the_storage_refuses_to_open_costs_its_lines_and_is_retried(tmp_path: Path) -> None:
+    log = JsonLinesLog(tmp_path / "logs" / "status.jsonl", "status_log")  # logs/ missing: open fails
+    labels = {"component": "status_log", "kind": "other"}
+    before = metrics.REGISTRY.get_sample_value("rollwise_storage_errors_total", labels) or 0.0
+    assert not log.open()
+    log.append("lost")  # tries to open again, is refused again: counted, no exception
+    assert metrics.REGISTRY.get_sample_value("rollwise_storage_errors_total", labels) == before + 2
+    (tmp_path / "logs").mkdir()
+    log.append("kept")
+    log.close()
+    assert (tmp_path / "logs" / "status.jsonl").read_text() == "kept\n"
+    with pytest.raises(RuntimeError, match="is not open"):
+        log.append("after close")
 
 
 def test_json_progress_writes_one_object_per_line() -> None:

@@ -83,6 +83,10 @@ def test_every_reward_zero_or_no_variance_is_an_alarm() -> None:
     flat = checks.no_reward(_with_steps(_healthy(), skipped_zero_adv_groups=8.0))
     assert flat is not None and "variance" in flat.title
     assert checks.no_reward(_with_steps(_healthy(), skipped_zero_adv_groups=7.0)) is None
+    assert "check the reward" in flat.action  # success 0.5: the reward is suspect
+    solved = checks.no_reward(_with_steps(_healthy(), skipped_zero_adv_groups=8.0, success_rate=0.97))
+    assert solved is not None and "solves every task" in solved.action
+    assert "training success 0.97" in solved.evidence[1]
 
 
 def test_truncation_is_advice_above_a_tenth_and_an_alarm_above_half() -> None:

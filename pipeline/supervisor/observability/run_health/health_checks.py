@@ -32,6 +32,7 @@ HELD_OUT_FALL = 0.15  # held-out success below its best by this much while train
 LENGTH_FACTOR = 3.0  # generated tokens per sequence, last quarter against the first
 IDLE_ADVICE = 0.2  # learner waiting for data
 ZERO_VARIANCE_ADVICE = 0.3  # share of the groups that taught nothing
+SOLVED = 0.9  # training success at which groups without variance mean a solved task, not a broken reward
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -156,13 +157,20 @@ def no_reward(view: RunView) -> Finding | None:
         evidence = [
             f"logs/steps.jsonl: skipped_zero_adv_groups = num_groups in each of the last {len(groups)} steps"
         ]
+    success = view.step_metric("success_rate", WINDOW)
+    solved = bool(success) and _mean(success) >= SOLVED
+    if success:
+        evidence.append(f"logs/steps.jsonl: training success {_mean(success):.2f} over those steps")
     return Finding(
         "no_reward",
         "alarm",
         85.0,
         title,
         evidence,
-        "check the reward on a few episodes: `rollwise env check`, `rollwise inspect --run-dir D`; a "
+        "the policy solves every task it is given: stop the run, or give it harder tasks (its steps now "
+        "update nothing)"
+        if solved
+        else "check the reward on a few episodes: `rollwise env check`, `rollwise inspect --run-dir D`; a "
         "task too hard for the model gives no variance either (an easier curriculum, a larger group)",
     )
 

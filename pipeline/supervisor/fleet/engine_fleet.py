@@ -36,7 +36,8 @@ from pipeline.supervisor.engines.protocol import EngineError
 from pipeline.supervisor.engines.router import RouterAdmin, RouterError, router_argv
 from pipeline.supervisor.engines.weightsync import SyncMode, SyncTimings, sync_weights
 from pipeline.supervisor.fleet.children import Child, ChildSpec, keep_running
-from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_child_spec, free_port, plan_engines
+from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_child_spec, plan_engines
+from pipeline.supervisor.fleet.port_reservations import PortReservations
 from pipeline.supervisor.observability import metrics
 from pipeline.transport.weights_http import FetchError, request_fetch
 
@@ -66,7 +67,8 @@ class EngineFleet:
     def __post_init__(self) -> None:
         # What this machine's clients trust (engines, fetchers and the router over https).
         self.client_tls = client_context(self.cfg.tls.files())
-        self.slots: list[EngineSlot] = plan_engines(self.cfg)
+        self.ports = PortReservations()  # the ports picked for its children, held until `stop`
+        self.slots: list[EngineSlot] = plan_engines(self.cfg, self.ports.take)
         self.up: dict[str, bool] = {s.name: False for s in self.slots}
         self._up_events = {s.name: asyncio.Event() for s in self.slots}
         e = self.cfg.engine
@@ -88,8 +90,8 @@ class EngineFleet:
         router_client = None
         router = e.router
         if router.kind == "sglang-router":
-            port = router.port or free_port(router.host)
-            self._router_prometheus_port = free_port(router.host)
+            port = router.port or self.ports.take(router.host)
+            self._router_prometheus_port = self.ports.take(router.host)
             self.router_url = f"{scheme_of(router.host, self.cfg.tls.files())}://{router.host}:{port}"
             self.router_metrics_url = f"http://{router.host}:{self._router_prometheus_port}/metrics"
             self._router_port = port
@@ -463,6 +465,7 @@ class EngineFleet:
         await self.pool.close()
         if self.router_admin is not None:
             await self.router_admin.close()
+        self.ports.close()
 
 
 async def ready_or_exited(client: EngineClient, child: Child, timeout_s: float) -> bool:
@@ -473,6 +476,8 @@ async def ready_or_exited(client: EngineClient, child: Child, timeout_s: float) 
     exited.cancel()
     if ready.done() and ready.exception() is None:
         return True
+    if ready.done():  # a 4xx: a wrong api key, or another program answering on the engine's port
+        log.warning("%s (pid %s) is not ready: %s", child.spec.name, child.pid, ready.exception())
     ready.cancel()
     await asyncio.gather(ready, return_exceptions=True)
     if child.returncode is None:

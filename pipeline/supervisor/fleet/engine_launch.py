@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,20 +97,22 @@ SGLANG_DEFAULT_DTYPE = "bfloat16"
 
 
 def free_port(host: str) -> int:
+    """A port free at this moment only: a daemon's own children take theirs from PortReservations."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def plan_engines(cfg: Config) -> list[EngineSlot]:
-    """The engine slots of `cfg`: the external URLs, or num_engines local ports from engine.port on."""
+def plan_engines(cfg: Config, pick_port: Callable[[str], int] = free_port) -> list[EngineSlot]:
+    """The engine slots of `cfg`: the external URLs, or num_engines local ports from engine.port on
+    (engine.port = 0: each from `pick_port(host)`)."""
     e = cfg.engine
     if e.kind == "external":
         return [
             EngineSlot(name=f"engine{i}", host="", port=0, managed=False, external_url=url.rstrip("/"))
             for i, url in enumerate(e.urls)
         ]
-    ports = [free_port(e.host) if e.port == 0 else e.port + i for i in range(e.num_engines)]
+    ports = [pick_port(e.host) if e.port == 0 else e.port + i for i in range(e.num_engines)]
     scheme = scheme_of(e.host, cfg.tls.files())
     return [
         EngineSlot(name=f"engine{i}", host=e.host, port=p, managed=True, scheme=scheme)

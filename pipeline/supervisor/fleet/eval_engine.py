@@ -39,7 +39,8 @@ from pipeline.supervisor.engines.protocol import (
 )
 from pipeline.supervisor.fleet.children import Child, ChildSpec, keep_running
 from pipeline.supervisor.fleet.engine_fleet import ready_or_exited
-from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_child_spec, free_port
+from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_child_spec
+from pipeline.supervisor.fleet.port_reservations import PortReservations
 
 log = logging.getLogger("rollwise.evaluation")
 
@@ -73,7 +74,8 @@ class DedicatedEvalEngine:
         self.grace_s = grace_s
         self.wanted = 0  # the latest version asked for: a (re)started process is launched on it
         self.adapters = cfg.learner.lora.enabled and cfg.learner.lora.serving == "adapter"
-        self.slot = EngineSlot(name=EVAL_ENGINE, host=HOST, port=free_port(HOST), managed=True)
+        self.ports = PortReservations()
+        self.slot = EngineSlot(name=EVAL_ENGINE, host=HOST, port=self.ports.take(HOST), managed=True)
         self.client = EngineClient(
             self.slot.url,
             api_key=reveal(cfg.engine.api_key),
@@ -204,3 +206,4 @@ class DedicatedEvalEngine:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         await self.client.close()
+        self.ports.close()

@@ -105,9 +105,11 @@ async def _serving(model_dir: Path, work: Path, args: argparse.Namespace, *, lor
     from pipeline.supervisor.fleet.engine_launch import engine_child_spec, plan_engines
 
     lora_flags = ["learner.lora.enabled=true", f"learner.lora.rank={args.rank}"] if lora else []
-    cfg = load_config(None, ["engine.port=0", f"engine.threads={args.threads}", *lora_flags])
+    root = work / ("lora" if lora else "full")  # the run directory the engine may load weights from
+    overrides = ["engine.port=0", f"engine.threads={args.threads}", f"run.run_dir={json.dumps(str(root))}"]
+    cfg = load_config(None, [*overrides, *lora_flags])
     slot = plan_engines(cfg)[0]
-    run = RunDir.at(work / ("lora" if lora else "full"), model_dir)
+    run = RunDir.at(root, model_dir)
     child = Child(engine_child_spec(cfg, slot, model_dir=model_dir, version=0, log_dir=run.logs))
     await child.start()
     pool = EnginePool([EngineClient(slot.url)])

@@ -33,7 +33,10 @@ async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads
     from pipeline.supervisor.fleet.children import Child
     from pipeline.supervisor.fleet.engine_launch import engine_child_spec, plan_engines
 
-    cfg = load_config(None, ["engine.port=0", f"engine.threads={threads}"])
+    # The engine loads weights from the run directory's weights/ only: the bench's directory is the run's.
+    cfg = load_config(
+        None, ["engine.port=0", f"engine.threads={threads}", f"run.run_dir={json.dumps(str(work))}"]
+    )
     slot = plan_engines(cfg)[0]
     run = RunDir.at(work, model_dir)
     child = Child(engine_child_spec(cfg, slot, model_dir=model_dir, version=0, log_dir=run.logs))
@@ -52,9 +55,10 @@ async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads
 
     served: list[float] = []
     phases: list[dict[str, float]] = []
+    busy: list[asyncio.Task[None]] = []
     try:
         await pool.members[0].wait_ready(120)
-        busy = [asyncio.create_task(keep_busy(i)) for i in range(load)]
+        busy += [asyncio.create_task(keep_busy(i)) for i in range(load)]
         for version in range(1, repeats + 1):
             path = await asyncio.to_thread(export_weights, model, tokenizer, run.weights_of(version), version)
             started = time.perf_counter()
@@ -73,6 +77,7 @@ async def _measure(model_dir: Path, work: Path, repeats: int, load: int, threads
         await asyncio.gather(*busy, return_exceptions=True)
     finally:
         stop.set()
+        await asyncio.gather(*busy, return_exceptions=True)
         await pool.close()
         await child.stop(5.0)
     served.sort()

@@ -31,6 +31,7 @@ from pipeline.contracts import events, memory_trace
 from pipeline.contracts.config import ConfigError, reveal, write_resolved
 from pipeline.contracts.http_guard import CannotListen
 from pipeline.contracts.run_dir import RunDir, RunDirInUse, checkpointed_version, hold_supervisor_lock
+from pipeline.contracts.run_endpoints import remove_endpoints, write_endpoints
 from pipeline.contracts.tls import context_for
 from pipeline.supervisor.actors.concurrency import ConcurrencyLimit
 from pipeline.supervisor.actors.episode_end import ENGINE_LABEL
@@ -151,6 +152,7 @@ class Supervisor:
             # The ports first: a taken one (another daemon on this host) is one line before any work.
             await self.endpoints.start()
             await self.fleet_services.start(self.engines, self.progress.message)
+            write_endpoints(self.run_dir.root, metrics=self.endpoints.url, **self.fleet_services.urls())
             await ensure_initial_model(self.setup)
             self.install_signal_handlers()
             metrics.SUPERVISOR_UP.set(time.time())
@@ -211,6 +213,7 @@ class Supervisor:
                 await self.fleet_services.stop()
                 await stop_observers(self.trackers)
                 await self.endpoints.stop()
+                remove_endpoints(self.run_dir.root)
         if self.fatal is not None:
             print(f"rollwise: {self.fatal}", file=sys.stderr)
             return 1

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from pipeline.contracts.run_endpoints import running_endpoints
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Small enough that one learner step takes a fraction of a second on 2 cores.
@@ -217,8 +219,22 @@ def test_sigterm_stops_gracefully_and_a_second_daemon_is_refused(
     )
     assert intruder.returncode == 1
     assert "in use by another rollwise daemon" in intruder.stderr
+    # Where it listens, as bound (metrics.port = 0 and admin.port = 0 in TINY), for tools and agents; the
+    # refused intruder did not overwrite it.
+    endpoints = running_endpoints(run_dir)
+    assert endpoints is not None and f"{endpoints['metrics']}/metrics" == run.metrics_url()
+    listed = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "engines", "--run-dir", str(run_dir), "list"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [e["weight_version"] is not None for e in json.loads(listed.stdout)] == [True]
     run.signal(signal.SIGTERM)
     assert run.wait(timeout_s=60) == 0, run.tail()
+    assert not (run_dir / "endpoints.json").exists()
     last = run.steps()[-1]
     # The learner checkpointed on the way out: the resume point is the last step it reported.
     assert checkpoint_state(run_dir)["step"] == last

@@ -24,6 +24,7 @@ import json
 import os
 import ssl
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -37,6 +38,7 @@ from pipeline.contracts.http_guard import (
     read_json,
     runner_options,
 )
+from pipeline.contracts.run_endpoints import running_endpoints
 from pipeline.contracts.tls import PlaintextRefused, TlsFiles, check_url, client_context
 from pipeline.supervisor.fleet.fleet_membership import FleetMembership, MembershipError
 from pipeline.transport.weights_http import WeightServer
@@ -159,7 +161,9 @@ async def admin_call(
 def main(argv: list[str]) -> int:
     """`rollwise engines list|add URL|drain URL`: change the fleet of a running daemon."""
     p = argparse.ArgumentParser(prog="rollwise engines", description=main.__doc__)
-    p.add_argument("--admin", default="http://127.0.0.1:9401", help="the daemon's admin endpoint")
+    door = p.add_mutually_exclusive_group()
+    door.add_argument("--admin", help="the daemon's admin endpoint (default: http://127.0.0.1:9401)")
+    door.add_argument("--run-dir", help="the running daemon's run directory: its admin endpoint as bound")
     p.add_argument("--token", help=f"admin token (default: ${TOKEN_ENV})")
     p.add_argument(
         "--ca-file", help=f"CA bundle that signed an https admin endpoint's certificate (default: ${CA_ENV})"
@@ -178,6 +182,13 @@ def main(argv: list[str]) -> int:
     drain = sub.add_parser("drain", help="take an engine out without losing its in-flight turns")
     drain.add_argument("url")
     args = p.parse_args(argv)
+    if args.run_dir is not None:
+        running = running_endpoints(Path(args.run_dir))
+        if running is None or "admin" not in running:
+            print(f"rollwise engines: no daemon runs on {args.run_dir}", file=sys.stderr)
+            return 2
+        args.admin = running["admin"]
+    args.admin = args.admin or "http://127.0.0.1:9401"
     token = args.token or os.environ.get(TOKEN_ENV)
     try:
         check_url(args.admin, "--admin", args.allow_plaintext)

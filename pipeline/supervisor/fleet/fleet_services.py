@@ -47,6 +47,10 @@ class FleetServices:
             self.flight.start()
             message(f"spool served over Arrow Flight at {self.flight.url}")
 
+    def urls(self) -> dict[str, str | None]:
+        """The doors' URLs as bound (for the run directory's endpoints.json)."""
+        return {"admin": self.admin.url, "flight": self.flight.url if self.flight is not None else None}
+
     async def stop(self) -> None:
         await self.admin.stop()
         if self.flight is not None:

@@ -10,7 +10,6 @@ without either, the checks that need them say nothing rather than guess."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.contracts.run_dir import RunDir, log_events
+from pipeline.contracts.run_endpoints import held_by_a_daemon
 
 Sample = tuple[dict[str, str], float]
 
@@ -33,7 +33,8 @@ class RunView:
     """`steps`: step events, oldest first; `last_step_at`: when the last one was written (epoch seconds);
     `evals`: evaluation rows; `metrics`: sample name -> (labels, value) of one scrape; `config`: the
     resolved config; `free_share`: free bytes over the filesystem's size; `running`: a daemon holds the
-    run directory; `now`: epoch seconds when the view was taken."""
+    run directory; `now`: epoch seconds when the view was taken; `stall_after_s`: the operator's limit for
+    a step's absence (None: the rule's own)."""
 
     steps: list[dict[str, Any]] = field(default_factory=list)
     last_step_at: float | None = None
@@ -43,6 +44,7 @@ class RunView:
     free_share: float | None = None
     running: bool = False
     now: float = 0.0
+    stall_after_s: float | None = None
 
     def step_metric(self, key: str, last: int | None = None) -> list[float]:
         """One trainer metric over the steps (the last `last` of them), skipping steps without it."""
@@ -92,20 +94,6 @@ def scrape(url: str, timeout_s: float = 5.0) -> str:
         return resp.read().decode()
 
 
-def held_by_a_daemon(run: RunDir) -> bool:
-    """True when a daemon holds the run directory's supervisor.lock (an exclusive flock)."""
-    path = run.root / "supervisor.lock"
-    if not path.exists():
-        return False
-    with open(path) as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-    return False
-
-
 def free_share(path: Path) -> float | None:
     try:
         st = os.statvfs(path)
@@ -132,7 +120,7 @@ def load(run_dir: str | Path, metrics_text: str | None = None, now: float | None
         metrics=parse_metrics(metrics_text) if metrics_text else {},
         config=config,
         free_share=free_share(run.root),
-        running=held_by_a_daemon(run),
+        running=held_by_a_daemon(run.root),
         now=time.time() if now is None else now,
     )
 

@@ -24,6 +24,9 @@ from learner.process.shell import StopFlag
 from learner.process.storage import DurableWriter, StorageGaveUp
 from pipeline.contracts import durable, events
 from pipeline.contracts.durable import storage_fault_kind
+from pipeline.supervisor.observability.run_health.findings import ranked
+from pipeline.supervisor.observability.run_health.health_checks import examine
+from pipeline.supervisor.observability.run_health.run_view import load
 from pipeline.transport.spool import parse_seq
 from tests.e2e.test_run_e2e import TINY, DaemonRun, daemons, tiny_model
 
@@ -209,6 +212,8 @@ def test_a_full_run_directory_pauses_the_daemon_and_it_resumes_by_itself(
     # (The scheduler's own refused-write path is unit-tested in tests/supervisor/actors/test_scheduler.py.)
     _fill(ballast)
     run.wait_for(lambda r: blocked("spool") + learner_blocked() >= 1.0, 60, "a refused write")
+    found = ranked(examine(load(run_dir, metrics_text=run.scrape())))  # the advisor on the live daemon
+    assert found and found[0].check == "disk_filling", found
     if blocked("spool") == 1.0:
         assert run.metric("rollwise_storage_errors_total", {"component": "spool", "kind": "ENOSPC"}) >= 1
         wait_message(lambda t: "spool write refused (ENOSPC" in t, "the spool's refusal message")

@@ -168,6 +168,22 @@ def test_killed_engine_costs_its_episodes_and_is_restarted(
     # /proc can miss a child for a moment (its cmdline is read while the process list is walked).
     run.wait_for(lambda r: len(new_engines()) == 1, 30, "one engine process")
     assert new_engines() != engines
+
+    # Frozen instead of killed, it stops answering without exiting: the pool ejects it, nothing is
+    # generated, the learner runs dry. The advisor, on the live daemon, calls the run stalled (after the
+    # limit an operator may set) and says the engines stopped answering.
+    os.kill(new_engines()[0], signal.SIGSTOP)
+    try:
+        run.wait_for(lambda r: r.metric("rollwise_engines_serving") == 0, 45, "the frozen engine ejected")
+        step_log = run_dir / "logs" / "steps.jsonl"
+        run.wait_for(lambda r: time.time() - step_log.stat().st_mtime > 3.0, 45, "the learner to run dry")
+        view = load(run_dir, metrics_text=run.scrape())
+        found = ranked(examine(dataclasses.replace(view, stall_after_s=2.0)))
+        assert found and found[0].check == "stalled", found
+        assert any("rollwise_engines_serving = 0" in line for line in found[0].evidence), found[0]
+    finally:
+        os.kill(new_engines()[0], signal.SIGCONT)
+    run.wait_for(lambda r: r.metric("rollwise_engines_serving") == 1, 45, "the thawed engine back")
     run.signal(signal.SIGTERM)
     assert run.wait(timeout_s=60) == 0, run.tail()
 

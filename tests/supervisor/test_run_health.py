@@ -77,6 +77,22 @@ def test_a_stall_is_ten_median_steps_and_at_least_five_minutes_without_a_step() 
     assert checks.stalled(dataclasses.replace(view, running=False)) is None  # a stopped run is not stalled
 
 
+def test_a_stall_says_which_side_stopped_and_the_operator_may_set_the_limit() -> None:
+    view = dataclasses.replace(_healthy(), now=1000.0 + 30.0, stall_after_s=20.0)
+    engines_gone = dataclasses.replace(view, metrics=parse_metrics("rollwise_engines_serving 0\n"))
+    found = checks.stalled(engines_gone)
+    assert found is not None and "limit 20 s" in found.evidence[1]
+    assert found.evidence[2].startswith("metrics: rollwise_engines_serving = 0")
+    assert "logs/engine<i>.log" in found.action
+    waiting = dataclasses.replace(
+        view, metrics=parse_metrics("rollwise_engines_serving 1\nrollwise_spool_depth_groups 6\n")
+    )
+    found = checks.stalled(waiting)
+    assert found is not None and "rollwise_spool_depth_groups = 6" in found.evidence[2]
+    assert "logs/learner.log" in found.action
+    assert checks.stalled(dataclasses.replace(view, stall_after_s=40.0)) is None
+
+
 def test_every_reward_zero_or_no_variance_is_an_alarm() -> None:
     zero = checks.no_reward(_with_steps(_healthy(), reward_mean=0.0))
     assert zero is not None and "every reward" in zero.title
@@ -96,6 +112,19 @@ def test_truncation_is_advice_above_a_tenth_and_an_alarm_above_half() -> None:
     assert advice is not None and advice.level == "advice"
     assert alarm is not None and alarm.level == "alarm" and "80%" in alarm.title
     assert "sampling.max_new_tokens = 48" in alarm.evidence[1]
+
+
+def test_truncation_counts_the_cut_turns_of_the_actors_when_the_daemon_exported_them() -> None:
+    """Every turn the budget cut (the actors' counter), whatever the learner's over-long penalty: the
+    steps' overlong_fraction (0 here: no penalty configured) is read only without the counters."""
+    cut = _metrics('rollwise_turns_total{env="g"} 200\nrollwise_turns_cut_total{env="g"} 150\n')
+    alarm = checks.truncated(cut)
+    assert alarm is not None and alarm.level == "alarm" and "75%" in alarm.title
+    assert alarm.evidence[0] == "metrics: rollwise_turns_cut_total = 150 of rollwise_turns_total = 200"
+    few = _metrics('rollwise_turns_total{env="g"} 200\nrollwise_turns_cut_total{env="g"} 19\n')
+    assert checks.truncated(few) is None
+    young = _metrics('rollwise_turns_total{env="g"} 10\nrollwise_turns_cut_total{env="g"} 10\n')
+    assert checks.truncated(young) is None  # under 20 turns: the steps' fraction decides (0 here)
 
 
 def test_unstable_updates_by_clipping_or_by_the_gradient_norm() -> None:

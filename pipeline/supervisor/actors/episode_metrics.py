@@ -12,12 +12,24 @@ from pipeline.supervisor.actors.outcomes import EpisodeOutcome
 from pipeline.supervisor.observability import metrics
 
 
+def budget_cut(text: str, answers: tuple[str, ...]) -> bool:
+    """Whether a turn the token budget ended was cut short. Without a list of the environment's complete
+    answers (EnvSpec.action_hints) every such turn was; with one, only a reply that is the beginning of
+    an answer and not an answer itself: a whole answer that fills the budget exactly was not cut, and a
+    reply that begins no answer is a wrong answer, which a larger budget would not fix."""
+    if not answers:
+        return True
+    reply = text.strip()
+    return reply not in answers and any(answer.startswith(reply) for answer in answers)
+
+
 class EpisodeMetrics:
     """Records an episode's turns and its end under `env_name`."""
 
     def __init__(self, env_name: str) -> None:
         self.env_name = env_name
         self._turns = metrics.TURNS.labels(env=env_name)
+        self._turns_cut = metrics.TURNS_CUT.labels(env=env_name)
         self._generated_tokens = metrics.GENERATED_TOKENS.labels(env=env_name)
         self._prompt_tokens = metrics.PROMPT_TOKENS.labels(env=env_name)
         self._prompt_tokens_cached = metrics.PROMPT_TOKENS_CACHED.labels(env=env_name)
@@ -45,6 +57,9 @@ class EpisodeMetrics:
     def turn_generated(self, tokens: int) -> None:
         self._turns.inc()
         self._turn_tokens.observe(tokens)
+
+    def turn_cut(self) -> None:
+        self._turns_cut.inc()
 
     def tool_calls(self, calls: int, errors: int) -> None:
         if calls:
@@ -83,6 +98,9 @@ class UnrecordedMetrics(EpisodeMetrics):
         pass
 
     def turn_generated(self, tokens: int) -> None:
+        pass
+
+    def turn_cut(self) -> None:
         pass
 
     def tool_calls(self, calls: int, errors: int) -> None:

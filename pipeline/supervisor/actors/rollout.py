@@ -66,7 +66,12 @@ from pipeline.supervisor.actors.episode_end import (
     env_failure,
     error_kind,
 )
-from pipeline.supervisor.actors.episode_metrics import EpisodeMetrics, episode_metrics, record_episode
+from pipeline.supervisor.actors.episode_metrics import (
+    EpisodeMetrics,
+    budget_cut,
+    episode_metrics,
+    record_episode,
+)
 from pipeline.supervisor.actors.episode_trace import UNTRACED, Spans, episode_attributes, episode_trace
 from pipeline.supervisor.actors.expert_routing import expert_routing
 from pipeline.supervisor.actors.late_cut import GroupCut
@@ -219,6 +224,8 @@ class _EpisodeRun:
         started = time.perf_counter()
         engine_finish = await self._generate_turn(chat, turn)
         action = self.parser(chat.finish_turn())
+        if engine_finish == "length" and budget_cut(action.text, self.env.spec.action_hints):
+            self.metrics.turn_cut()
         if action.tool_calls or action.tool_call_errors:
             self.tool_calls += len(action.tool_calls)
             self.metrics.tool_calls(len(action.tool_calls), len(action.tool_call_errors))

@@ -4,6 +4,7 @@ with the real tiny ChatML tokenizer."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 
 from envs.api import Action, EnvError, Environment, EnvSpec, Message, StepResult, Task, ToolCall
 from pipeline.contracts.schema import batch_to_segments, validate_segment
+from pipeline.supervisor.actors.episode_metrics import budget_cut
 from pipeline.supervisor.actors.rollout import (
     EpisodeOutcome,
     GroupOutcome,
@@ -501,6 +503,41 @@ async def test_finish_reason_length_truncated_and_turn_cap(
 
     capped = await play(pool, tok, ScriptedEnv(["higher"] * 5, max_turns=3), settings(tok))
     assert capped.finish_reason == "truncated" and capped.num_turns == 3
+
+
+def _turns(counter: str) -> float:
+    return REGISTRY.get_sample_value(f"rollwise_{counter}_total", {"env": "scripted"}) or 0.0
+
+
+async def test_turns_the_budget_cut_short_are_counted(fake: FakeSGLang, pool: EnginePool, tok: Any) -> None:
+    cut = enc(tok, "I think it is")
+    eos = tok.eos_token_id
+    fake.script = scripted({"ep-t0": Plan(cut, finish="length")})
+    turns, cuts = _turns("turns"), _turns("turns_cut")
+    await play(pool, tok, ScriptedEnv([]), settings(tok, max_new_tokens=len(cut)))
+    assert (_turns("turns") - turns, _turns("turns_cut") - cuts) == (1, 1)
+
+    fake.script = scripted({"ep-t0": Plan([*enc(tok, "8"), eos])})  # closed by the policy: not cut
+    await play(pool, tok, ScriptedEnv([]), settings(tok))
+    assert (_turns("turns") - turns, _turns("turns_cut") - cuts) == (2, 1)
+
+    hinted = ScriptedEnv([])
+    hinted.spec = dataclasses.replace(hinted.spec, action_hints=("8", "12"))
+    for reply, counted in (("8", 0), ("I think it is", 0), ("1", 1)):
+        # A whole answer that fills the budget; a wrong answer; the beginning of "12", cut.
+        ids = enc(tok, reply)
+        fake.script = scripted({"ep-t0": Plan(ids, finish="length")})
+        await play(pool, tok, hinted, settings(tok, max_new_tokens=len(ids)))
+        cuts += counted
+        assert _turns("turns_cut") - cuts == 1, reply
+    assert _turns("turns") - turns == 5
+
+
+def test_a_reply_is_cut_short_when_it_begins_an_answer_and_is_none() -> None:
+    assert budget_cut("anything", ())  # no list of answers: every turn the budget ended
+    assert not budget_cut(" 12 ", ("8", "12"))
+    assert budget_cut("1", ("8", "12")) and budget_cut("  ", ("8", "12"))
+    assert not budget_cut("7", ("8", "12"))
 
 
 async def test_aborted_generation_is_resubmitted_with_its_partial_output(

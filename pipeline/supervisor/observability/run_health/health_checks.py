@@ -2,8 +2,9 @@
 (docs/design/run_health.md, "The checks").
 
 Alarms carry a score that orders them: first what stops the run (no step, no disk, no engine), then what
-makes its steps worthless (no reward, every reply truncated, unstable updates), then what wastes part of
-it (stale drops, a drifting served policy, evaluation that lags). The thresholds are the alerts' where an
+makes its steps worthless (most replies cut by the token budget, which also explains a zero reward, so
+it comes before it; no reward; unstable updates), then what wastes part of it (stale drops, a drifting
+served policy, evaluation that lags). The thresholds are the alerts' where an
 alert exists (grafana/alerts.py: lag-0 mismatch, stale drops, free space), otherwise stated here. A rule
 that lacks its data (a stopped run has no counters; a young run has few steps) says nothing.
 """
@@ -40,27 +41,43 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def stalled(view: RunView) -> Finding | None:
+    """No step for STALL_FACTOR median steps (STALL_FLOOR_S at least; `view.stall_after_s` when the
+    operator set a limit). The evidence says which side stopped: no engine serving, or groups waiting."""
     if not view.running or view.last_step_at is None or len(view.steps) < 2:
         return None
     median = view.median_step_s()
     if median is None:
         return None
-    limit = max(STALL_FACTOR * median, STALL_FLOOR_S)
+    limit = (
+        view.stall_after_s if view.stall_after_s is not None else max(STALL_FACTOR * median, STALL_FLOOR_S)
+    )
     age = view.now - view.last_step_at
     if age <= limit:
         return None
+    evidence = [
+        f"logs/steps.jsonl: step {view.steps[-1].get('step')} was the last, written {age:.0f} s ago",
+        f"median step {median:.1f} s (waiting + working) over {len(view.steps)} steps; limit {limit:.0f} s",
+    ]
+    serving = view.total("rollwise_engines_serving")
+    if serving == 0:
+        evidence.append("metrics: rollwise_engines_serving = 0: no engine answers, so no group is generated")
+        action = "the engines stopped answering: read logs/engine<i>.log; `rollwise engines --run-dir D list`"
+    else:
+        waiting = view.total("rollwise_spool_depth_groups")
+        if waiting:
+            evidence.append(
+                f"metrics: rollwise_spool_depth_groups = {waiting:g}: groups wait for the learner"
+            )
+        action = (
+            "read logs/learner.log and logs/supervisor.log's last lines; `rollwise engines --run-dir D list`"
+        )
     return Finding(
         "stalled",
         "alarm",
         100.0,
         f"training stalled: no learner step for {age:.0f} s",
-        [
-            f"logs/steps.jsonl: step {view.steps[-1].get('step')} was the last, written {age:.0f} s ago",
-            f"median step {median:.1f} s (waiting + working) over {len(view.steps)} steps; "
-            f"limit {limit:.0f} s",
-        ],
-        "read logs/learner.log and logs/supervisor.log's last lines; `rollwise engines list` for the fleet; "
-        "docs/troubleshoot.md",
+        evidence,
+        action + "; docs/troubleshoot.md",
     )
 
 
@@ -176,10 +193,19 @@ def no_reward(view: RunView) -> Finding | None:
 
 
 def truncated(view: RunView) -> Finding | None:
-    overlong = view.step_metric("overlong_fraction", WINDOW)
-    if len(overlong) < MIN_STEPS:
-        return None
-    share = _mean(overlong)
+    """The share of turns the token budget cut: the actors' counters (every turn so far), or else the
+    trainer's over-long fraction (only with learner.regularizers' over-long penalty on)."""
+    turns = view.total("rollwise_turns_total")
+    cut = view.total("rollwise_turns_cut_total")
+    if turns is not None and cut is not None and turns >= MIN_EPISODES:
+        share = cut / turns
+        source = f"metrics: rollwise_turns_cut_total = {cut:g} of rollwise_turns_total = {turns:g}"
+    else:
+        overlong = view.step_metric("overlong_fraction", WINDOW)
+        if len(overlong) < MIN_STEPS:
+            return None
+        share = _mean(overlong)
+        source = f"logs/steps.jsonl: overlong_fraction, mean of the last {len(overlong)} steps"
     if share <= TRUNCATED_ADVICE:
         return None
     budget = view.setting("sampling.max_new_tokens")
@@ -187,12 +213,9 @@ def truncated(view: RunView) -> Finding | None:
     return Finding(
         "truncated",
         "alarm" if alarm else "advice",
-        (70.0 if alarm else 0.0) + share,
+        (86.0 if alarm else 0.0) + share,  # above no_reward (85): the cut is the cause of a zero reward
         f"{share:.0%} of the turns are cut at the token budget",
-        [
-            f"logs/steps.jsonl: overlong_fraction, mean of the last {len(overlong)} steps",
-            f"config.toml: sampling.max_new_tokens = {budget}",
-        ],
+        [source, f"config.toml: sampling.max_new_tokens = {budget}"],
         "raise `sampling.max_new_tokens`, or reward shorter answers (`learner.regularizers.overlong_budget`)",
     )
 

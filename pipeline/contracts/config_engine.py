@@ -65,6 +65,14 @@ class EngineBase(Section):
     )
     request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one /generate call.")
     startup_timeout_s: float = Field(600.0, gt=0, description="Time an engine gets to answer /health.")
+    health_check_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "How often the daemon asks every engine in service for /health, so that a dead or frozen "
+            "engine is ejected (after 3 failures in a row) even when it gets no request."
+        ),
+    )
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None,
         description=(

@@ -149,7 +149,8 @@ def _spool_files(spool: Path) -> list[tuple[int, Path]]:
 def test_killed_engine_costs_its_episodes_and_is_restarted(
     run_dir: Path, tiny_model: Path, daemons: list[DaemonRun]
 ) -> None:
-    run = DaemonRun(run_dir, [*TINY, _model_override(tiny_model)])
+    # Health checks every second: the frozen engine below is ejected after 3 s, not 15.
+    run = DaemonRun(run_dir, [*TINY, _model_override(tiny_model), "engine.health_check_interval_s=1"])
     daemons.append(run)
     run.wait_steps(1)
     engines = [p for p in _child_pids(run.proc.pid) if "pipeline.engine" in _cmdline(p)]

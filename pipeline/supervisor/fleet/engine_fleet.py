@@ -49,7 +49,6 @@ ROUTER_READY_TIMEOUT_S = 60.0
 # its engine sits this sync out (it keeps its version until the next one) rather than fail the run.
 FETCH_RETRY_S = (0.5, 2.0)
 _FETCH_FAILURES = (FetchError, aiohttp.ClientError, TimeoutError, OSError)
-HEALTH_WATCH_S = 5.0  # /health of every engine in service this often (an idle fleet's deaths)
 
 
 @dataclass(eq=False)  # identity, not field-wise equality
@@ -113,7 +112,7 @@ class EngineFleet:
         # was paused and asked to load, and its warm-up waited behind the pause until both timed out.
         self._starting = False
         self._started = asyncio.Event()
-        self.health_watch_s = HEALTH_WATCH_S
+        self.health_watch_s = e.health_check_interval_s
         self.pool.on_rejoin = self.rejoin
         self.progress_message: Callable[[str], None] = lambda text: None
 

@@ -195,7 +195,7 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
         "learner.checkpoint_every=1",
         "run.shutdown_grace_s=5",
     ]
-    argv = [sys.executable, "-m", "pipeline.cli", "bench", "soak", "--minutes", "1.25", "--chaos"]
+    argv = [sys.executable, "-m", "pipeline.cli", "bench", "soak", "--minutes", "1", "--chaos"]
     argv += ["--kill-every-s", "12", "--sample-s", "1", "--warmup-minutes", "0.1", "--restart-delay-s", "0.5"]
     argv += ["--seed", "1", "--out", str(out)]
     for item in tiny:
@@ -230,6 +230,9 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
         books["dropped"].get("stale", 0), in_flight, books["written"]
     )
     assert "dropped in flight" in proc.stdout
+    # The advisor's word on the finished run, in the summary and printed.
+    assert isinstance(summary["doctor"], list) and all(isinstance(line, str) for line in summary["doctor"])
+    assert "rollwise doctor: " in proc.stdout
 
 
 def test_the_stale_share_counts_groups_dropped_in_flight_among_the_groups_ended() -> None:

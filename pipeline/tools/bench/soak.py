@@ -41,6 +41,9 @@ from typing import IO, Any
 
 from pipeline.contracts import memory_trace
 from pipeline.contracts.run_dir import RunDir
+from pipeline.supervisor.observability.run_health.findings import ranked
+from pipeline.supervisor.observability.run_health.health_checks import examine
+from pipeline.supervisor.observability.run_health.run_view import load
 from pipeline.tools.bench.chaos import KillPlan
 from pipeline.tools.bench.soak_books import Books, reconcile
 from pipeline.tools.bench.soak_resources import Growth, daemon_processes, dir_sizes, growth, sample_process
@@ -510,6 +513,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     d = summary["run_dir_mib"]
     print(f"  run dir: peak {d['peak']} MiB, final {d['final']} MiB, by part {d['final_by_part']}")
     print(f"  goals: {summary['goals']}")
+    print(f"  rollwise doctor: {'; '.join(summary.get('doctor', [])) or 'no finding'}")
 
 
 def parse_args(argv: list[str]) -> SoakOptions:
@@ -584,6 +588,8 @@ def main(argv: list[str]) -> int:
     if soak.run.consumed_log.exists():  # absent when the learner never finished a step
         shutil.copyfile(soak.run.consumed_log, opts.out / "ledger.jsonl")
     summary = summarise(soak, books, final_code)
+    # What the run-health advisor says of the finished run: nothing, for a calm soak of the default task.
+    summary["doctor"] = [f"{f.level} {f.check}: {f.title}" for f in ranked(examine(load(soak.run.root)))]
     (opts.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     plot(soak, opts.out / "soak.png")
     print_summary(summary)

@@ -1,0 +1,119 @@
+"""The skills for coding agents (skills/<name>/SKILL.md): the peers' format, and every command they name run.
+
+Each skill's ```bash blocks are one script, run in order by bash with `set -euo pipefail` in a fresh
+working directory that holds the repository's `examples/` (a skill writes its runs under `runs/` there).
+A command that no longer exists, a flag that was renamed, a file a step expects and does not find, or a
+daemon that does not start fails the skill's test, so a skill cannot go stale."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SKILLS = REPO / "skills"
+NAMES = sorted(p.parent.name for p in SKILLS.glob("*/SKILL.md"))
+NAME = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
+
+
+def frontmatter(text: str) -> dict[str, str]:
+    """The `key: value` lines between the leading `---` lines (the Agent Skills format)."""
+    match = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    if match is None:
+        raise ValueError("no frontmatter: the file must start with a '---' block")
+    fields: dict[str, str] = {}
+    for line in match.group(1).splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            raise ValueError(f"frontmatter line {line!r} is not 'key: value'")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def bash_blocks(text: str) -> list[str]:
+    return [body for lang, body in FENCE.findall(text) if lang == "bash"]
+
+
+def test_the_skills_the_issue_asks_for_are_there() -> None:
+    assert NAMES == [
+        "add-an-environment",
+        "bring-an-agent-program",
+        "debug-a-weight-sync",
+        "operate-a-run",
+        "scale-out",
+    ]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_skill_has_a_name_a_description_and_commands(name: str) -> None:
+    text = (SKILLS / name / "SKILL.md").read_text()
+    fields = frontmatter(text)
+    assert set(fields) == {"name", "description"}, fields
+    assert fields["name"] == name and NAME.match(name) and len(name) <= 64
+    description = fields["description"]
+    assert 40 <= len(description) <= 1024 and "Use when" in description, description
+    assert bash_blocks(text), "a skill names the commands to run"
+    assert text.count("```") % 2 == 0, "an unclosed code fence"
+
+
+def test_the_frontmatter_reader_refuses_what_the_format_does_not_allow() -> None:
+    with pytest.raises(ValueError, match="no frontmatter"):
+        frontmatter("# a title\n")
+    with pytest.raises(ValueError, match="not 'key: value'"):
+        frontmatter("---\nname operate\n---\n")
+    text = "---\nname: x\ndescription: d\n---\n```bash\necho 1\n```\n```toml\na = 1\n```\n"
+    assert frontmatter(text) == {"name": "x", "description": "d"}
+    assert bash_blocks(text) == ["echo 1\n"]
+
+
+def _workdir(tmp_path: Path) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "examples").symlink_to(REPO / "examples")
+    return work
+
+
+def _tails(work: Path) -> str:
+    """The end of every file the skill's commands wrote under runs/ (their output and the daemons' logs)."""
+    parts = []
+    for path in sorted(work.glob("runs/*.out")) + sorted(work.glob("runs/*/logs/supervisor.log")):
+        lines = path.read_text(errors="replace").splitlines()[-15:]
+        parts.append(f"--- {path.relative_to(work)}\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_every_command_of_the_skill_runs(name: str, tmp_path: Path) -> None:
+    script = "set -euo pipefail\n" + "\n".join(bash_blocks((SKILLS / name / "SKILL.md").read_text()))
+    work = _workdir(tmp_path)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("PYTHONPATH", None)  # as a user's shell: the skill sets what it needs
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its background daemons and engines are stopped with it below
+    )
+    try:
+        out, _ = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"skill {name} did not finish in 420 s\n{out[-3000:]}\n{_tails(work)}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.returncode == 0, f"skill {name}: exit {proc.returncode}\n{out[-4000:]}\n{_tails(work)}"

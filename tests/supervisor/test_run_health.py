@@ -233,6 +233,14 @@ def test_advice_learner_waiting_and_zero_variance_groups() -> None:
     waits = [dict(s, idle_s=0.5, busy_s=0.5) for s in _healthy().steps]
     found = checks.learner_waits(dataclasses.replace(_healthy(), steps=waits))
     assert found is not None and found.level == "advice" and "50%" in found.title
+    # Embedded engines beside a one-thread CPU learner (make run's layout): no core left to move.
+    config = {**_healthy().config, "engine": {"kind": "embedded"}, "learner": {"threads": 1, "device": "cpu"}}
+    alone = dataclasses.replace(_healthy(), steps=waits, config=config)
+    assert checks.learner_waits(alone) is None
+    for learner in ({"threads": 4, "device": "cpu"}, {"threads": 1, "device": "cuda"}):
+        assert checks.learner_waits(dataclasses.replace(alone, config={**config, "learner": learner}))
+    external = {**config, "engine": {"kind": "external"}}
+    assert checks.learner_waits(dataclasses.replace(alone, config=external)) is not None
     some = checks.zero_variance(_with_steps(_healthy(), skipped_zero_adv_groups=4.0))
     assert some is not None and some.level == "advice" and "env.group_size = 8" in some.evidence[1]
 

@@ -407,9 +407,17 @@ def concurrency_bound(view: RunView) -> Finding | None:
     )
 
 
+def cores_to_move(view: RunView) -> bool:
+    """Whether the run could give generation more of what it has: not when embedded engines share a CPU
+    with a learner on one thread (every other core already generates; more needs another machine)."""
+    embedded = view.setting("engine.kind") == "embedded"
+    on_cpu = view.setting("learner.device") in ("auto", "cpu")
+    return not (embedded and on_cpu and view.setting("learner.threads") == 1)
+
+
 def learner_waits(view: RunView) -> Finding | None:
     recent = view.steps[-WINDOW:]
-    if len(recent) < MIN_STEPS:
+    if len(recent) < MIN_STEPS or not cores_to_move(view):
         return None
     idle = sum(float(s.get("idle_s", 0.0)) for s in recent)
     busy = sum(float(s.get("busy_s", 0.0)) for s in recent)

@@ -877,6 +877,20 @@ def reliability() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Turns cut by the token budget",
+                    "rate(rollwise_turns_cut_total) (replies sampling.max_new_tokens or the context ended "
+                    "short; with EnvSpec.action_hints only a reply that begins an answer) over "
+                    "rate(rollwise_turns_total); rollwise doctor's truncated finding above a tenth.",
+                    "percentunit",
+                    (
+                        q(
+                            f"sum by (env) (rate(rollwise_turns_cut_total{{{SEL_ENV}}}[{RI}])) / "
+                            f"sum by (env) (rate(rollwise_turns_total{{{SEL_ENV}}}[{RI}]))",
+                            "{{env}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
                     "Training minus held-out success",
                     "rollwise_eval_success_gap_ratio: success of the training episodes since the previous "
                     "evaluation minus the last evaluation's, by mode ([eval] of the training env); alert "

@@ -64,6 +64,28 @@ def test_a_skill_has_a_name_a_description_and_commands(name: str) -> None:
     assert text.count("```") % 2 == 0, "an unclosed code fence"
 
 
+def named_commands(text: str) -> set[str]:
+    """The rollwise commands a skill's prose names in `code` spans: "rollwise" and its subcommand words
+    (`rollwise engines --run-dir` -> "rollwise engines", `rollwise env check` -> "rollwise env check")."""
+    outside = FENCE.sub("", text)
+    named = set()
+    for span in re.findall(r"`(rollwise [^`]*)`", outside):
+        words = []
+        for word in span.split()[:3]:
+            if not re.fullmatch(r"[a-z]+", word):
+                break
+            words.append(word)
+        named.add(" ".join(words))
+    return named
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_rollwise_command_a_skill_names_is_among_the_commands_it_runs(name: str) -> None:
+    text = (SKILLS / name / "SKILL.md").read_text()
+    run = "\n".join(bash_blocks(text))
+    assert {command for command in named_commands(text) if command not in run} == set()
+
+
 def test_the_frontmatter_reader_refuses_what_the_format_does_not_allow() -> None:
     with pytest.raises(ValueError, match="no frontmatter"):
         frontmatter("# a title\n")
@@ -72,6 +94,8 @@ def test_the_frontmatter_reader_refuses_what_the_format_does_not_allow() -> None
     text = "---\nname: x\ndescription: d\n---\n```bash\necho 1\n```\n```toml\na = 1\n```\n"
     assert frontmatter(text) == {"name": "x", "description": "d"}
     assert bash_blocks(text) == ["echo 1\n"]
+    prose = "Use `rollwise engines --run-dir D list`, `rollwise env check X`.\n```bash\nrollwise run\n```\n"
+    assert named_commands(prose) == {"rollwise engines", "rollwise env check"}
 
 
 def _workdir(tmp_path: Path) -> Path:

@@ -213,7 +213,7 @@ def truncated(view: RunView) -> Finding | None:
     return Finding(
         "truncated",
         "alarm" if alarm else "advice",
-        (86.0 if alarm else 0.0) + share,  # above no_reward (85): the cut is the cause of a zero reward
+        (86.0 if alarm else 0.0) + share,  # above no_reward (85): cut replies often explain a zero reward
         f"{share:.0%} of the turns are cut at the token budget",
         [source, f"config.toml: sampling.max_new_tokens = {budget}"],
         "raise `sampling.max_new_tokens`, or reward shorter answers (`learner.regularizers.overlong_budget`)",

@@ -75,13 +75,17 @@ def cannot_listen(exc: OSError, what: str, host: str, port: int, key: str) -> Ca
     return CannotListen(f"{what} cannot listen on {host}:{port}: {why}; {fix}")
 
 
+def socket_family(host: str) -> socket.AddressFamily:
+    """IPv6 for a host with a colon ("::1", "[::1]"), else IPv4."""
+    return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+
+
 def check_port_free(what: str, host: str, port: int, key: str) -> None:
     """Raise CannotListen when `host:port` cannot be bound now (for servers, such as gRPC's, that report
     a failed bind without its cause). Port 0 is always free."""
     if port == 0:
         return
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    with socket.socket(socket_family(host), socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no owner
         try:
             probe.bind((host.strip("[]"), port))

@@ -32,6 +32,7 @@ from typing import Any
 
 log = logging.getLogger("rollwise.run_dir")
 
+SUPERVISOR_LOCK = "supervisor.lock"  # one daemon per run directory (hold_supervisor_lock)
 KEEP_WEIGHT_VERSIONS = 3
 LATEST_CHECKPOINT = "latest"
 CHECKPOINT_STATE = "state.json"
@@ -254,7 +255,7 @@ def checkpointed_version(run: RunDir) -> int:
 def hold_supervisor_lock(run: RunDir) -> Iterator[None]:
     """Exclusive flock on `supervisor.lock` holding this pid; RunDirInUse if another daemon holds it."""
     run.root.mkdir(parents=True, exist_ok=True)
-    with open(run.root / "supervisor.lock", "a+") as handle:
+    with open(run.root / SUPERVISOR_LOCK, "a+") as handle:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -18,8 +18,9 @@ import json
 import os
 from pathlib import Path
 
+from pipeline.contracts.run_dir import SUPERVISOR_LOCK
+
 ENDPOINTS = "endpoints.json"
-LOCK = "supervisor.lock"  # pipeline.contracts.run_dir.hold_supervisor_lock's file
 
 
 def write_endpoints(root: Path, **urls: str | None) -> Path:
@@ -39,7 +40,7 @@ def remove_endpoints(root: Path) -> None:
 
 def held_by_a_daemon(root: Path) -> bool:
     """True while a daemon holds `root`'s supervisor.lock (an exclusive flock)."""
-    path = root / LOCK
+    path = root / SUPERVISOR_LOCK
     if not path.exists():
         return False
     with open(path) as handle:

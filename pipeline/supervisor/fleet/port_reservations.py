@@ -19,9 +19,7 @@ import contextlib
 import socket
 import weakref
 
-
-def socket_family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+from pipeline.contracts.http_guard import socket_family
 
 
 def _release(held: list[socket.socket]) -> None:

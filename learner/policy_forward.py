@@ -23,6 +23,7 @@ from torch import Tensor
 
 from learner.fused_logprobs import linear_sampled_token_logprobs
 from learner.logprobs import entropy_from_logits, sampled_token_logprobs
+from learner.model.frozen_casts import weight_in
 from learner.model.precision import Precision, compute
 from learner.shared_prefix import shared_prefix_hidden_states
 
@@ -59,7 +60,7 @@ class PolicyForward:
         if self.logits is not None:
             return self.logits[keep]
         assert self.hidden is not None and self.head is not None
-        weight = self.head.weight.to(self.compute_dtype)
+        weight = weight_in(self.head, self.compute_dtype).to(self.compute_dtype)
         return self.hidden[keep].to(self.compute_dtype) @ weight.t()
 
     @torch.no_grad()
@@ -72,7 +73,7 @@ class PolicyForward:
         rows = self.hidden.detach()[keep]
         if rows.shape[0] == 0:
             return 0.0
-        weight = self.head.weight.detach().to(self.compute_dtype)
+        weight = weight_in(self.head, self.compute_dtype).detach().to(self.compute_dtype)
         total = 0.0
         for start in range(0, rows.shape[0], _ENTROPY_ROWS):
             chunk = rows[start : start + _ENTROPY_ROWS].to(self.compute_dtype) @ weight.t()
@@ -126,13 +127,14 @@ def forward_policy(
         if hidden is None:
             hidden = final_hidden_states(model, input_ids, attention_mask)
     dtype = precision.autocast_dtype or head.weight.dtype
+    weight = weight_in(head, dtype)  # a frozen head (LoRA) is cast once, not in every forward and backward
     if scored is None:
         logprobs = linear_sampled_token_logprobs(
-            hidden, head.weight, targets, temperature=temperature, compute_dtype=dtype
+            hidden, weight, targets, temperature=temperature, compute_dtype=dtype
         )
     else:
         picked = linear_sampled_token_logprobs(
-            hidden[scored], head.weight, targets[scored], temperature=temperature, compute_dtype=dtype
+            hidden[scored], weight, targets[scored], temperature=temperature, compute_dtype=dtype
         )
         logprobs = picked.new_zeros(targets.shape).masked_scatter(scored, picked)
     return PolicyForward(logprobs=logprobs, hidden=hidden, head=head, compute_dtype=dtype)

@@ -54,6 +54,7 @@ def build_policy(cfg: Config, initial_model: Path, ranks: Ranks | None = None) -
     (learner.sharding)."""
     import torch
 
+    from learner.model.cpu_attention import attention_implementation
     from learner.model.model_io import load_policy, resolve_device
     from learner.model.precision import resolve_precision
     from learner.trace import StepTracer
@@ -69,6 +70,8 @@ def build_policy(cfg: Config, initial_model: Path, ranks: Ranks | None = None) -
 
         load = functools.partial(load_policy_for_ranks, ranks=ranks)
     model, tokenizer = load(initial_model, dtype=precision.param_dtype_name)
+    # The attention kernels of the device that trains (rank 0 of a GPU run loads on the CPU first).
+    model.set_attn_implementation(attention_implementation(device))
     lora: LoraPolicy | None = None
     if cfg.learner.lora.enabled:
         from learner.model.lora import apply_lora

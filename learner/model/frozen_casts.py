@@ -59,7 +59,21 @@ def cache_frozen_casts(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return count
 
 
+_CACHE_ATTR = "_rollwise_cast_cache"
+
+
+def weight_in(layer: torch.nn.Linear, dtype: torch.dtype) -> Tensor:
+    """`layer.weight` as a kernel in `dtype` should read it: the cached copy when `layer` is frozen and has
+    one in `dtype` (the same rounding `weight.to(dtype)` makes, without a pass over the weight), else the
+    parameter itself (a trainable weight keeps its gradient path; the caller casts it)."""
+    cache = getattr(layer, _CACHE_ATTR, None)
+    if cache is None or cache.dtype != dtype or layer.weight.requires_grad:
+        return layer.weight
+    return cache.get()[0]
+
+
 def _install(layer: torch.nn.Linear, cache: _CastCache) -> None:
+    setattr(layer, _CACHE_ATTR, cache)
     plain = layer.forward
     device_type = layer.weight.device.type
 

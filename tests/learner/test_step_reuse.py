@@ -1,7 +1,7 @@
 """Two ways the learner's step does less work for the same numbers: the first update's training forward is
 its proximal forward (learner.trainer, `proximal_from_first_forward`), and frozen linear weights are cast
-to the autocast dtype once (learner.model.frozen_casts). Each is compared bit for bit with the work it
-saves."""
+to the autocast dtype once (learner.model.frozen_casts, also where the fused head reads them). Each is
+compared bit for bit with the work it saves."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from learner.model.frozen_casts import cache_frozen_casts
+from learner.model.frozen_casts import cache_frozen_casts, weight_in
 from learner.model.lora import apply_lora
 from learner.model.model_io import load_policy
 from learner.trainer import Trainer
@@ -124,3 +124,16 @@ def test_trainable_layers_and_layers_already_in_the_compute_dtype_are_left_alone
     model.append(torch.nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False))
     assert cache_frozen_casts(model, torch.bfloat16) == 1
     assert "forward" not in vars(model[0]) and "forward" in vars(model[1]) and "forward" not in vars(model[2])
+
+
+def test_the_fused_head_reads_a_frozen_heads_cached_cast_and_a_trainable_heads_parameter() -> None:
+    frozen = torch.nn.Linear(4, 6, bias=False).requires_grad_(False)
+    trainable = torch.nn.Linear(4, 6, bias=False)
+    assert weight_in(frozen, torch.bfloat16) is frozen.weight  # no cache installed: the parameter
+    cache_frozen_casts(frozen, torch.bfloat16)
+    cast = weight_in(frozen, torch.bfloat16)
+    assert cast.dtype == torch.bfloat16 and torch.equal(cast, frozen.weight.to(torch.bfloat16))
+    assert weight_in(frozen, torch.bfloat16) is cast  # made once
+    assert weight_in(frozen, torch.float16) is frozen.weight  # another dtype: not this cache's
+    cache_frozen_casts(trainable, torch.bfloat16)
+    assert weight_in(trainable, torch.bfloat16) is trainable.weight

@@ -89,6 +89,17 @@ def test_the_command_prints_both_speeds_and_their_ratio(
 
 
 @pytest.mark.integration
+def test_another_attention_replays_the_same_steps_to_float_rounding(trained_run: Path) -> None:
+    pairs = replay(trained_run, steps=2, attention="sdpa")
+    assert [p.step for p in pairs] == [1, 2]
+    assert not all(p.same_numbers for p in pairs)  # the option took effect: other kernels, other rounding
+    for p in pairs:
+        # The loss nearly cancels (a group's advantages sum to zero), so its rounding is measured against
+        # its terms' scale (~1), not its own small value.
+        assert p.replay_loss == pytest.approx(p.daemon_loss, abs=1e-4)
+
+
+@pytest.mark.integration
 def test_a_group_gone_from_the_spool_is_named(trained_run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "run"
     shutil.copytree(trained_run, copy)

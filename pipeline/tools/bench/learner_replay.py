@@ -15,7 +15,9 @@ replay's own version, which is the daemon's: the same batch, the same shuffle (t
 updates. Its loss matching the daemon's to the last bit shows the replayed step is the same computation;
 a different loss means the code or the options differ from the run's (the table says so).
 
-`--threads` replays with another torch thread count (default: the run's `learner.threads`). The groups
+`--threads` replays with another torch thread count (default: the run's `learner.threads`),
+`--attention` with another attention implementation (`sdpa` against the CPU learner's own,
+learner.model.cpu_attention: the losses then differ from the daemon's by float rounding). The groups
 must still be in the spool: the learner deletes groups every retained checkpoint has consumed, so a long
 run can be replayed only over its first steps while they are kept (the error names the first missing).
 """
@@ -101,8 +103,11 @@ def spool_files(spool: Path) -> dict[str, Path]:
     return found
 
 
-def replay(run_dir: Path, steps: int, threads: int | None = None) -> list[StepPair]:
-    """Replay the first `steps` trained steps of the run in `run_dir` (module docstring)."""
+def replay(
+    run_dir: Path, steps: int, threads: int | None = None, attention: str | None = None
+) -> list[StepPair]:
+    """Replay the first `steps` trained steps of the run in `run_dir` (module docstring), with the
+    attention implementation `attention` when given (else the learner's own choice)."""
     from learner.groups import triage_group
     from learner.policy_setup import build_policy
     from pipeline.contracts.schema import batch_to_segments
@@ -128,6 +133,8 @@ def replay(run_dir: Path, steps: int, threads: int | None = None) -> list[StepPa
             )
     policy = build_policy(cfg, run.initial_model)
     trainer = policy.trainer
+    if attention is not None:
+        trainer.model.set_attn_implementation(attention)
     pairs = []
     for record in wanted:
         groups = []
@@ -202,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=5, help="learner steps to replay from step 1 (default 5)")
     p.add_argument("--threads", type=int, help="torch threads (default: the run's learner.threads)")
+    p.add_argument(
+        "--attention",
+        help="replay with this transformers attention implementation instead of the learner's own "
+        "(sdpa: the one before learner.model.cpu_attention)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.steps < 1:
@@ -209,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     try:
-        pairs = replay(args.replay, args.steps, args.threads)
+        pairs = replay(args.replay, args.steps, args.threads, args.attention)
     except ReplayError as exc:
         print(f"rollwise bench learner --replay: {exc}", file=sys.stderr)
         return 1

@@ -176,9 +176,12 @@ def bwrap_argv(
     workdir: str,
     tmp_bytes: int,
     mounts: tuple[str, ...] = (),
+    binds: tuple[tuple[str, str], ...] = (),
+    chdir: str = SANDBOX_DIR,
 ) -> list[str]:
-    """The bubblewrap command line (up to ``--``) that mounts ``workdir`` at SANDBOX_DIR and each of
-    ``mounts`` (host paths: directories, files, a Unix socket) read-only at the same path."""
+    """The bubblewrap command line (up to ``--``) that mounts ``workdir`` at SANDBOX_DIR, each of
+    ``mounts`` (host paths: directories, files, a Unix socket) read-only at the same path and each
+    ``(host directory, path inside)`` of ``binds`` writable, and starts in ``chdir``."""
     argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
     if "--disable-userns" in features:
         argv.append("--disable-userns")
@@ -198,7 +201,9 @@ def bwrap_argv(
     argv += ["--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR]
     for path in mounts:  # a socket stays connectable read-only: connect() needs no write access to the mount
         argv += ["--ro-bind", path, path]
-    argv += ["--chdir", SANDBOX_DIR, "--remount-ro", "/"]
+    for host, inside in binds:
+        argv += ["--bind", host, inside]
+    argv += ["--chdir", chdir, "--remount-ro", "/"]
     argv += ["--clearenv"]
     environment = {"PATH": PATH_INSIDE, "HOME": SANDBOX_DIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
     for name, value in environment.items():

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -37,6 +37,7 @@ from typing import IO, Any
 from envs.sandbox.isolation import (
     PATH_INSIDE,
     PYTHON_FLAGS,
+    SANDBOX_DIR,
     Isolation,
     SandboxUnavailable,
     bwrap_argv,
@@ -217,6 +218,63 @@ class Sandbox:
             if not os.path.isabs(path) or not os.path.exists(path):  # noqa: ASYNC240  (a stat)
                 raise ValueError(f"sandbox mount {path!r} must be an absolute path that exists")
         limits = limits or self.config.limits
+        run_limits = limits
+
+        async def execute(uid: int | None) -> ProcessOutcome:
+            return await self._execute(code, files, stdin, run_limits, uid, mounts)
+
+        return await self._gated(execute, limits, uid=None)
+
+    async def run_in(
+        self,
+        work: Path,
+        tmp: Path,
+        main: str,
+        *,
+        uid: int | None,
+        stdin: str | bytes | None = None,
+        limits: Limits | None = None,
+        mounts: tuple[str, ...] = (),
+        binds: tuple[tuple[str, str], ...] = (),
+        chdir: str = SANDBOX_DIR,
+    ) -> SandboxResult:
+        """Run the Python file `main` (an absolute path the sandbox can read: under `mounts` with
+        bubblewrap) with `work` as its working directory, kept as it is before and after: the door of a
+        session that outlives one execution (envs.sandbox.sessions). `uid` is the session's own (a root
+        daemon's sandbox uid, held by the session) or None; `tmp` is the working directory's temporary
+        one when there is no bubblewrap (which gives every run its own /tmp). Under bubblewrap `binds`
+        mount host directories writable at paths inside and the program starts in `chdir`; without it
+        `binds` are refused (SandboxUnavailable) and the program starts in `work`."""
+        if binds and self.isolation.kind != "bwrap":
+            raise SandboxUnavailable(
+                f"sandbox: paths inside the sandbox ({', '.join(inside for _, inside in binds)}) need "
+                f"bubblewrap; this machine gives {self.isolation.describe()}"
+            )
+        limits = limits or self.config.limits
+        run_limits = limits
+        layout = (mounts, binds, chdir)
+
+        async def execute(run_uid: int | None) -> ProcessOutcome:
+            with _stdin_file(stdin) as stdin_file:
+                return await self._spawn(work, tmp, stdin_file, run_limits, run_uid, *layout, main=main)
+
+        return await self._gated(execute, limits, uid=uid)
+
+    def take_uid(self) -> int | None:
+        """A sandbox uid for a caller that keeps one across executions (a session); None unless root."""
+        return _UIDS.take(self.config.root_uid_base) if self.as_root else None
+
+    def give_uid(self, uid: int | None) -> None:
+        """Return a uid from `take_uid`, once nothing of it runs any more."""
+        if uid is not None:
+            _kill_uid(uid)
+            _UIDS.give(self.config.root_uid_base, uid)
+
+    async def _gated(
+        self, execute: Callable[[int | None], Awaitable[ProcessOutcome]], limits: Limits, *, uid: int | None
+    ) -> SandboxResult:
+        """One execution under this sandbox's concurrency bound, counted and heard by observers. With
+        `uid` None a root daemon's execution gets a pool uid for its duration."""
         gate = self._gate()
         queued_at = time.monotonic()
         self.waiting += 1
@@ -226,17 +284,18 @@ class Sandbox:
             self.waiting -= 1
         queued_s = time.monotonic() - queued_at
         self.running += 1
-        uid: int | None = None
+        pooled: int | None = None
         try:
-            uid = _UIDS.take(self.config.root_uid_base) if self.as_root else None
-            outcome = await self._execute(code, files, stdin, limits, uid, mounts)
+            if uid is None:
+                pooled = uid = self.take_uid()
+            outcome = await execute(uid)
             result = self._result(outcome, limits, queued_s)
         except SandboxError:
             _notify(Execution(self.isolation.kind, None, queued_s, 0.0, failed=True))
             raise
         finally:
-            if uid is not None:
-                _UIDS.give(self.config.root_uid_base, uid)
+            if pooled is not None:
+                _UIDS.give(self.config.root_uid_base, pooled)
             self.running -= 1
             gate.release()
         self.executions += 1
@@ -281,6 +340,10 @@ class Sandbox:
         limits: Limits,
         uid: int | None,
         mounts: tuple[str, ...] = (),
+        binds: tuple[tuple[str, str], ...] = (),
+        chdir: str = SANDBOX_DIR,
+        *,
+        main: str = MAIN_FILE,
     ) -> ProcessOutcome:
         isolation = self.isolation
         python = isolation.interpreter.path
@@ -290,7 +353,7 @@ class Sandbox:
             launcher = encode_config(
                 owner=os.getpid(),
                 status_fd=status_fd,
-                main=MAIN_FILE,
+                main=main,
                 max_processes=limits.max_processes,
                 # Under bubblewrap the user namespace counts the sandbox's tasks alone, and a root
                 # daemon's sandbox has a uid of its own; otherwise all the user's tasks count.
@@ -310,6 +373,8 @@ class Sandbox:
                 str(work),
                 self.config.tmp_bytes,
                 mounts,
+                binds,
+                chdir,
             )
             return [*prefix, *args]
 

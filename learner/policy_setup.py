@@ -70,8 +70,9 @@ def build_policy(cfg: Config, initial_model: Path, ranks: Ranks | None = None) -
 
         load = functools.partial(load_policy_for_ranks, ranks=ranks)
     model, tokenizer = load(initial_model, dtype=precision.param_dtype_name)
-    # The attention kernels of the device that trains (rank 0 of a GPU run loads on the CPU first).
-    model.set_attn_implementation(attention_implementation(device))
+    if model.config._attn_implementation == "sdpa":
+        # The attention kernels of the device that trains (rank 0 of a GPU run loads on the CPU first).
+        model.set_attn_implementation(attention_implementation(device))
     lora: LoraPolicy | None = None
     if cfg.learner.lora.enabled:
         from learner.model.lora import apply_lora

@@ -1,18 +1,18 @@
 """Attention for a policy trained on the CPU: plain matmuls for short sequences, SDPA for long ones.
 
 torch's CPU scaled-dot-product attention runs a flash kernel whose backward pays a large fixed cost per
-call: on the short rows of a short-answer task (a 24-token remainder over a 37-token prompt, 9 heads)
-its forward and backward take about three times as long as the three matmuls and the softmax written
-out, while from a few hundred query positions on the flash kernel wins and holds far less memory. So
-`ATTENTION` dispatches per call on the size of the score matrix: at most `MATH_SCORES` query x key
-positions go the written-out way (transformers' eager formula: fp32 softmax, the same masking), larger
-ones to transformers' own SDPA function. Both take the boolean masks transformers builds for SDPA
-(`sdpa_mask`, registered with the name), so a model switches between them per layer call without
-rebuilding its masks.
+call, so on the short rows of a short-answer task the three matmuls and the softmax written out are
+faster, while on long rows the flash kernel is faster and holds far less memory (docs/benchmarks.md,
+"bench learner --replay --attention"). So `ATTENTION` dispatches per call on the size of the score
+matrix: at most `MATH_SCORES` query x key positions go the written-out way (transformers' eager formula:
+fp32 softmax, the same masking), larger ones to transformers' own SDPA function. Both take the boolean
+masks transformers builds for SDPA (`sdpa_mask`, registered with the name), so a model switches between
+them per layer call without rebuilding its masks.
 
-`attention_implementation(device)` is what the learner's policy is set to (learner.policy_setup, on every
-rank): this one when it trains on a CPU, "sdpa" elsewhere (a GPU's SDPA kernels are the fast path at every
-size).
+`attention_implementation(device)` is what the learner's policy is set to when transformers chose SDPA
+for it (learner.policy_setup, on every rank): this one when it trains on a CPU, "sdpa" elsewhere (a GPU's
+SDPA kernels are the fast path at every size). A model transformers runs eagerly (attention sinks, logit
+soft-capping) keeps its own attention: neither SDPA nor this computes those.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from torch import Tensor
 
 ATTENTION = "rollwise_cpu"
 
-# Query x key positions per head up to which the written-out form is used (measured on a 2-core AMD
-# EPYC with avx512_bf16 in bf16, forward + backward: faster at 16 x 24 x 61 and up to 256 x 320 rows and
-# columns, slower from 512 x 576 on).
+# Query x key positions per head up to which the written-out form is used: where its forward and
+# backward stopped being the faster of the two in bf16 on the CPU.
 MATH_SCORES = 256 * 320
 
 

@@ -292,7 +292,27 @@ async def ensure_initial_model(setup: RunSetup) -> Path:
     return target
 
 
+# tokenizer_config.json classes for which AutoTokenizer builds the plain fast tokenizer itself.
+PLAIN_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def named_tokenizer_class(model_dir: Path) -> str | None:
+    """The `tokenizer_class` of `model_dir`'s tokenizer_config.json (None when it names none)."""
+    try:
+        named = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) else None
+
+
 def load_tokenizer(model_dir: Path) -> Any:
+    """The tokenizer AutoTokenizer gives for `model_dir`. When the directory names the plain fast
+    tokenizer, that class is loaded directly: the same object, without transformers' auto module, whose
+    import pulls in torch (seconds and hundreds of MB the daemon otherwise never needs)."""
+    if named_tokenizer_class(model_dir) in PLAIN_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))

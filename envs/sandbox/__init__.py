@@ -8,6 +8,7 @@ working directory under resource limits, isolated by bubblewrap where the machin
     process.py      one process from the event loop: pidfd, bounded pipe readers, stop and sweep
     launcher.py     runs inside the sandbox (passed with -c): limits, then the code
     python_tool.py  the `python` tool: its OpenAI schema, a call -> a tool message
+    sessions.py     a working directory that outlives a command: SandboxBackend, LocalBackend, snapshots
 """
 
 from envs.sandbox.isolation import SandboxUnavailable
@@ -15,15 +16,27 @@ from envs.sandbox.limits import Limits, SandboxConfig
 from envs.sandbox.process import SandboxError
 from envs.sandbox.python_tool import PYTHON_TOOL, python_tool_message
 from envs.sandbox.runner import Sandbox, SandboxResult, shared_sandbox
+from envs.sandbox.sessions import (
+    LocalBackend,
+    SandboxBackend,
+    SandboxSession,
+    SessionSnapshot,
+    SnapshotUnsupported,
+)
 
 __all__ = [
     "PYTHON_TOOL",
     "Limits",
+    "LocalBackend",
     "Sandbox",
+    "SandboxBackend",
     "SandboxConfig",
     "SandboxError",
     "SandboxResult",
+    "SandboxSession",
     "SandboxUnavailable",
+    "SessionSnapshot",
+    "SnapshotUnsupported",
     "python_tool_message",
     "shared_sandbox",
 ]

@@ -28,6 +28,7 @@ action: one bash call with the script, then an empty final turn.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import random
@@ -163,7 +164,7 @@ class HarborTasksEnv(Environment):
     def tasks(self, seed: int) -> Iterator[Task]:
         rng = random.Random(seed)
         order = list(range(len(self.task_set)))
-        for cycle in range(1_000_000_000):
+        for cycle in itertools.count():
             rng.shuffle(order)
             for index in order:
                 task = self.task_set[index]

@@ -9,6 +9,7 @@ working directory under resource limits, isolated by bubblewrap where the machin
     launcher.py     runs inside the sandbox (passed with -c): limits, then the code
     python_tool.py  the `python` tool: its OpenAI schema, a call -> a tool message
     sessions.py     a working directory that outlives a command: SandboxBackend, LocalBackend, snapshots
+    sandbox_paths.py  the names a caller gives inside a working directory, and the files written there
 """
 
 from envs.sandbox.isolation import SandboxUnavailable

@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO, Any
 
 from envs.sandbox.isolation import (
@@ -46,6 +46,7 @@ from envs.sandbox.isolation import (
 from envs.sandbox.launcher import encode_config
 from envs.sandbox.limits import Limits, SandboxConfig
 from envs.sandbox.process import ProcessOutcome, SandboxError, Sweep, run_process
+from envs.sandbox.sandbox_paths import check_relative, write_file
 
 __all__ = [
     "Execution",
@@ -213,7 +214,7 @@ class Sandbox:
             raise TypeError(f"code must be a str, got {type(code).__name__}")
         files = dict(files or {})
         for name in files:
-            _check_relative(name)
+            check_relative(name, "file name", "the working directory", reserved=MAIN_FILE)
         for path in mounts:
             if not os.path.isabs(path) or not os.path.exists(path):  # noqa: ASYNC240  (a stat)
                 raise ValueError(f"sandbox mount {path!r} must be an absolute path that exists")
@@ -479,7 +480,7 @@ def _prepare_rundir(uid: int | None, files: dict[str, str | bytes]) -> Path:
     rundir = _make_rundir(uid)
     try:
         for name, content in files.items():
-            _write_file(rundir / "work", name, content, uid)
+            write_file(rundir / "work", name, content, uid)
     except BaseException:
         _remove_tree(rundir)
         raise
@@ -492,8 +493,10 @@ def _remove_prepared(preparing: asyncio.Future[Path]) -> None:
         _remove_tree(preparing.result())
 
 
-def _make_rundir(uid: int | None) -> Path:
-    rundir = Path(tempfile.mkdtemp(prefix="run-", dir=_rundir_parent()))
+def _make_rundir(uid: int | None, prefix: str = "run-") -> Path:
+    """A directory of ``work/`` and ``tmp/`` under the sandboxes' parent: "run-" for one execution's, other
+    prefixes for what outlives one (a session's)."""
+    rundir = Path(tempfile.mkdtemp(prefix=prefix, dir=_rundir_parent()))
     for sub in ("work", "tmp"):
         (rundir / sub).mkdir(mode=0o700)
         if uid is not None:
@@ -501,25 +504,6 @@ def _make_rundir(uid: int | None) -> Path:
     if uid is not None:
         rundir.chmod(0o711)
     return rundir
-
-
-def _check_relative(name: str) -> None:
-    path = PurePosixPath(name)
-    if not name or "\0" in name or path.is_absolute() or ".." in path.parts or name == MAIN_FILE:
-        raise ValueError(f"sandbox file name {name!r} must be a relative path inside the working directory")
-
-
-def _write_file(work: Path, name: str, content: str | bytes, uid: int | None) -> None:
-    target = work / name
-    for parent in reversed(target.relative_to(work).parents[:-1]):
-        directory = work / parent
-        if not directory.exists():
-            directory.mkdir(mode=0o700)
-            if uid is not None:
-                os.chown(directory, uid, uid)
-    target.write_bytes(content.encode() if isinstance(content, str) else content)
-    if uid is not None:
-        os.chown(target, uid, uid)
 
 
 @contextlib.contextmanager

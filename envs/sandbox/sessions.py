@@ -33,7 +33,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from types import TracebackType
 
 from envs.sandbox.isolation import SANDBOX_DIR, SandboxUnavailable
@@ -45,10 +45,11 @@ from envs.sandbox.runner import (
     _make_rundir,
     _remove_tree,
     _rundir_parent,
-    _write_file,
 )
+from envs.sandbox.sandbox_paths import check_relative, make_dirs, write_file
 
 COMMAND_FILE = "command.py"
+BASH = shutil.which("bash") or "/bin/bash"  # the host's, which the sandbox mounts at the same path
 MAX_DOWNLOAD_BYTES = 16 * 1024 * 1024
 
 
@@ -118,9 +119,7 @@ class SandboxBackend(ABC):
 
 def _inside(work: Path, path: str) -> Path:
     """`path` under `work`, refusing names that leave it (also through a symlink the session made)."""
-    parts = PurePosixPath(path).parts
-    if not isinstance(path, str) or not path or "\0" in path or path.startswith("/") or ".." in parts:
-        raise ValueError(f"sandbox path {path!r} must be a relative path inside the session's directory")
+    check_relative(path, "path", "the session's directory")
     target = (work / path).resolve()
     if not target.is_relative_to(work.resolve()):
         raise ValueError(f"sandbox path {path!r} leads outside the session's directory")
@@ -130,17 +129,6 @@ def _inside(work: Path, path: str) -> Path:
 def _discard_dir(location: Path) -> None:
     if location.is_dir():
         _remove_tree(location)
-
-
-def _write_dirs(work: Path, sub: str, uid: int | None) -> None:
-    """Make `work/sub` and its parents, owned by `uid` when one is given."""
-    target = work
-    for part in PurePosixPath(sub).parts:
-        target = target / part
-        if not target.exists():
-            target.mkdir(mode=0o755)
-            if uid is not None:
-                os.chown(target, uid, uid)
 
 
 def _copy_tree(source: Path, target: Path, uid: int | None) -> None:
@@ -168,7 +156,7 @@ class LocalSession(SandboxSession):
         self.chdir = backend.chdir
         self.binds = tuple((str(self.work / sub), inside) for sub, inside in backend.binds.items())
         for sub, _ in backend.binds.items():
-            _write_dirs(self.work, sub, uid)
+            make_dirs(self.work, sub, uid)
         self.stopped = False
         self._turn = asyncio.Lock()  # one command at a time: each rewrites bin/command.py
 
@@ -180,9 +168,8 @@ class LocalSession(SandboxSession):
         async with self._turn:
             if self.stopped:
                 raise SandboxError("sandbox session: exec after stop")
-            bash = shutil.which("bash") or "/bin/bash"
             main = self.bin / COMMAND_FILE
-            main.write_text(f"import os\nos.execv({bash!r}, ['bash', '-c', {command!r}])\n")
+            main.write_text(f"import os\nos.execv({BASH!r}, ['bash', '-c', {command!r}])\n")
             main.chmod(0o644)
             return await self.sandbox.run_in(
                 self.work,
@@ -204,7 +191,7 @@ class LocalSession(SandboxSession):
 
     def _write(self, files: dict[str, str | bytes]) -> None:
         for name, content in files.items():
-            _write_file(self.work, name, content, self.uid)
+            write_file(self.work, name, content, self.uid)
 
     async def download(self, path: str) -> bytes:
         target = _inside(self.work, path)
@@ -255,7 +242,7 @@ class LocalBackend(SandboxBackend):
                 f"bubblewrap; this machine gives {sandbox.isolation.describe()}"
             )
         for sub, inside in self.binds.items():
-            _inside(Path("/"), sub)
+            check_relative(sub, "path", "the session's directory")
             if not inside.startswith("/") or inside.rstrip("/") in ("", "/proc", "/dev", "/tmp", SANDBOX_DIR):
                 raise ValueError(
                     f"sandbox bind {sub!r} -> {inside!r}: the inside path must be absolute and free"
@@ -274,7 +261,7 @@ class LocalBackend(SandboxBackend):
     def _new_session(self) -> LocalSession:
         uid = self.sandbox.take_uid()
         try:
-            return LocalSession(self, _make_rundir(uid), uid)
+            return LocalSession(self, _make_rundir(uid, prefix="session-"), uid)
         except BaseException:
             self.sandbox.give_uid(uid)
             raise

@@ -224,6 +224,12 @@ class Environment(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless overridden
         """Release resources. Safe to call more than once and before ``reset``."""
 
+    async def fork(self) -> Environment:
+        """A second environment in this one's state, taken between turns, that continues on its own: a
+        tree rollout branches an episode here (`rollout.branch_turn`). Rule: stepping or closing either
+        never changes the other. Optional: the default says this environment cannot fork."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fork: it does not define fork()")
+
     def gold_action(self) -> str | None:
         """The text an ideal agent would send next, given the hidden state; None if not provided."""
         return None
@@ -231,6 +237,11 @@ class Environment(ABC):
     def gold_unavailable(self) -> str | None:
         """Why `gold_action()` gives None (e.g. "the library has no solver"), for `env check`; optional."""
         return None
+
+
+def can_fork(env: Environment) -> bool:
+    """Whether ``env`` defines ``fork`` (a tree rollout needs it)."""
+    return type(env).fork is not Environment.fork
 
 
 EnvFactory = Callable[..., Environment]

@@ -30,6 +30,7 @@ from envs.api import (
     EnvSpec,
     StepResult,
     Task,
+    can_fork,
     is_finite_number,
 )
 from envs.check_policies import Policy, gold_policy_action, random_action
@@ -49,6 +50,7 @@ CRITERIA: tuple[str, ...] = (
     "no_leaked_threads",
     "step_timeout_enforced",
     "gold_policy_scores",
+    "forks_independent",
 )
 RESET_COMPARISONS = 4
 LEAK_GRACE_S = 0.5
@@ -277,6 +279,51 @@ async def _run_phase(
     return episodes
 
 
+async def _check_fork(
+    factory: EnvFactory, options: dict[str, Any], task: Task, seed: int, findings: _Findings, spec: EnvSpec
+) -> None:
+    """A fork taken after the first turn behaves as its original would (the same actions give the same
+    answers), and playing the fork to its end first changes nothing the original answers afterwards."""
+    env = factory(**options)
+    twin: Environment | None = None
+    where = "fork check: reset"
+    try:
+        await asyncio.wait_for(env.reset(task), spec.step_timeout_s)
+        rng = random.Random(f"{seed}:fork")
+        where = "fork check: step 1"
+        first = await asyncio.wait_for(env.step(random_action(env, rng, spec)), spec.step_timeout_s)
+        if first.done or first.truncated:
+            findings.notes["forks_independent"] = "the first episode ended after one turn: skipped"
+            return
+        where = "fork check: fork()"
+        twin = await asyncio.wait_for(env.fork(), spec.step_timeout_s)
+        actions = [random_action(env, rng, spec) for _ in range(spec.max_turns - 1)]
+        answers = []
+        for who in (twin, env):  # the fork plays to its end first, then the original
+            where = f"fork check: {'the fork' if who is twin else 'the original after the fork'}"
+            played = []
+            for action in actions:
+                result = await asyncio.wait_for(who.step(action), spec.step_timeout_s)
+                played.append((result.messages, result.reward, result.done, result.truncated, result.outcome))
+                if result.done or result.truncated:
+                    break
+            answers.append(played)
+        if answers[0] != answers[1]:
+            turn = next(i for i, (a, b) in enumerate(zip(*answers, strict=False)) if a != b) + 2
+            findings.add(
+                "forks_independent",
+                f"after the same actions the fork and its original answered differently at turn {turn}: "
+                "fork() must copy the state, and stepping one must not change the other",
+            )
+        findings.notes["forks_independent"] = f"fork after turn 1, {len(answers[0])} turns compared"
+    except Exception as exc:
+        findings.add("forks_independent", f"{where} raised {exc!r}")
+    finally:
+        for each in (twin, env):
+            if each is not None:
+                await _close_twice(each, "fork check", spec.step_timeout_s, findings)
+
+
 # --- whole-environment criteria ---------------------------------------------------------------
 
 
@@ -453,6 +500,10 @@ async def check_env(
         else:
             why = f": {no_gold_reason}" if no_gold_reason else ""
             findings.notes["gold_policy_scores"] = f"no gold policy (gold_action() is None{why}): skipped"
+    if tasks and can_fork(probe):
+        await _check_fork(factory, options, tasks[0], seed, findings, spec)
+    elif tasks:
+        findings.notes["forks_independent"] = "no fork(): skipped (tree rollouts need it)"
     await _close_twice(probe, "probe instance", spec.step_timeout_s, findings)
     await _collect_leaked_tasks(tasks_before, findings)
     _collect_leaked_threads(threads_before, findings)

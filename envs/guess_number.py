@@ -17,6 +17,7 @@ every turn. ``info_reward = 0`` leaves only the outcome and the format penalty.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -136,6 +137,10 @@ class GuessNumberEnv(Environment):
             self._bounds = (max(low, guess + 1), high)
         else:
             self._bounds = (low, min(high, guess - 1))
+
+    async def fork(self) -> GuessNumberEnv:
+        """Its state is immutable values (the secret, the bounds, counters): a shallow copy is a fork."""
+        return copy.copy(self)
 
     def gold_action(self) -> str | None:
         if self._secret is None or self._finished:

@@ -707,6 +707,24 @@ def reliability() -> DashboardSpec:
                     ),
                 ),
                 PanelSpec(
+                    "Tree rollouts: groups by shape, tokens shared",
+                    "rate(rollwise_tree_groups_total) by shape (branched: the trunk was forked at "
+                    "rollout.branch_turn; whole: it ended first and the group played from the start), and "
+                    "rate(rollwise_tree_shared_tokens_total): generated tokens the branches took from their "
+                    "trunk. Zero unless rollout.branch_turn is set.",
+                    "short",
+                    (
+                        q(
+                            f"sum by (shape) (rate(rollwise_tree_groups_total{{{SEL_ENV}}}[{RI}]))",
+                            "groups {{shape}}",
+                        ),
+                        q(
+                            f"sum(rate(rollwise_tree_shared_tokens_total{{{SEL_ENV}}}[{RI}]))",
+                            "tokens shared",
+                        ),
+                    ),
+                ),
+                PanelSpec(
                     "Engines serving, ejections and rejoins",
                     "rollwise_engines_serving (members that take work; 0 = admission waits and /readyz is "
                     "false), increase(rollwise_engine_ejections_total) and "

@@ -27,6 +27,7 @@ action: one bash call with the script, then an empty final turn.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -157,6 +158,7 @@ class HarborTasksEnv(Environment):
         )
         self.task: HarborTask | None = None
         self.session: SandboxSession | None = None
+        self.backend: LocalBackend | None = None
         self.turns = 0
         self.command_s = 0.0
         self._gold_ran = False
@@ -180,9 +182,9 @@ class HarborTasksEnv(Environment):
         self.task = self._by_name(str(task.data["task"]))
         workdir = self.task.workdir.rstrip("/")
         binds = {workdir.lstrip("/"): workdir, **LOGS}
-        backend = LocalBackend(self.sandbox, binds, chdir=workdir)
+        self.backend = LocalBackend(self.sandbox, binds, chdir=workdir)
         files = {f"{workdir.lstrip('/')}/{dest}": source.read_bytes() for source, dest in self.task.copies}
-        self.session = await backend.start(files)
+        self.session = await self.backend.start(files)
         return [{"role": "user", "content": self.task.instruction}]
 
     def _limits(self, base: Limits) -> Limits:
@@ -261,6 +263,20 @@ class HarborTasksEnv(Environment):
                 f"harbor-tasks: task {self.task.name}: {exc} (test.sh exit {result.exit_code}: {tail!r})"
             ) from exc
         return outcome, {"rewards": named, "verifier_exit": result.exit_code}
+
+    async def fork(self) -> HarborTasksEnv:
+        """A twin whose session starts from a snapshot of this one's (its working directory and logs),
+        with the turns and command time so far; the snapshot is discarded once the twin has it."""
+        if self.session is None or self.backend is None:
+            raise EnvError("fork() before reset()")
+        snapshot = await self.session.snapshot()
+        try:
+            session = await self.backend.fork(snapshot)
+        finally:
+            await self.backend.discard(snapshot)
+        twin = copy.copy(self)
+        twin.session = session
+        return twin
 
     async def close(self) -> None:
         if self.session is not None:

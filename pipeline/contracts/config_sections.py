@@ -112,6 +112,15 @@ class RolloutConfig(Section):
     concurrency_interval_s: float = Field(
         2.0, gt=0, description="Seconds between the adaptive controller's readings of the engines' load."
     )
+    branch_turn: int = Field(
+        0,
+        ge=0,
+        description=(
+            "0: a group's episodes are played independently. b >= 1: a tree rollout, one episode plays "
+            "turns 0..b-1 and the group's other episodes branch from forks of its environment there "
+            "(the env must define fork(); pipeline/supervisor/actors/tree_rollout.py)."
+        ),
+    )
 
 
 class ServedCheckConfig(Section):

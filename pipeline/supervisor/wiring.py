@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envs.agent import AgentEnvironment
-from envs.api import EnvFactory, Environment
+from envs.api import EnvFactory, Environment, can_fork
 from envs.task_split import training_tasks
 from pipeline.contracts import events
 from pipeline.contracts.config import (
@@ -33,7 +33,7 @@ from pipeline.contracts.run_dir import PRESET_CONTEXT_TOKENS, RunDir, is_model_d
 from pipeline.supervisor.actors.admission import AdmissionController
 from pipeline.supervisor.actors.chat import ChatTokenizer
 from pipeline.supervisor.actors.rollout import GenerateEngine, RolloutSettings
-from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing, ResumePoint
+from pipeline.supervisor.actors.scheduler import GroupRecipe, GroupScheduler, Pacing, ResumePoint, TreeRecipe
 from pipeline.supervisor.engines.protocol import SamplingParams
 from pipeline.supervisor.engines.served_check import ServedPolicyCheck, tolerance_for
 from pipeline.supervisor.eval_cadence import describe_cadence
@@ -132,6 +132,16 @@ def resolve_config(ns: argparse.Namespace) -> RunSetup:
         raise ConfigError(
             "env.agent_workers: the agent function cannot be imported by a worker process; name it as "
             "'module:attr' or 'file.py:attr' in env.options.agent"
+        )
+    if cfg.rollout.branch_turn and (isinstance(env, AgentEnvironment) or not can_fork(env)):
+        what = (
+            "an agent environment (its agent holds the conversation)"
+            if isinstance(env, AgentEnvironment)
+            else "an environment without fork()"
+        )
+        raise ConfigError(
+            f"rollout.branch_turn: a tree rollout forks the environment between turns, and {cfg.env.name} "
+            f"is {what}; set rollout.branch_turn = 0"
         )
     runs_a_function = isinstance(env, AgentEnvironment) and type(env).play is AgentEnvironment.play
     if runs_a_function and importlib.util.find_spec("openai") is None:
@@ -401,7 +411,7 @@ def build_scheduler(
     stream = training_tasks(setup.env.tasks(cfg.run.seed), training_holdout(cfg))
     tasks = itertools.islice(stream, spool.next_seq - 1, None)
     return GroupScheduler(
-        recipe=GroupRecipe(
+        recipe=(TreeRecipe if cfg.rollout.branch_turn else GroupRecipe)(
             engine=engine,
             tokenizer=tokenizer,
             factory=setup.env_factory,
@@ -410,6 +420,7 @@ def build_scheduler(
             group_size=cfg.env.group_size,
             env_options=cfg.env.options,
             agent_endpoint=agent_endpoint,
+            branch_turn=cfg.rollout.branch_turn,
         ),
         admission=AdmissionController(
             cfg.learner.batch_groups,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import random
@@ -164,6 +165,21 @@ class BadToolSchemaEnv(DigitEnv):
         self.spec = EnvSpec(name="digit", version="1", max_turns=3, tools=({"type": "function"},))
 
 
+class ForkingDigitEnv(DigitEnv):
+    async def fork(self) -> DigitEnv:
+        return copy.copy(self)
+
+
+class SharedForkEnv(DigitEnv):
+    async def fork(self) -> DigitEnv:
+        return self  # not a copy: stepping the "fork" moves the original on
+
+
+class FailingForkEnv(DigitEnv):
+    async def fork(self) -> DigitEnv:
+        raise OSError("no space left for a snapshot")
+
+
 def _failed(report: Any) -> set[str]:
     return {criterion.name for criterion in report.failures()}
 
@@ -214,6 +230,23 @@ async def test_broken_environment_fails_exactly_the_named_criterion(
         "survives_random_actions",
     ):
         assert "episode" in failure.detail or "task digit-" in failure.detail
+
+
+async def test_a_fork_must_continue_in_the_same_state_and_apart() -> None:
+    report = await check_env(ForkingDigitEnv, episodes=2)
+    assert report.passed, format_report(report)
+    [fork] = [c for c in report.criteria if c.name == "forks_independent"]
+    assert fork.detail == "fork after turn 1, 2 turns compared"
+    plain = await check_env(DigitEnv, episodes=2)
+    assert [c.detail for c in plain.criteria if c.name == "forks_independent"] == [
+        "no fork(): skipped (tree rollouts need it)"
+    ]
+    shared = await check_env(SharedForkEnv, episodes=2)
+    assert _failed(shared) == {"forks_independent"}
+    assert "answered differently at turn 2" in shared.failures()[0].detail
+    failing = await check_env(FailingForkEnv, episodes=2)
+    assert _failed(failing) == {"forks_independent"}
+    assert failing.failures()[0].detail == "fork check: fork() raised OSError('no space left for a snapshot')"
 
 
 async def test_leaked_tasks_are_cancelled_by_the_checker() -> None:

@@ -163,6 +163,28 @@ async def test_files_persist_mistakes_are_answered_and_the_turn_limit_still_veri
 
 
 @needs_bwrap
+async def test_a_fork_continues_from_the_same_files_and_never_touches_the_original() -> None:
+    env = HarborTasksEnv(max_turns=4)
+    await env.reset(Task(id="h", seed=0, data={"task": "hello-file"}))
+    twin = None
+    try:
+        await env.step(Action("", (ToolCall("bash", {"command": "echo draft > notes.txt"}),)))
+        twin = await env.fork()
+        assert twin.session is not env.session and twin.turns == env.turns == 1
+        solve = "cat notes.txt; echo 'Hello, rollwise!' > greeting.txt"
+        ran = await twin.step(Action("", (ToolCall("bash", {"command": solve}),)))
+        assert ran.messages[0]["content"] == "exit code 0\ndraft\n"  # the trunk's file came along
+        seen = await env.step(Action("", (ToolCall("bash", {"command": "ls"}),)))
+        assert seen.messages[0]["content"] == "exit code 0\nnotes.txt\n"  # the twin's file did not
+        assert (await twin.step(Action("done"))).outcome == 1.0
+        assert (await env.step(Action("done"))).outcome == 0.0
+    finally:
+        await env.close()
+        if twin is not None:
+            await twin.close()
+
+
+@needs_bwrap
 async def test_a_verifier_that_writes_no_reward_costs_the_episode(tmp_path: Path) -> None:
     shutil.copytree(SHIPPED_TASKS / "hello-file", tmp_path / "hello-file")
     (tmp_path / "hello-file" / "tests" / "test.sh").write_text("#!/bin/bash\necho broken >&2; exit 4\n")

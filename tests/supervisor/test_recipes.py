@@ -141,3 +141,16 @@ def test_agent_workers_need_an_importable_agent_function(tmp_path: Path) -> None
     assert setup.cfg.env.agent_workers == 2
     with pytest.raises(ConfigError, match=r"env\.agent_workers"):
         resolve_config(_ns(ROOT / "examples" / "guess_number.toml", [run_dir, "env.agent_workers=1"]))
+
+
+def test_a_tree_rollout_needs_an_environment_that_forks(tmp_path: Path) -> None:
+    run_dir = f"run.run_dir={json.dumps(str(tmp_path / 'run'))}"
+    guess = ROOT / "examples" / "guess_number.toml"
+    assert resolve_config(_ns(guess, [run_dir, "rollout.branch_turn=1"])).cfg.rollout.branch_turn == 1
+    with pytest.raises(
+        ConfigError, match=r"rollout\.branch_turn: .*calculator is an environment without fork"
+    ):
+        resolve_config(_ns(guess, [run_dir, "rollout.branch_turn=1", "env.name='calculator'"]))
+    react = ROOT / "examples" / "react_agent.toml"
+    with pytest.raises(ConfigError, match=r"rollout\.branch_turn: .* is an agent environment"):
+        resolve_config(_ns(react, [run_dir, "rollout.branch_turn=2"]))

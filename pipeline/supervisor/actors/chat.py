@@ -41,6 +41,7 @@ exact inputs are shared by its buffers (`_TokenizerMemo`): first prompts and sho
 
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from collections.abc import Iterable, Sequence
@@ -357,6 +358,16 @@ class ChatBuffer:
     @property
     def current(self) -> SegmentBuffer:
         return self.segments[-1]
+
+    def branch(self) -> ChatBuffer:
+        """An independent copy between turns (a tree rollout's branch): the same messages and per-token
+        columns, each list its own, so that the copy and this buffer continue apart. The renderers and
+        encoders are shared: they are replaced, never changed in place."""
+        twin = copy.copy(self)
+        twin.messages = copy.deepcopy(self.messages)
+        twin.segments = [copy.deepcopy(segment) for segment in self.segments]
+        twin._turn_ids = list(self._turn_ids)
+        return twin
 
     @property
     def input_ids(self) -> list[int]:

@@ -44,7 +44,6 @@ Metric labels: env = the `env_name` argument; engine = "pool" (the pool hides wh
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -54,10 +53,10 @@ from typing import Any, Protocol
 from envs.agent import AgentEnvironment
 from envs.api import FORMAT_ERROR, EnvFactory, Environment, StepResult, Task, is_finite_number
 from envs.toolcalls import get_parser
-from pipeline.contracts import tracing
 from pipeline.contracts.schema import EpisodeSegment
 from pipeline.supervisor.actors.chat import ChatBuffer, ChatTokenizer
 from pipeline.supervisor.actors.env_calls import DeadlinePassed, close_env, within
+from pipeline.supervisor.actors.episode_drive import drive_episode
 from pipeline.supervisor.actors.episode_end import (
     ENGINE_LABEL,
     EpisodeEnded,
@@ -69,10 +68,9 @@ from pipeline.supervisor.actors.episode_end import (
 from pipeline.supervisor.actors.episode_metrics import (
     EpisodeMetrics,
     budget_cut,
-    episode_metrics,
     record_episode,
 )
-from pipeline.supervisor.actors.episode_trace import UNTRACED, Spans, episode_attributes, episode_trace
+from pipeline.supervisor.actors.episode_trace import UNTRACED, Spans
 from pipeline.supervisor.actors.expert_routing import expert_routing
 from pipeline.supervisor.actors.late_cut import GroupCut
 from pipeline.supervisor.actors.outcomes import EpisodeOutcome, GroupOutcome
@@ -200,6 +198,12 @@ class _EpisodeRun:
             raise env_failure(env_name, kind, "env_error", f"env.{what} raised {exc!r}") from exc
 
     async def play(self, task: Task) -> str:
+        await self.start(task)
+        finish = await self.play_turns(0, self.env.spec.max_turns)
+        return "truncated" if finish is None else finish
+
+    async def start(self, task: Task) -> None:
+        """`env.reset(task)` and the first prompt rendered into the buffer."""
         spec = self.env.spec
         messages = await self._call_env("reset", self.env.reset(task))
         if not isinstance(messages, list):
@@ -210,13 +214,37 @@ class _EpisodeRun:
             self.chat = ChatBuffer(self.tokenizer, messages, tools=spec.tools, stop_token_ids=self.stops)
         except Exception as exc:
             raise self._invalid(f"the chat template cannot render env.reset's messages: {exc!r}") from exc
-        chat = self.chat
-        for turn in range(spec.max_turns):
+
+    async def play_turns(self, first: int, end: int) -> str | None:
+        """Turns first, ..., end - 1 (after `start`); how the episode ended, None if it has not."""
+        assert self.chat is not None, "start() comes first"
+        for turn in range(first, min(end, self.env.spec.max_turns)):
             with self.trace.turn(turn) as span:
-                finish = await self._turn(chat, turn, span)
+                finish = await self._turn(self.chat, turn, span)
             if finish is not None:
                 return finish
-        return "truncated"
+        return None
+
+    def branch(self, episode_id: str, env: Environment, metrics: EpisodeMetrics, trace: Spans) -> _EpisodeRun:
+        """A twin of this episode at the end of its last turn, continuing in `env` (this one's fork) as
+        `episode_id` (a tree rollout's branch, pipeline.supervisor.actors.tree_rollout). The tokens,
+        log-probs, versions and turn rewards so far are copied; the counters of its own work start at 0."""
+        assert self.chat is not None, "a branch starts after a turn"
+        twin = _EpisodeRun(
+            self.engine,
+            self.tokenizer,
+            env,
+            self.settings,
+            episode_id,
+            metrics=metrics,
+            trace=trace,
+            affinity_key=self.affinity_key,
+            group=self.group,
+        )
+        twin.chat = self.chat.branch()
+        twin.turn_rewards = list(self.turn_rewards)
+        twin.outcome = self.outcome
+        return twin
 
     async def _turn(self, chat: ChatBuffer, turn: int, span: Any) -> str | None:
         """Turn `turn`: generate, parse, step, extend the buffer; how the episode ends, None to go on.
@@ -428,73 +456,34 @@ async def run_episode(
     `cut` (its group's, pipeline.supervisor.actors.late_cut) ends the episode where it stands when it
     fires, as its timeout would, with finish reason `cut`.
     """
-    started = time.perf_counter()
-    recorded = episode_metrics(env_name, record_metrics)
-    recorded.started()
-    error: str | None = None
-    aborted = False
-    span = tracing.root_span(
-        "episode", {"rollwise.episode_id": episode_id, "rollwise.env": env_name, "rollwise.task_id": task.id}
-    )
-    try:
-        with span as current:
-            episode = _EpisodeRun(
-                engine,
-                tokenizer,
-                env,
-                settings,
-                episode_id,
-                metrics=recorded,
-                trace=episode_trace(current),
-                affinity_key=group_id,
-                group=cut,
-            )
-            try:
-                async with asyncio.timeout(env.spec.episode_timeout_s) as scope:
-                    with cut.watching(scope) if cut is not None else contextlib.nullcontext():
-                        finish_reason = await episode.play(task)
-            except EpisodeEnded as ended:
-                finish_reason, error, aborted = ended.finish_reason, ended.message, ended.aborted
-            except TimeoutError:
-                if cut is not None and cut.fired:
-                    finish_reason, error = "cut", cut.reason
-                else:
-                    finish_reason = "timeout"
-                    error = f"episode exceeded episode_timeout_s={env.spec.episode_timeout_s}"
-            if current.is_recording():
-                current.set_attributes(
-                    episode_attributes(
-                        finish_reason,
-                        len(episode.turn_rewards),
-                        episode.tool_calls,
-                        episode.generated_tokens,
-                        episode.outcome,
-                    )
-                )
-    finally:
-        close_error = await close_env(env, env_name)
-        recorded.stopped()
-    outcome = EpisodeOutcome(
+
+    def new_run(recorded: EpisodeMetrics, trace: Spans) -> _EpisodeRun:
+        return _EpisodeRun(
+            engine,
+            tokenizer,
+            env,
+            settings,
+            episode_id,
+            metrics=recorded,
+            trace=trace,
+            affinity_key=group_id,
+            group=cut,
+        )
+
+    return await drive_episode(
+        new_run,
+        lambda episode: episode.play(task),
+        env,
+        task,
         episode_id=episode_id,
         group_id=group_id,
-        task_id=task.id,
-        env=env_name,
-        finish_reason=finish_reason,
-        rows=episode.rows(task, group_id, env_name, finish_reason),
-        turn_rewards=list(episode.turn_rewards),
-        outcome=episode.outcome,
-        generated_tokens=episode.generated_tokens,
-        duration_s=time.perf_counter() - started,
-        turn_seconds=episode.turn_seconds,
-        engine_seconds=episode.engine_seconds,
-        error=error or close_error,
-        aborted=aborted,
+        env_name=env_name,
+        record_metrics=record_metrics,
+        cut=cut,
     )
-    recorded.ended(outcome, episode.tool_calls, bool(env.spec.tools))
-    return outcome
 
 
-def _failed_to_start(
+def failed_to_start(
     episode_id: str, group_id: str, task: Task, env_name: str, message: str
 ) -> EpisodeOutcome:
     metrics.ENV_ERRORS.labels(env=env_name, kind="error").inc()
@@ -554,12 +543,12 @@ async def run_group(
         try:
             env = factory(**options)
         except Exception as exc:
-            return _failed_to_start(episode_id, group_id, task, env_name, f"env factory raised {exc!r}")
+            return failed_to_start(episode_id, group_id, task, env_name, f"env factory raised {exc!r}")
         if isinstance(env, AgentEnvironment):
             if agent_runner is None:
                 await close_env(env, env_name)
                 message = "an agent environment needs an OpenAI endpoint (agent_runner), and none was given"
-                return _failed_to_start(episode_id, group_id, task, env_name, message)
+                return failed_to_start(episode_id, group_id, task, env_name, message)
             if cut is not None:
                 cut.uncuttable = True
             return await agent_runner.run_agent_episode(

@@ -58,6 +58,7 @@ from pipeline.supervisor.actors.in_flight_drops import drop_doomed
 from pipeline.supervisor.actors.late_cut import Admitted, GroupCut, late_cuts
 from pipeline.supervisor.actors.outcomes import GroupOutcome
 from pipeline.supervisor.actors.rollout import AgentRunner, GenerateEngine, RolloutSettings, run_group
+from pipeline.supervisor.actors.tree_rollout import run_tree_group
 from pipeline.supervisor.actors.waste_book import WasteBook
 from pipeline.supervisor.observability import metrics
 from pipeline.transport.spool import SpoolEntry, SpoolWriter
@@ -85,6 +86,7 @@ class GroupRecipe:
     group_size: int
     env_options: Mapping[str, Any] = field(default_factory=dict)
     agent_endpoint: AgentEndpoint | None = None
+    branch_turn: int = 0  # TreeRecipe's; an ordinary group has none
 
     async def play(self, task: Task, group_id: str, cut: GroupCut) -> GroupOutcome:
         return await run_group(
@@ -98,6 +100,26 @@ class GroupRecipe:
             env_name=self.env_name,
             env_options=self.env_options,
             agent_runner=self.agent_endpoint,
+            cut=cut,
+        )
+
+
+@dataclass(frozen=True)
+class TreeRecipe(GroupRecipe):
+    """A group played as a tree rollout that branches after `branch_turn` turns (tree_rollout)."""
+
+    async def play(self, task: Task, group_id: str, cut: GroupCut) -> GroupOutcome:
+        return await run_tree_group(
+            self.engine,
+            self.tokenizer,
+            self.factory,
+            task,
+            self.settings,
+            group_size=self.group_size,
+            group_id=group_id,
+            env_name=self.env_name,
+            branch_turn=self.branch_turn,
+            env_options=self.env_options,
             cut=cut,
         )
 

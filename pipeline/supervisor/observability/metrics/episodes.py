@@ -184,6 +184,24 @@ ENV_ERRORS = Counter(
     registry=REGISTRY,
 )
 
+# --- Tree rollouts (rollout.branch_turn; pipeline/supervisor/actors/tree_rollout.py) ------------------
+TREE_GROUPS = Counter(
+    "rollwise_tree_groups",
+    "Groups run as tree rollouts, by shape: branched = the trunk reached the branch turn and its "
+    "episodes continued from forks of it; whole = the trunk ended first and the others were played "
+    "from the start.",
+    ["env", "shape"],
+    registry=REGISTRY,
+)
+TREE_SHARED_TOKENS = Counter(
+    "rollwise_tree_shared_tokens",
+    "Generated tokens a tree rollout's branches took from their trunk instead of generating them: the "
+    "trunk's tokens at the branch turn, once per branch after the first.",
+    ["env"],
+    registry=REGISTRY,
+)
+TREE_SHAPES = ("branched", "whole")
+
 # --- OpenAI endpoint (agent functions, judges on the run's engines) ---------------------------------
 OPENAI_REQUESTS = Counter(
     "rollwise_openai_requests",
@@ -356,6 +374,9 @@ def init_episode_label_values(
             EPISODES.labels(env=env, reason=reason)
         for kind in ENV_ERROR_KINDS:
             ENV_ERRORS.labels(env=env, kind=kind)
+        for shape in TREE_SHAPES:
+            TREE_GROUPS.labels(env=env, shape=shape)
+        TREE_SHARED_TOKENS.labels(env=env)
         for metric in (
             EPISODE_SUCCESSES,
             TURNS,

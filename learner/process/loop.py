@@ -25,6 +25,7 @@ from learner.process.startup import start_policy
 from learner.process.storage import DurableWriter, EventSink
 from pipeline.contracts import events, tracing
 from pipeline.contracts.config import Config
+from pipeline.contracts.core_lease import open_lease, time_shared
 from pipeline.contracts.run_dir import DROPPED_GROUPS_KEY, PUBLISHED_VERSION_KEY, RunDir, is_published_dir
 from pipeline.contracts.staleness import written_at
 
@@ -73,6 +74,7 @@ class LearnerWorker:
         )
         self.checkpointer = choose_checkpointer(run, start, cfg.learner.keep_checkpoints, self.group, writes)
         self.idle_s = 0.0
+        self.lease = open_lease(run.core_lease if time_shared(cfg) else None)  # held while computing
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
         self.dropped_since_checkpoint: dict[str, str] = {}
@@ -107,7 +109,10 @@ class LearnerWorker:
             if self.at_max_steps():
                 break
             if self.intake.batch_ready:
-                with tracing.root_span("learner.step", {"rollwise.step": self.trainer.steps + 1}):
+                with (
+                    self.lease.holding(),
+                    tracing.root_span("learner.step", {"rollwise.step": self.trainer.steps + 1}),
+                ):
                     self.train_step()
                 continue
             read = self.intake.next_item()

@@ -135,6 +135,15 @@ class EmbeddedEngine(ManagedEngine):
     threads: int | None = Field(
         None, ge=1, description="Torch intra-op threads of each engine (None = every core it may use)."
     )
+    share_cores: Literal["split", "time"] = Field(
+        "split",
+        description=(
+            "How the engines and a learner on this machine's CPU share its cores: split = disjoint "
+            "shares, both run at once; time = every core for each in turn, the engines holding their "
+            "decoding while the learner computes a step (pipeline/contracts/core_lease.py). Ignored "
+            "when the learner is not on this CPU."
+        ),
+    )
 
 
 class SglangEngine(ManagedEngine):

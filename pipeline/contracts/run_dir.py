@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.contracts.core_lease import LEASE_FILE
+
 log = logging.getLogger("rollwise.run_dir")
 
 SUPERVISOR_LOCK = "supervisor.lock"  # one daemon per run directory (hold_supervisor_lock)
@@ -86,6 +88,11 @@ class RunDir:
     def eval_log(self) -> Path:
         """One JSON line per held-out evaluation (pipeline.supervisor.eval_schedule)."""
         return self.logs / "eval.jsonl"
+
+    @property
+    def core_lease(self) -> Path:
+        """The byte the learner holds while it computes (pipeline.contracts.core_lease)."""
+        return self.root / LEASE_FILE
 
     @property
     def trace(self) -> Path:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from pipeline.contracts.core_lease import NO_LEASE, CoreLease
 from pipeline.contracts.malloc_trim import Trimmer
 from pipeline.engine.engine_metrics import EngineMetrics, version_value
 from pipeline.engine.engine_request import EngineRequest, abort_reason
@@ -39,6 +40,8 @@ from pipeline.engine.request_outputs import RequestOutputs
 from pipeline.engine.waiting_queue import enqueue_by_priority, take_round
 
 log = logging.getLogger(__name__)
+# How often a yielding engine looks at the lease again: a learner step is seconds, its turn-over cheap.
+YIELD_POLL_S = 0.002
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -61,6 +64,7 @@ class ContinuousBatcher:
         decode: Callable[[list[int]], str] | None = None,
         capture_routing: bool = False,
         prefix_cache_bytes: int = 0,
+        lease: CoreLease = NO_LEASE,
     ) -> None:
         self.vocab_size = int(model.config.vocab_size)
         self.context_length = context_length
@@ -84,6 +88,7 @@ class ContinuousBatcher:
         self._batch: RunningBatch | None = None
         self._paused = False
         self._stopping = False
+        self._lease = lease  # held by the learner: yield the cores between decode steps (core_lease)
         self.peak_batch = 0  # most rows ever decoded in one step (diagnostics, tests)
         self.trimmer = Trimmer()  # hands the freed KV's pages back (pipeline/contracts/malloc_trim.py)
         self._thread = threading.Thread(target=self._run, name="rollwise-engine-worker", daemon=True)
@@ -257,6 +262,9 @@ class ContinuousBatcher:
                 if self._stopping or self._paused:
                     self._publish()
                     continue
+                if self._lease.held():
+                    self._yield_to_learner()
+                    continue
                 if idle and self._waiting:
                     self._collect_arrivals()
                 try:
@@ -268,6 +276,14 @@ class ContinuousBatcher:
                     self._invalidate_kv()  # a forward that failed half-way may have written some layers
                     self._abort_matching(None, f"engine step failed: {type(exc).__name__}: {exc}")
                 self._publish()
+
+    def _yield_to_learner(self) -> None:
+        """Wait while the learner holds the cores, still taking commands (arrivals, aborts, pauses)."""
+        started = time.monotonic()
+        while self._lease.held() and not self._stopping and not self._paused:
+            time.sleep(YIELD_POLL_S)
+            self._drain_commands(block=False)
+        self._metrics.yielded_seconds.inc(time.monotonic() - started)
 
     def _admit_waiting(self) -> None:
         taken = take_round(

@@ -93,6 +93,10 @@ class EngineMetrics:
         self.prefix_cache_tokens = gauge(
             "rollwise_engine_prefix_cache_tokens", "Tokens whose KV the prefix cache holds."
         ).labels(model_name)
+        self.yielded_seconds = counter(
+            "rollwise_engine_yielded_seconds_total",
+            "Seconds the engine held its decoding while the learner computed (engine.share_cores = time).",
+        ).labels(model_name)
         self._prefilled_tokens = 0
         self._reused_tokens = 0
         self._evicted = 0

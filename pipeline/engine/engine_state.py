@@ -16,11 +16,13 @@ import logging
 import random
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from aiohttp import web
 
+from pipeline.contracts.core_lease import open_lease
 from pipeline.engine import routed_experts
 from pipeline.engine.batcher import ContinuousBatcher
 from pipeline.engine.engine_metrics import EngineMetrics
@@ -97,6 +99,7 @@ class EngineState:
             decode=None if self.tokenizer is None else self.tokenizer.decode,
             capture_routing=cfg.enable_return_routed_experts,
             prefix_cache_bytes=int(cfg.prefix_cache_mb * 2**20),
+            lease=open_lease(None if cfg.yield_to is None else Path(cfg.yield_to)),
         )
         self.scheduler.start()
         for name, path in cfg.lora_paths:  # --lora-paths: loaded before the engine reports ready

@@ -60,6 +60,7 @@ class ServerConfig:
     ssl_ca_certs: str | None = None  # what an https weight source (its fetch route) is checked against
     allow_plaintext: bool = False
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # 0 = no prefix cache
+    yield_to: str | None = None  # a core lease file: decode only while the learner does not hold it
 
     @property
     def tls(self) -> TlsFiles:
@@ -102,6 +103,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="no prefix cache (SGLang's flag; = --prefix-cache-mb 0)",
     )
     p.add_argument("--seed", type=int, help="seed of unseeded requests' generators")
+    p.add_argument(
+        "--yield-to",
+        help="a core lease file (pipeline/contracts/core_lease.py): hold decoding while the learner "
+        "computes on the same cores",
+    )
     p.add_argument("--served-model-name", help="model_name label of the metrics")
     p.add_argument(
         "--api-key",
@@ -205,4 +211,5 @@ def parse_args(argv: list[str]) -> ServerConfig:
         ssl_ca_certs=a.ssl_ca_certs,
         allow_plaintext=a.allow_plaintext,
         prefix_cache_mb=0.0 if a.disable_radix_cache else a.prefix_cache_mb,
+        yield_to=a.yield_to,
     )

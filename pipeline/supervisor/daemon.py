@@ -165,6 +165,7 @@ class Supervisor:
             self.progress.message(f"run dir {self.run_dir.root}; metrics on {self.endpoints.url}/metrics")
             if self.setup.cores is not None:
                 self.progress.message(self.setup.cores.describe())
+                self.setup.cores.prepare(self.run_dir.root)
             logs = cfg.logs
             background: list[asyncio.Task[None]] = [
                 asyncio.create_task(

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from learner.logprobs import sampled_token_logprobs
 from learner.model.model_init import init_model
 from learner.model.model_io import load_policy
+from pipeline.contracts.core_lease import CoreLease
 from pipeline.engine.batcher import ContinuousBatcher
 from pipeline.engine.engine_metrics import EngineMetrics
 from pipeline.engine.engine_request import EngineRequest
@@ -687,6 +688,33 @@ async def test_pause_in_place_then_update_stamps_old_and_new_versions(
     assert len(versions) == len(obj["output_ids"]) == 300
     assert versions == ["0"] * frozen + ["1"] * (300 - frozen)
     assert obj["meta_info"]["weight_version"] == "1"
+
+
+async def test_a_held_core_lease_freezes_decoding_and_its_release_resumes_it(
+    http: aiohttp.ClientSession, model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    lease = CoreLease.create(tmp_path / "cores.lease")
+    async with engine(model_dirs[0], yield_to=str(lease.path), enable_metrics=True) as server:
+        url = server.url + "/generate"
+        task = asyncio.create_task(post(http, url, {**gen_body([8, 9], max_new_tokens=300), "rid": "cl"}))
+        await wait_until(lambda: tokens_so_far(server, "cl") >= 3)
+        lease.hold()  # the learner starts a step
+        await asyncio.sleep(0.05)  # the decode step in progress ends
+        frozen = tokens_so_far(server, "cl")
+        await asyncio.sleep(0.3)
+        assert tokens_so_far(server, "cl") == frozen, "a held lease must stop decoding"
+        load = await get_load(http, server)  # the HTTP side still answers
+        assert load["num_reqs"] == 1
+        lease.release()
+        status, obj = await task
+        assert status == 200 and len(obj["output_ids"]) == 300
+        async with http.get(server.url + "/metrics") as response:
+            text = await response.text()
+        [yielded] = [
+            line for line in text.splitlines() if line.startswith("rollwise_engine_yielded_seconds_total")
+        ]
+        assert float(yielded.rsplit(" ", 1)[1]) >= 0.3
+    lease.close()
 
 
 async def test_pause_retract_recomputes_kv_with_new_weights(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.contracts.config import Config
+from pipeline.contracts.core_lease import LEASE_FILE, CoreLease
 from pipeline.contracts.cpu_features import usable_cores
 
 NVIDIA_DEVICE = Path("/dev/nvidiactl")
@@ -33,6 +34,12 @@ class CoreSplit:
     engine_threads: int | None  # per embedded engine; None when no engine runs here
     learner_threads: int
     reason: str
+    time_shared: bool = False  # engine.share_cores = "time" with the learner on this CPU
+
+    def prepare(self, run_root: Path) -> None:
+        """Before the engines and the learner start: a fresh lease (nobody holds it) when shared in time."""
+        if self.time_shared:
+            CoreLease.create(run_root / LEASE_FILE).close()
 
     def describe(self) -> str:
         engine = (
@@ -40,7 +47,8 @@ class CoreSplit:
             if self.engine_threads is None
             else (f"embedded engine {self.engine_threads} torch thread(s) each")
         )
-        return f"cores: {self.cores} usable; {engine}; learner {self.learner_threads} ({self.reason})"
+        shared = "; shared in time (the engines hold while the learner computes)" if self.time_shared else ""
+        return f"cores: {self.cores} usable; {engine}; learner {self.learner_threads}{shared} ({self.reason})"
 
 
 def learner_shares_cpu(cfg: Config, *, gpu_present: bool) -> bool:
@@ -61,9 +69,10 @@ def choose_split(cfg: Config, cores: int, *, gpu_present: bool) -> CoreSplit:
     if not learner_shares_cpu(cfg, gpu_present=gpu_present):
         engine = cfg.engine.threads or max(1, cores // engines)
         return CoreSplit(cores, engine, learner, "the learner is not on this CPU: the cores are the engines'")
-    engine = cfg.engine.threads or max(1, cores // 2 // engines)
+    time_shared = cfg.engine.share_cores == "time"
+    engine = cfg.engine.threads or max(1, cores // engines if time_shared else cores // 2 // engines)
     if not learner_set:
-        learner = max(1, cores - engines * engine)
+        learner = cores if time_shared else max(1, cores - engines * engine)
     chosen = [
         name
         for name, auto in (
@@ -72,6 +81,9 @@ def choose_split(cfg: Config, cores: int, *, gpu_present: bool) -> CoreSplit:
         )
         if auto
     ]
+    if time_shared:
+        reason = f"{' and '.join(chosen) or 'none'} chosen: every core for each in turn"
+        return CoreSplit(cores, engine, learner, reason, time_shared=True)
     reason = (
         f"{' and '.join(chosen)} chosen: engines and learner on disjoint cores"
         if chosen
@@ -94,6 +106,10 @@ def apply_split(
     )
     if split.engine_threads is None:
         return cfg, split
+    engine_cfg = cfg.engine
+    if engine_cfg.kind == "embedded" and engine_cfg.share_cores == "time" and not split.time_shared:
+        engine_cfg = engine_cfg.model_copy(update={"share_cores": "split"})  # the learner is elsewhere
+    cfg = cfg.model_copy(update={"engine": engine_cfg})
     learner = cfg.learner
     if "threads" not in learner.model_fields_set and learner.threads != split.learner_threads:
         learner = learner.model_copy(update={"threads": split.learner_threads})

@@ -205,6 +205,7 @@ def engine_argv(
             "--allowed-weights-dir",
             str(run.initial_model),
             "--enable-metrics",
+            *(["--yield-to", str(run.core_lease)] if e.share_cores == "time" else []),
             *fetch,
             *tls_flags(cfg, slot),
             *lora_flags,

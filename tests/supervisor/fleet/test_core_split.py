@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.contracts.config import load_config
+from pipeline.contracts.core_lease import time_shared
+from pipeline.contracts.run_dir import RunDir
 from pipeline.supervisor.fleet.core_split import apply_split, choose_split
+from pipeline.supervisor.fleet.engine_launch import EngineSlot, engine_argv
 
 
 def _cfg(*overrides: str):  # type: ignore[no-untyped-def]
@@ -62,3 +67,28 @@ def test_the_resolved_config_records_the_choice() -> None:
     # Applied again (a resumed run reads its resolved config): nothing moves.
     again, _ = apply_split(cfg, 6, gpu_present=False)
     assert (again.engine.threads, again.learner.threads) == (3, 3)
+
+
+def test_shared_in_time_each_side_gets_every_core_and_the_engines_yield(tmp_path: Path) -> None:
+    cfg, split = apply_split(_cfg('engine.share_cores="time"'), 2, gpu_present=False)
+    assert (split.engine_threads, split.learner_threads, split.time_shared) == (2, 2, True)
+    assert (cfg.engine.threads, cfg.learner.threads) == (2, 2)
+    assert split.describe() == (
+        "cores: 2 usable; embedded engine 2 torch thread(s) each; learner 2; shared in time (the engines "
+        "hold while the learner computes) (engine.threads and learner.threads chosen: every core for each "
+        "in turn)"
+    )
+    split.prepare(tmp_path)
+    assert (tmp_path / "cores.lease").read_bytes() == b"\0"
+    argv = engine_argv(cfg, EngineSlot("engine-0", "127.0.0.1", 1234, True), model_dir=tmp_path, version=0)
+    assert argv[argv.index("--yield-to") + 1] == str(RunDir.at(cfg.run.run_dir).core_lease)
+    assert time_shared(cfg)
+
+
+def test_a_learner_elsewhere_turns_time_sharing_back_to_split() -> None:
+    cfg, split = apply_split(_cfg('engine.share_cores="time"'), 8, gpu_present=True)
+    assert not split.time_shared and split.engine_threads == 8
+    assert cfg.engine.share_cores == "split" and not time_shared(cfg)
+    assert "--yield-to" not in engine_argv(
+        cfg, EngineSlot("engine-0", "127.0.0.1", 1, True), model_dir=Path("m"), version=0
+    )

@@ -4,7 +4,7 @@ PY := .venv/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := .venv/.installed
 
-.PHONY: run run-real test lint unit venv clean system-packages
+.PHONY: run run-real test lint unit venv clean system-packages ecosystems env-openenv env-verifiers env-harbor
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -57,12 +57,34 @@ system-packages:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q --no-install-recommends $$missing >/dev/null; } || \
 	  echo "warning: could not install$$missing; the tests that need them will be skipped"
 
+# The ecosystem libraries (docs/plugins.md, sections 8-8c), each in a virtualenv of its own because none
+# can share rollwise's interpreter (docs/design/env_ecosystems.md): pinned by
+# envs/ecosystems/requirements-<name>.txt, rebuilt when that file changes. Harbor needs Python 3.12.
+ECOSYSTEM_VENVS ?= $(or $(ROLLWISE_ECOSYSTEM_VENVS),$(HOME)/.cache/rollwise/venvs)
+PYTHON_openenv ?= python3
+PYTHON_verifiers ?= python3
+# The interpreter's own path: a pyenv shim on PATH may name python3.12 and fail to run it.
+PYTHON_harbor ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),$(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null),python3.12)
+
+env-openenv env-verifiers env-harbor: env-%:
+	@req=envs/ecosystems/requirements-$*.txt; dir=$(ECOSYSTEM_VENVS)/$*; stamp=$$dir/.requirements; \
+	if cmp -s $$req $$stamp; then echo "$*: $$dir is up to date"; exit 0; fi; \
+	echo "$*: building $$dir from $$req"; rm -rf $$dir && $(PYTHON_$*) -m venv $$dir && \
+	$$dir/bin/python -m pip install -q --upgrade pip && $$dir/bin/python -m pip install -q -r $$req && \
+	if [ -x envs/ecosystems/after-install-$*.sh ]; then envs/ecosystems/after-install-$*.sh $$dir; fi && \
+	cp $$req $$stamp
+
+# All three for the suite; a failure is a warning and their tests skip, naming the target.
+ecosystems:
+	@for name in openenv verifiers harbor; do $(MAKE) -s env-$$name || \
+	  echo "warning: could not build the $$name venv; its tests will be skipped (make env-$$name)"; done
+
 # pytest-xdist workers, a file per unit of work; tests/conftest.py says how they keep out of each other's
 # way. Two suit a 2-core machine (the suite's time bounds are set for it); PYTEST_WORKERS=0 runs the
 # suite in this one process.
 PYTEST_WORKERS ?= 2
 
-test: lint system-packages
+test: lint system-packages ecosystems
 	.venv/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:

@@ -495,8 +495,9 @@ def _remove_prepared(preparing: asyncio.Future[Path]) -> None:
 
 def _make_rundir(uid: int | None, prefix: str = "run-") -> Path:
     """A directory of ``work/`` and ``tmp/`` under the sandboxes' parent: "run-" for one execution's, other
-    prefixes for what outlives one (a session's)."""
-    rundir = Path(tempfile.mkdtemp(prefix=prefix, dir=_rundir_parent()))
+    prefixes for what outlives one (a session's), then the pid of the process that made it (every
+    process shares the parent: a leftover names its owner)."""
+    rundir = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=_rundir_parent()))
     for sub in ("work", "tmp"):
         (rundir / sub).mkdir(mode=0o700)
         if uid is not None:

@@ -83,7 +83,8 @@ def _leftovers(*markers: str) -> list[str]:
 
 def _rundirs() -> set[str]:
     parent = Path(tempfile.gettempdir()) / f"rollwise-sandbox-{os.geteuid()}"
-    return {name for name in os.listdir(parent) if name.startswith("run-")} if parent.exists() else set()
+    mine = f"run-{os.getpid()}-"  # other processes (a test file beside this one) run sandboxes too
+    return {name for name in os.listdir(parent) if name.startswith(mine)} if parent.exists() else set()
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""guess_env: an OpenEnv test environment (see ../README.md)."""

@@ -60,9 +60,12 @@ system-packages:
 # The ecosystem libraries (docs/plugins.md, sections 8-8c), each in a virtualenv of its own because none
 # can share rollwise's interpreter (docs/design/env_ecosystems.md): pinned by
 # envs/ecosystems/requirements-<name>.txt, rebuilt when that file changes. Harbor needs Python 3.12.
-ECOSYSTEM_VENVS ?= $(or $(ROLLWISE_ECOSYSTEM_VENVS),$(HOME)/.cache/rollwise/venvs)
+# Where envs/ecosystems/ecosystem_venvs.py looks: for root a directory every user can read, since the
+# sandboxes (which run verifiers' code) run as unprivileged uids that cannot enter /root.
+AS_ROOT := $(filter 0,$(shell id -u))
+ECOSYSTEM_VENVS ?= $(or $(ROLLWISE_ECOSYSTEM_VENVS),$(if $(AS_ROOT),/opt/rollwise/venvs,$(HOME)/.cache/rollwise/venvs))
 PYTHON_openenv ?= python3
-PYTHON_verifiers ?= python3
+PYTHON_verifiers ?= $(or $(and $(AS_ROOT),$(wildcard /usr/bin/python3)),python3)
 # The interpreter's own path: a pyenv shim on PATH may name python3.12 and fail to run it.
 PYTHON_harbor ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),$(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null),python3.12)
 

@@ -3,9 +3,9 @@
 OpenEnv, verifiers and Harbor cannot share rollwise's interpreter (their pins conflict with rollwise's
 and with each other; Harbor needs Python 3.12), so each runs in a process of its own, started with the
 interpreter of its venv (docs/design/env_ecosystems.md). `make env-<name>` builds the venv from
-``envs/ecosystems/requirements-<name>.txt`` under ``$ROLLWISE_ECOSYSTEM_VENVS`` (default
-``~/.cache/rollwise/venvs``); an adapter asks ``venv_python(name)`` for the interpreter, and a user who
-keeps the library elsewhere names it with the environment's ``python`` option.
+``envs/ecosystems/requirements-<name>.txt`` under ``venvs_root()``; an adapter asks
+``venv_python(name)`` for the interpreter, and a user who keeps the library elsewhere names it with the
+environment's ``python`` option.
 
 Rule: a missing interpreter is a configuration error that names the make target, raised before anything
 starts, never an ImportError from deep inside an episode.
@@ -23,9 +23,19 @@ class EcosystemMissing(ValueError):
     """The library's venv (or the interpreter named by ``python``) is not there; the message says how."""
 
 
+ROOT_VENVS = Path("/opt/rollwise/venvs")
+
+
 def venvs_root() -> Path:
+    """``$ROLLWISE_ECOSYSTEM_VENVS``, else /opt/rollwise/venvs for root, else ~/.cache/rollwise/venvs.
+
+    Under root the sandboxes run as unprivileged uids, which cannot enter root's home: a venv whose code
+    runs in a sandbox (verifiers) must live where every user can read it, on a system interpreter
+    (`make env-verifiers` picks /usr/bin/python3 for root)."""
     root = os.environ.get("ROLLWISE_ECOSYSTEM_VENVS")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "rollwise" / "venvs"
+    if root:
+        return Path(root).expanduser()
+    return ROOT_VENVS if os.geteuid() == 0 else Path.home() / ".cache" / "rollwise" / "venvs"
 
 
 def venv_python(name: str, python: str | None = None) -> Path:

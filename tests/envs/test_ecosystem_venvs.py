@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +32,11 @@ def test_a_wrong_name_or_interpreter_is_refused_by_name(tmp_path: Path) -> None:
         venv_python("harbor", python=str(tmp_path / "nope"))
 
 
-def test_the_default_root_is_the_users_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_root_is_the_users_cache_and_for_root_one_every_sandbox_can_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("ROLLWISE_ECOSYSTEM_VENVS", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert venvs_root() == Path.home() / ".cache" / "rollwise" / "venvs"
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert venvs_root() == Path("/opt/rollwise/venvs")

@@ -1,9 +1,10 @@
 """``rollwise env check NAME``: run an environment under random and gold policies and judge it.
 
-Every criterion in CRITERIA is reported by name, pass or fail, with a detail that names the episode
-and step at fault. Episodes of a phase run concurrently, each step under
+Every criterion in CRITERIA (envs.check_report) is reported by name, pass or fail, with a detail that
+names the episode and step at fault. Episodes of a phase run concurrently, each step under
 ``asyncio.wait_for(spec.step_timeout_s)`` exactly as the runner does. The policies it plays (random,
-gold) are in envs.check_policies.
+gold) are in envs.check_policies. An agent environment (envs/agent.py), which is never stepped, plays
+the random phase as agent episodes against env check's own endpoint instead (envs.check_agents).
 """
 
 from __future__ import annotations
@@ -11,16 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
-import itertools
 import json
 import random
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Coroutine, Generator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Generic, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from envs.agent import AgentEnvironment
 from envs.api import (
@@ -33,135 +31,33 @@ from envs.api import (
     can_fork,
     is_finite_number,
 )
+from envs.check_agents import check_agent_episodes
 from envs.check_policies import Policy, gold_policy_action, random_action
-from envs.sync_adapter import is_pool_thread
-
-CRITERIA: tuple[str, ...] = (
-    "spec_valid",
-    "deterministic_tasks",
-    "deterministic_reset",
-    "observations_well_formed",
-    "survives_random_actions",
-    "rewards_finite",
-    "ends_within_max_turns",
-    "info_json_serializable",
-    "close_idempotent",
-    "no_leaked_tasks",
-    "no_leaked_threads",
-    "step_timeout_enforced",
-    "gold_policy_scores",
-    "forks_independent",
+from envs.check_report import (
+    CRITERIA,
+    TIMEOUTS,
+    CheckReport,
+    CriterionResult,
+    EpisodeRecord,
+    Findings,
+    SliceTimer,
+    aborted,
+    awaited,
+    check_tasks,
+    close_twice,
+    collect_leaked_tasks,
+    collect_leaked_threads,
+    policy_stats,
 )
+
+__all__ = ["CRITERIA", "CheckReport", "CriterionResult", "check_env", "format_report", "main"]
+
 RESET_COMPARISONS = 4
-LEAK_GRACE_S = 0.5
-MAX_DETAILS = 3
-
-# asyncio.TimeoutError is builtins.TimeoutError only from Python 3.11 on.
-_TIMEOUTS = (asyncio.TimeoutError, TimeoutError)
-T = TypeVar("T")
-
-
-@dataclass
-class CriterionResult:
-    name: str
-    passed: bool
-    detail: str
-
-
-@dataclass
-class CheckReport:
-    """Outcome of ``check_env``: one CriterionResult per name in CRITERIA, plus policy statistics."""
-
-    env: str
-    episodes: int
-    seed: int
-    criteria: list[CriterionResult]
-    stats: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return all(criterion.passed for criterion in self.criteria)
-
-    def failures(self) -> list[CriterionResult]:
-        return [criterion for criterion in self.criteria if not criterion.passed]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, **asdict(self)}
-
-
-class _Findings:
-    """Problems found so far, by criterion, plus the note shown when a criterion passes."""
-
-    def __init__(self) -> None:
-        self.problems: dict[str, list[str]] = {name: [] for name in CRITERIA}
-        self.notes: dict[str, str] = {}
-
-    def add(self, criterion: str, problem: str) -> None:
-        self.problems[criterion].append(problem)
-
-    def results(self) -> list[CriterionResult]:
-        results = []
-        for name in CRITERIA:
-            problems = self.problems[name]
-            detail = "; ".join(problems[:MAX_DETAILS])
-            if len(problems) > MAX_DETAILS:
-                detail += f" (+{len(problems) - MAX_DETAILS} more)"
-            results.append(CriterionResult(name, not problems, detail or self.notes.get(name, "ok")))
-        return results
-
-
-@dataclass
-class _EpisodeRecord:
-    label: str
-    turns: int = 0
-    ended: bool = False
-    outcome: float | None = None
-
-
-class _SliceTimer(Generic[T]):
-    """Awaitable around a coroutine that measures its longest synchronous stretch (seconds).
-
-    Wall time of the whole await would also count other episodes' work; a stretch between two
-    suspensions is time only this coroutine held the event loop.
-    """
-
-    def __init__(self, awaitable: Awaitable[T]) -> None:
-        if not inspect.isawaitable(awaitable):
-            raise TypeError(f"step() returned {type(awaitable).__name__}, not an awaitable (not async def?)")
-        self.coroutine: Coroutine[Any, Any, T] = (
-            awaitable if asyncio.iscoroutine(awaitable) else _awaited(awaitable)
-        )
-        self.longest_s = 0.0
-
-    def __await__(self) -> Generator[Any, Any, T]:
-        to_send: Any = None
-        to_throw: BaseException | None = None
-        while True:
-            started = time.perf_counter()
-            try:
-                yielded = self.coroutine.send(to_send) if to_throw is None else self.coroutine.throw(to_throw)
-            except StopIteration as stop:
-                self.longest_s = max(self.longest_s, time.perf_counter() - started)
-                result: T = stop.value
-                return result
-            self.longest_s = max(self.longest_s, time.perf_counter() - started)
-            try:
-                to_send, to_throw = (yield yielded), None
-            except GeneratorExit:
-                self.coroutine.close()
-                raise
-            except BaseException as exc:  # cancellation included: the coroutine decides what to do
-                to_send, to_throw = None, exc
-
-
-async def _awaited(awaitable: Awaitable[T]) -> T:
-    return await awaitable
-
 
 # --- one episode ------------------------------------------------------------------------------
 
 
-def _check_messages(messages: Any, where: str, findings: _Findings) -> None:
+def _check_messages(messages: Any, where: str, findings: Findings) -> None:
     if not isinstance(messages, list):
         findings.add(
             "observations_well_formed", f"{where}: messages is {type(messages).__name__}, not a list"
@@ -178,7 +74,7 @@ def _check_messages(messages: Any, where: str, findings: _Findings) -> None:
             )
 
 
-def _check_result(result: Any, where: str, findings: _Findings) -> bool:
+def _check_result(result: Any, where: str, findings: Findings) -> bool:
     """Record problems with one StepResult; True when the episode ended."""
     if not isinstance(result, StepResult):
         findings.add(
@@ -197,23 +93,14 @@ def _check_result(result: Any, where: str, findings: _Findings) -> bool:
     return bool(result.done or result.truncated)
 
 
-async def _close_twice(env: Environment, label: str, timeout_s: float, findings: _Findings) -> None:
-    for attempt in ("first", "second"):
-        try:
-            await asyncio.wait_for(env.close(), timeout_s)
-        except Exception as exc:
-            findings.add("close_idempotent", f"{label}: {attempt} close() raised {exc!r}")
-            return
-
-
 async def _run_episode(
     factory: EnvFactory,
     options: dict[str, Any],
     task: Task,
     policy: Policy,
     rng: random.Random,
-    episode: _EpisodeRecord,
-    findings: _Findings,
+    episode: EpisodeRecord,
+    findings: Findings,
     spec: EnvSpec,
 ) -> None:
     try:
@@ -227,8 +114,8 @@ async def _run_episode(
         _check_messages(await asyncio.wait_for(env.reset(task), spec.step_timeout_s), where, findings)
         for turn in range(1, spec.max_turns + 1):
             where = f"{episode.label} step {turn}"
-            timed_step: _SliceTimer[StepResult] = _SliceTimer(env.step(policy(env, rng, spec)))
-            result = await asyncio.wait_for(_awaited(timed_step), spec.step_timeout_s)
+            timed_step: SliceTimer[StepResult] = SliceTimer(env.step(policy(env, rng, spec)))
+            result = await asyncio.wait_for(awaited(timed_step), spec.step_timeout_s)
             if timed_step.longest_s > spec.step_timeout_s:  # wait_for cannot interrupt a blocked loop
                 findings.add(
                     "step_timeout_enforced",
@@ -243,12 +130,12 @@ async def _run_episode(
             findings.add(
                 "ends_within_max_turns", f"{episode.label}: not done after max_turns={spec.max_turns}"
             )
-    except _TIMEOUTS:
+    except TIMEOUTS:
         findings.add("step_timeout_enforced", f"{where} exceeded step_timeout_s={spec.step_timeout_s}")
     except Exception as exc:
         findings.add("survives_random_actions", f"{where} raised {exc!r}")
     finally:
-        await _close_twice(env, episode.label, spec.step_timeout_s, findings)
+        await close_twice(env, episode.label, spec.step_timeout_s, findings)
     elapsed = time.monotonic() - started
     if elapsed > spec.episode_timeout_s:
         findings.add(
@@ -264,10 +151,10 @@ async def _run_phase(
     tasks: list[Task],
     policy: Policy,
     seed: int,
-    findings: _Findings,
+    findings: Findings,
     spec: EnvSpec,
-) -> list[_EpisodeRecord]:
-    episodes = [_EpisodeRecord(f"{name} episode {i} ({task.id})") for i, task in enumerate(tasks)]
+) -> list[EpisodeRecord]:
+    episodes = [EpisodeRecord(f"{name} episode {i} ({task.id})") for i, task in enumerate(tasks)]
     await asyncio.gather(
         *(
             _run_episode(
@@ -280,7 +167,7 @@ async def _run_phase(
 
 
 async def _check_fork(
-    factory: EnvFactory, options: dict[str, Any], task: Task, seed: int, findings: _Findings, spec: EnvSpec
+    factory: EnvFactory, options: dict[str, Any], task: Task, seed: int, findings: Findings, spec: EnvSpec
 ) -> None:
     """A fork taken after the first turn behaves as its original would (the same actions give the same
     answers), and playing the fork to its end first changes nothing the original answers afterwards."""
@@ -321,47 +208,14 @@ async def _check_fork(
     finally:
         for each in (twin, env):
             if each is not None:
-                await _close_twice(each, "fork check", spec.step_timeout_s, findings)
+                await close_twice(each, "fork check", spec.step_timeout_s, findings)
 
 
 # --- whole-environment criteria ---------------------------------------------------------------
 
 
-def _task_key(task: Any) -> Any:
-    if not isinstance(task, Task):
-        return ("not a Task", repr(task))
-    return (task.id, task.seed, json.dumps(dict(task.data), sort_keys=True, default=repr))
-
-
-async def _check_tasks(
-    factory: EnvFactory,
-    options: dict[str, Any],
-    probe: Environment,
-    count: int,
-    seed: int,
-    findings: _Findings,
-) -> list[Task]:
-    first = list(itertools.islice(probe.tasks(seed), count))
-    other = factory(**options)
-    try:
-        second = list(itertools.islice(other.tasks(seed), count))
-    finally:
-        await _close_twice(other, "task stream probe", probe.spec.step_timeout_s, findings)
-    bad = [task for task in first if not isinstance(task, Task)]
-    if bad:
-        findings.add("deterministic_tasks", f"tasks({seed}) yielded {type(bad[0]).__name__}, not Task")
-    if len(first) < count:
-        findings.add(
-            "deterministic_tasks", f"tasks({seed}) ended after {len(first)} tasks (needs an infinite stream)"
-        )
-    if [_task_key(t) for t in first] != [_task_key(t) for t in second]:
-        findings.add("deterministic_tasks", f"tasks({seed}) differs between two instances")
-    findings.notes["deterministic_tasks"] = f"{len(first)} tasks identical across two instances"
-    return [task for task in first if isinstance(task, Task)]
-
-
 async def _check_reset(
-    factory: EnvFactory, options: dict[str, Any], tasks: list[Task], spec: EnvSpec, findings: _Findings
+    factory: EnvFactory, options: dict[str, Any], tasks: list[Task], spec: EnvSpec, findings: Findings
 ) -> None:
     for task in tasks[:RESET_COMPARISONS]:
         first, second = factory(**options), factory(**options)
@@ -372,13 +226,13 @@ async def _check_reset(
                 findings.add(
                     "deterministic_reset", f"task {task.id}: first observation {a!r:.80} vs {b!r:.80}"
                 )
-        except _TIMEOUTS:
+        except TIMEOUTS:
             findings.add("step_timeout_enforced", f"reset of task {task.id} exceeded step_timeout_s")
         except Exception as exc:
             findings.add("deterministic_reset", f"reset of task {task.id} raised {exc!r}")
         finally:
             for env in (first, second):
-                await _close_twice(env, f"reset probe ({task.id})", spec.step_timeout_s, findings)
+                await close_twice(env, f"reset probe ({task.id})", spec.step_timeout_s, findings)
     findings.notes["deterministic_reset"] = (
         f"{min(len(tasks), RESET_COMPARISONS)} tasks, same first observation"
     )
@@ -400,45 +254,37 @@ async def _has_gold_policy(
             await asyncio.wait_for(env.close(), spec.step_timeout_s)
 
 
-def _policy_stats(prefix: str, episodes: list[_EpisodeRecord]) -> dict[str, float]:
-    # A missing or non-finite outcome scores 0 (rewards_finite reports the latter).
-    outcomes = [
-        ep.outcome if ep.outcome is not None and is_finite_number(ep.outcome) else 0.0 for ep in episodes
-    ]
-    count = max(len(episodes), 1)
-    return {
-        f"{prefix}_mean_outcome": sum(outcomes) / count,
-        f"{prefix}_success_rate": sum(1 for o in outcomes if o >= 1.0) / count,
-        f"{prefix}_mean_turns": sum(ep.turns for ep in episodes) / count,
-    }
-
-
-async def _collect_leaked_tasks(before: set[asyncio.Task[Any]], findings: _Findings) -> None:
-    current = asyncio.current_task()
-    deadline = time.monotonic() + LEAK_GRACE_S
-    leaked: list[asyncio.Task[Any]] = []
-    while True:
-        leaked = [t for t in asyncio.all_tasks() if t not in before and t is not current and not t.done()]
-        if not leaked or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.02)
-    for task in leaked:
-        findings.add(
-            "no_leaked_tasks", f"task {task.get_name()} running {task.get_coro()!r:.80} outlived its episode"
-        )
-        task.cancel()  # the checker must not leave them behind either
-    await asyncio.gather(*leaked, return_exceptions=True)
-
-
-def _collect_leaked_threads(before: set[threading.Thread], findings: _Findings) -> None:
-    deadline = time.monotonic() + LEAK_GRACE_S
-    for thread in threading.enumerate():
-        # Shared adapter pools and the loop's default executor live as long as the process / loop.
-        if thread in before or is_pool_thread(thread) or thread.name.startswith("asyncio_"):
-            continue
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            findings.add("no_leaked_threads", f"thread {thread.name!r} outlived its episode")
+async def _check_stepped(
+    factory: EnvFactory,
+    options: dict[str, Any],
+    probe: Environment,
+    tasks: list[Task],
+    seed: int,
+    findings: Findings,
+) -> dict[str, float]:
+    """The criteria of a stepped environment (reset, random and gold episodes, fork); policy statistics."""
+    spec = probe.spec
+    stats: dict[str, float] = {}
+    await _check_reset(factory, options, tasks, spec, findings)
+    random_eps = await _run_phase("random", factory, options, tasks, random_action, seed, findings, spec)
+    stats.update(policy_stats("random", random_eps))
+    has_gold, no_gold_reason = await _has_gold_policy(factory, options, tasks[0], spec)
+    if has_gold:
+        gold_eps = await _run_phase("gold", factory, options, tasks, gold_policy_action, seed, findings, spec)
+        stats.update(policy_stats("gold", gold_eps))
+        if stats["gold_mean_outcome"] <= 0:
+            findings.add(
+                "gold_policy_scores", f"gold policy mean outcome {stats['gold_mean_outcome']:.3f} <= 0"
+            )
+        findings.notes["gold_policy_scores"] = f"gold mean outcome {stats['gold_mean_outcome']:.3f}"
+    else:
+        why = f": {no_gold_reason}" if no_gold_reason else ""
+        findings.notes["gold_policy_scores"] = f"no gold policy (gold_action() is None{why}): skipped"
+    if can_fork(probe):
+        await _check_fork(factory, options, tasks[0], seed, findings, spec)
+    else:
+        findings.notes["forks_independent"] = "no fork(): skipped (tree rollouts need it)"
+    return stats
 
 
 async def check_env(
@@ -453,23 +299,15 @@ async def check_env(
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     options = dict(options or {})
-    findings = _Findings()
+    findings = Findings()
     label: str = name or str(getattr(factory, "__name__", repr(factory)))
     try:
         probe = factory(**options)
     except Exception as exc:
-        return _aborted(label, episodes, seed, f"factory(**{options!r}) failed: {exc!r}")
-    if isinstance(probe, AgentEnvironment):
-        return _aborted(
-            label,
-            episodes,
-            seed,
-            "an agent environment: its episodes are the agent's own program talking to a model, which env "
-            "check has not got; run a few steps of `rollwise run` instead (docs/plugins.md, section 6)",
-        )
+        return aborted(label, episodes, seed, f"factory(**{options!r}) failed: {exc!r}")
     spec: Any = getattr(probe, "spec", None)
     if not isinstance(spec, EnvSpec):
-        return _aborted(label, episodes, seed, f"spec is {type(spec).__name__}, not EnvSpec")
+        return aborted(label, episodes, seed, f"spec is {type(spec).__name__}, not EnvSpec")
     label = name or spec.name
     for problem in spec.validate():
         findings.add("spec_valid", problem)
@@ -478,42 +316,18 @@ async def check_env(
     tasks_before, threads_before = asyncio.all_tasks(), set(threading.enumerate())
     stats: dict[str, float] = {}
     try:
-        tasks = await _check_tasks(factory, options, probe, episodes, seed, findings)
+        tasks = await check_tasks(factory, options, probe, episodes, seed, findings)
     except Exception as exc:
         findings.add("deterministic_tasks", f"tasks({seed}) raised {exc!r}")
         tasks = []
-    if tasks:
-        await _check_reset(factory, options, tasks, spec, findings)
-        random_eps = await _run_phase("random", factory, options, tasks, random_action, seed, findings, spec)
-        stats.update(_policy_stats("random", random_eps))
-        has_gold, no_gold_reason = await _has_gold_policy(factory, options, tasks[0], spec)
-        if has_gold:
-            gold_eps = await _run_phase(
-                "gold", factory, options, tasks, gold_policy_action, seed, findings, spec
-            )
-            stats.update(_policy_stats("gold", gold_eps))
-            if stats["gold_mean_outcome"] <= 0:
-                findings.add(
-                    "gold_policy_scores", f"gold policy mean outcome {stats['gold_mean_outcome']:.3f} <= 0"
-                )
-            findings.notes["gold_policy_scores"] = f"gold mean outcome {stats['gold_mean_outcome']:.3f}"
-        else:
-            why = f": {no_gold_reason}" if no_gold_reason else ""
-            findings.notes["gold_policy_scores"] = f"no gold policy (gold_action() is None{why}): skipped"
-    if tasks and can_fork(probe):
-        await _check_fork(factory, options, tasks[0], seed, findings, spec)
+    if isinstance(probe, AgentEnvironment):  # its agent holds the conversation: envs.check_agents
+        stats = await check_agent_episodes(factory, options, spec, tasks, seed, findings)
     elif tasks:
-        findings.notes["forks_independent"] = "no fork(): skipped (tree rollouts need it)"
-    await _close_twice(probe, "probe instance", spec.step_timeout_s, findings)
-    await _collect_leaked_tasks(tasks_before, findings)
-    _collect_leaked_threads(threads_before, findings)
+        stats = await _check_stepped(factory, options, probe, tasks, seed, findings)
+    await close_twice(probe, "probe instance", spec.step_timeout_s, findings)
+    await collect_leaked_tasks(tasks_before, findings)
+    collect_leaked_threads(threads_before, findings)
     return CheckReport(label, episodes, seed, findings.results(), stats)
-
-
-def _aborted(label: str, episodes: int, seed: int, reason: str) -> CheckReport:
-    criteria = [CriterionResult("spec_valid", False, reason)]
-    criteria += [CriterionResult(name, False, "not run: no usable spec") for name in CRITERIA[1:]]
-    return CheckReport(label, episodes, seed, criteria)
 
 
 # --- command line -----------------------------------------------------------------------------

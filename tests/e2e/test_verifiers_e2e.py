@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_run_e2e import TINY, DaemonRun, daemons, tiny_model
-from tests.envs.test_verifiers_env import verifiers_problem
+from tests.envs.test_verifiers_env import readable_fixtures, verifiers_problem
 
 __all__ = ["daemons", "tiny_model"]  # fixtures are used by name
-
-COIN = Path(__file__).parents[1] / "envs" / "verifiers_fixtures" / "coin_taskset.py"
 
 
 @pytest.mark.integration
@@ -27,7 +25,8 @@ def test_a_daemon_trains_through_a_verifiers_taskset(
     reason = verifiers_problem()
     if reason:
         pytest.skip(reason)
-    options = {"taskset": str(COIN), "harness": "null", "episode_timeout_s": 120.0}
+    coin = readable_fixtures() / "coin_taskset.py"
+    options = {"taskset": str(coin), "harness": "null", "episode_timeout_s": 120.0}
     overrides = [
         *TINY,
         # Every episode imports verifiers in a process of its own (seconds of CPU): two groups of two.

@@ -27,7 +27,6 @@ from envs.check_endpoint import CheckEndpoint
 from envs.check_report import CRITERIA, CheckReport
 from envs.checker import check_env, format_report, main
 
-FIXTURES = Path(__file__).with_name("verifiers_fixtures")
 ADD_TOOL = {
     "type": "function",
     "function": {
@@ -389,13 +388,13 @@ def test_the_cli_checks_an_agent_process_environment(
 @pytest.mark.integration
 @pytest.mark.slow
 def test_env_check_passes_the_verifiers_adapter(capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.envs.test_verifiers_env import verifiers_problem
+    from tests.envs.test_verifiers_env import readable_fixtures, verifiers_problem
 
     problem = verifiers_problem()
     if problem:
         pytest.skip(problem)
     options = [
-        f"taskset={FIXTURES / 'arith_taskset.py'}",
+        f"taskset={readable_fixtures() / 'arith_taskset.py'}",
         "harness=null",
         "max_tasks=3",
     ]  # task 3 scores badly

@@ -17,6 +17,10 @@ run it.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,20 @@ from pipeline.tools.fake_sglang import FakeSGLang, GenerateCall, Plan
 from tests.envs.test_sandbox import BWRAP_PROBLEM
 
 FIXTURES = Path(__file__).with_name("verifiers_fixtures")
+
+
+@functools.cache
+def readable_fixtures() -> Path:
+    """The fixture tasksets copied where the sandbox's unprivileged user can read them: the checkout may
+    sit in a private directory (a fresh clone in `mktemp -d` does, and root's home is one)."""
+    target = Path(tempfile.mkdtemp(prefix="rollwise-verifiers-fixtures-"))
+    shutil.copytree(FIXTURES, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [target, *target.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    atexit.register(shutil.rmtree, target, True)
+    return target
+
+
 ENV_NAME = "verifiers-test"
 CALL = '<tool_call>{"name": "calc_toolset_add", "arguments": {"a": 19, "b": 23}}</tool_call>'
 # What the scripted model answers, chosen by the text that comes last in its prompt.
@@ -78,7 +96,7 @@ def plan(tok: Any, text: str) -> Plan:
 
 
 def make(name: str, probe_port: int = 0) -> VerifiersEnvironment:
-    taskset = str(FIXTURES / f"{name}_taskset.py")
+    taskset = str(readable_fixtures() / f"{name}_taskset.py")
     env = {"PROBE_PORT": str(probe_port)} if probe_port else {}
     return VerifiersEnvironment(name, taskset=taskset, harness="null", env=env, episode_timeout_s=150.0)
 

@@ -398,7 +398,7 @@ def test_env_check_passes_the_verifiers_adapter(capsys: pytest.CaptureFixture[st
         "harness=null",
         "max_tasks=3",
     ]  # task 3 scores badly
-    argv = ["verifiers/arith", "--episodes", "2", "--json"]
+    argv = ["verifiers/arith", "--episodes", "1", "--json"]
     assert main([*argv, *itertools.chain.from_iterable(("--option", o) for o in options)]) == 0
     report = json.loads(capsys.readouterr().out)
     details = {c["name"]: c["detail"] for c in report["criteria"]}

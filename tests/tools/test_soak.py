@@ -195,8 +195,8 @@ def test_a_short_chaos_soak_survives_its_kills_and_its_books_balance(tmp_path: P
         "learner.checkpoint_every=1",
         "run.shutdown_grace_s=5",
     ]
-    argv = [sys.executable, "-m", "pipeline.cli", "bench", "soak", "--minutes", "1", "--chaos"]
-    argv += ["--kill-every-s", "12", "--sample-s", "1", "--warmup-minutes", "0.1", "--restart-delay-s", "0.5"]
+    argv = [sys.executable, "-m", "pipeline.cli", "bench", "soak", "--minutes", "0.6", "--chaos"]
+    argv += ["--kill-every-s", "8", "--sample-s", "1", "--warmup-minutes", "0.1", "--restart-delay-s", "0.5"]
     argv += ["--seed", "1", "--out", str(out)]
     for item in tiny:
         argv += ["--set", item]

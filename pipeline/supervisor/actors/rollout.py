@@ -517,15 +517,17 @@ async def run_group(
     env_options: Mapping[str, Any] | None = None,
     agent_runner: AgentRunner | None = None,
     cut: GroupCut | None = None,
+    first_index: int = 0,
 ) -> GroupOutcome:
     """Run `group_size` episodes of `task` concurrently, each with its own `factory(**env_options)`.
 
     `cut` fired ends the token-in/token-out episodes still running with finish reason `cut` (an agent
     function's episode runs on: its agent holds the conversation, and stopping it midway is its own call).
 
-    Episode ids are `"{group_id}-{i}"`. An `AgentEnvironment`'s episodes are run by `agent_runner` (its
-    agent function against the OpenAI endpoint); without one they fail as env_error. If the runner itself
-    fails (a bug, not an env or engine failure), the other episodes are cancelled and the error propagates.
+    Episode ids are `"{group_id}-{i}"`, i from `first_index` (a tree rollout's trunk is 0). An
+    `AgentEnvironment`'s episodes are run by `agent_runner` (its agent function against the OpenAI
+    endpoint); without one they fail as env_error. If the runner itself fails (a bug, not an env or engine
+    failure), the other episodes are cancelled and the error propagates.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -566,7 +568,7 @@ async def run_group(
             cut=cut,
         )
 
-    tasks = [asyncio.create_task(one(i)) for i in range(group_size)]
+    tasks = [asyncio.create_task(one(i)) for i in range(first_index, first_index + group_size)]
     try:
         episodes: Sequence[EpisodeOutcome] = await asyncio.gather(*tasks)
     except BaseException:

@@ -39,7 +39,7 @@ from pipeline.supervisor.actors.rollout import (
     RolloutSettings,
     _EpisodeRun,
     failed_to_start,
-    run_episode,
+    run_group,
 )
 from pipeline.supervisor.observability import metrics
 
@@ -88,7 +88,7 @@ class _Tree:
             first = failed_to_start(f"{self.group_id}-0", self.group_id, self.task, self.env_name, message)
             if self.cut is not None:
                 self.cut.finished += 1
-            return await self._gather(first, [self._whole(i) for i in range(1, self.group_size)])
+            return await self._the_rest_whole(first)
         spec = env.spec
         if spec.episode_timeout_s is not None:
             self.deadline = asyncio.get_running_loop().time() + spec.episode_timeout_s
@@ -111,23 +111,43 @@ class _Tree:
             trunk.cancel()
             await self._cancel_others()
             raise
-        if not self.branched:  # the trunk ended before the branch turn
-            self.others = [self._whole(i) for i in range(1, self.group_size)]
         metrics.TREE_GROUPS.labels(env=self.env_name, shape="branched" if self.branched else "whole").inc()
-        return await self._gather(first, self.others)
+        if not self.branched:  # the trunk ended before the branch turn
+            return await self._the_rest_whole(first)
+        return await self._gather(first)
 
-    async def _gather(
-        self, first: EpisodeOutcome, others: list[asyncio.Task[EpisodeOutcome]]
-    ) -> GroupOutcome:
-        self.others = others
+    async def _the_rest_whole(self, first: EpisodeOutcome) -> GroupOutcome:
+        """Episodes 1 .. G-1 played from the start, as an ordinary group (rollout.run_group)."""
+        rest: list[EpisodeOutcome] = []
+        if self.group_size > 1:
+            played = await run_group(
+                self.engine,
+                self.tokenizer,
+                self.factory,
+                self.task,
+                self.settings,
+                group_size=self.group_size - 1,
+                group_id=self.group_id,
+                env_name=self.env_name,
+                env_options=self.options,
+                cut=self.cut,
+                first_index=1,
+            )
+            rest = played.episodes
+        return self._outcome([first, *rest])
+
+    def _outcome(self, episodes: list[EpisodeOutcome]) -> GroupOutcome:
+        task_id, env = self.task.id, self.env_name
+        return GroupOutcome(group_id=self.group_id, task_id=task_id, env=env, episodes=episodes)
+
+    async def _gather(self, first: EpisodeOutcome) -> GroupOutcome:
+        """The trunk's outcome and its branches', in episode order."""
         try:
-            rest = list(await asyncio.gather(*others))
+            rest = list(await asyncio.gather(*self.others))
         except BaseException:
             await self._cancel_others()
             raise
-        return GroupOutcome(
-            group_id=self.group_id, task_id=self.task.id, env=self.env_name, episodes=[first, *rest]
-        )
+        return self._outcome([first, *rest])
 
     async def _cancel_others(self) -> None:
         for other in self.others:
@@ -198,28 +218,6 @@ class _Tree:
             cut=self.cut,
             deadline=self.deadline,
         )
-
-    def _whole(self, index: int) -> asyncio.Task[EpisodeOutcome]:
-        async def play() -> EpisodeOutcome:
-            episode_id = f"{self.group_id}-{index}"
-            try:
-                env = self.factory(**self.options)
-            except Exception as exc:
-                message = f"env factory raised {exc!r}"
-                return failed_to_start(episode_id, self.group_id, self.task, self.env_name, message)
-            return await run_episode(
-                self.engine,
-                self.tokenizer,
-                env,
-                self.task,
-                self.settings,
-                episode_id=episode_id,
-                group_id=self.group_id,
-                env_name=self.env_name,
-                cut=self.cut,
-            )
-
-        return self._counted(play())
 
 
 async def run_tree_group(

@@ -75,6 +75,7 @@ class LearnerWorker:
         self.checkpointer = choose_checkpointer(run, start, cfg.learner.keep_checkpoints, self.group, writes)
         self.idle_s = 0.0
         self.lease = open_lease(run.core_lease if time_shared(cfg) else None)  # held while computing
+        self.lease.release()  # a learner killed mid-step left it held, and the engines waiting
         self.last_checkpoint_step = self.trainer.steps
         self.consumed_since_checkpoint: list[str] = []
         self.dropped_since_checkpoint: dict[str, str] = {}

@@ -16,7 +16,7 @@ write visible to every mapping at once, with no system call on the reading side)
     1   the learner is computing: the engines yield between decode steps
 
 Rules: only the learner (rank 0) writes it, and it clears it whenever it stops computing, also on an
-exception; an engine that finds no file, or a file it cannot map, never yields (a stale lease must not
+exception, and when it starts (a learner killed mid-step left it held); an engine that finds no file, or a file it cannot map, never yields (a stale lease must not
 stop generation). `NO_LEASE` is the do-nothing twin that every other configuration gets.
 """
 

@@ -495,3 +495,24 @@ def test_groups_nearest_their_staleness_deadline_go_first_and_a_restart_skips_th
     assert third["group_ids"] == ["g2", "g5"]  # seqs 4 and 5 were skipped: trained before the restart
     assert (third["consumed_seq"], third["consumed_after"]) == (6, [])
     assert second.of("dropped") == []
+
+
+def test_a_time_shared_learner_clears_a_stale_lease_and_releases_it_after_each_step(
+    tmp_path: Path, tiny_model: Path, workers: list[Worker]
+) -> None:
+    run_dir = make_run_dir(tmp_path, tiny_model, eta=0)
+    config = run_dir / "config.toml"
+    config.write_text('[engine]\nshare_cores = "time"\n' + config.read_text())
+    lease = run_dir / "cores.lease"
+    lease.write_bytes(b"\x01")  # the learner before this one was killed mid-step
+    w = Worker(run_dir)
+    workers.append(w)
+    w.wait_for(event_is("ready"))
+    assert lease.read_bytes() == b"\x00"  # released at start: the engines may run
+    spool = SpoolWriter(run_dir / "spool")
+    for k in range(B):
+        write_group(spool, f"g{k}", version=0)
+    w.wait_for(event_is("step", step=1))
+    assert lease.read_bytes() == b"\x00"  # released once the step is done
+    w.proc.stdin.close()
+    assert w.finish() == 0

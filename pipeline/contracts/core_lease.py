@@ -15,9 +15,10 @@ write visible to every mapping at once, with no system call on the reading side)
     0   the learner is waiting: the engines run
     1   the learner is computing: the engines yield between decode steps
 
-Rules: only the learner (rank 0) writes it, and it clears it whenever it stops computing, also on an
-exception, and when it starts (a learner killed mid-step left it held); an engine that finds no file, or a file it cannot map, never yields (a stale lease must not
-stop generation). `NO_LEASE` is the do-nothing twin that every other configuration gets.
+Rules: only the learner (rank 0) writes it; it clears it whenever it stops computing, also on an
+exception, and when it starts (a learner killed mid-step left it held). An engine that finds no file, or
+a file it cannot map, never yields (a stale lease must not stop generation). `NO_LEASE` is the
+do-nothing twin that every other configuration gets.
 """
 
 from __future__ import annotations

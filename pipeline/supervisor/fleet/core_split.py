@@ -9,6 +9,9 @@ shares: the engines half of the cores, split evenly among them, and the learner 
 learner each one thread, both near 100% busy, the learner at 0.89x its speed alone; a learner with a
 second, passively waiting thread made the same number of steps (the engine lost what the learner won).
 
+`engine.share_cores = "time"` instead gives both every core, in turn (pipeline/contracts/core_lease.py):
+the engines hold their decoding while the learner computes a step.
+
 A value the config sets is kept (`engine.threads`, an explicit `learner.threads`). Elsewhere nothing is
 shared: an engine that is not embedded runs on its own hardware and keeps its own flags, and a learner on
 a GPU or on another machine leaves every core to the engines. The choice is printed at start.
